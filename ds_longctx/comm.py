@@ -1,0 +1,142 @@
+"""Sequence-parallel groups, the seq<->head all-to-all, and SP loss aggregation.
+
+Groups come from DeepSpeed's ``parallel_state_sp`` (contiguous rank blocks of size SP; the
+sequence-data-parallel group is every rank), so ZeRO and DeepSpeed's Ulysses see the same groups.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def initialize_groups(sp_size: int):
+    """Create the SP groups (idempotent). Returns the mpu for ``deepspeed.initialize`` or None for SP=1."""
+    if sp_size <= 1:
+        return None
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+
+    if pss._SEQUENCE_PARALLEL_GROUP is None:
+        pss.initialize_sequence_parallel(sp_size)
+    elif pss.get_sequence_parallel_world_size() != sp_size:
+        raise RuntimeError(f"sequence parallel groups already built with size "
+                           f"{pss.get_sequence_parallel_world_size()}, asked for {sp_size}; SP groups are "
+                           "once per process")
+    return pss
+
+
+def sp_group():
+    """The caller's SP group, or None when SP is 1 / not initialized."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+
+    return pss._SEQUENCE_PARALLEL_GROUP
+
+
+def sp_world_size(group=None) -> int:
+    group = group if group is not None else sp_group()
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def sp_rank(group=None) -> int:
+    group = group if group is not None else sp_group()
+    return 0 if group is None else dist.get_rank(group)
+
+
+def dp_world_size_and_rank(sp_size: int):
+    """Data-parallel replicas: rank r belongs to replica r // sp (SP groups are contiguous blocks)."""
+    if not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size() // sp_size, dist.get_rank() // sp_size
+
+
+# ---------------------------------------------------------------------------------------------
+# seq <-> head all-to-all on [batch, seq, heads, head_dim] (no autograd; callers own the backward)
+# ---------------------------------------------------------------------------------------------
+
+
+def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s_local, h, d] sharded on sequence -> [b, s_local*C, h/C, d] sharded on heads.
+
+    Rank r receives heads [r*h/C, (r+1)*h/C) over the full sequence, in rank (= sequence) order.
+    """
+    c = dist.get_world_size(group) if group is not None else 1
+    if c == 1:
+        return x
+    b, s, h, d = x.shape
+    if h % c != 0:
+        raise ValueError(f"seq_to_head: {h} heads are not divisible by the SP degree {c}")
+    send = x.reshape(b, s, c, h // c, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, c * s, h // c, d)
+
+
+def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, S, h_local, d] sharded on heads -> [b, S/C, h_local*C, d] sharded on sequence."""
+    c = dist.get_world_size(group) if group is not None else 1
+    if c == 1:
+        return x
+    b, s_full, hl, d = x.shape
+    if s_full % c != 0:
+        raise ValueError(f"head_to_seq: sequence {s_full} is not divisible by the SP degree {c}")
+    s = s_full // c
+    send = x.reshape(b, c, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, s, c * hl, d)
+
+
+def seq_to_head_into(x: torch.Tensor, group, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Like :func:`seq_to_head` but may write into a caller-provided buffer (for stage-to-stage reuse)."""
+    y = seq_to_head(x, group)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# SP loss aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def sp_grad_scale(zero_stage: int, reduce_scatter: bool, sp_size: int) -> float:
+    """Factor that makes the backward of ``local_sum / N_global`` give the single-process gradient.
+
+    The true gradient is the *sum* over SP peers of each peer's local gradient (then averaged over
+    data-parallel replicas). DeepSpeed's reductions differ by path (measured, research §4.4):
+    ZeRO-0/1/2 and ZeRO-3 with reduce_scatter=false divide by world/SP, i.e. sum over SP peers ->
+    scale 1; ZeRO-3's default reduce-scatter divides by the whole world, i.e. averages over SP
+    peers -> scale SP. The tests pin this with SGD parameter deltas for every stage.
+    """
+    if sp_size <= 1:
+        return 1.0
+    if zero_stage == 3 and reduce_scatter:
+        return float(sp_size)
+    return 1.0
+
+
+class SPLoss:
+    """Global token-mean loss over the SP group from per-rank CE sums.
+
+    value: sum over SP ranks of CE sums / number of valid tokens over SP ranks (the single-process
+    loss). gradient: that of ``scale * local_sum / N`` so that DeepSpeed's reduction yields the
+    single-process gradient. A rank with no valid labels contributes 0 (never NaN); a sample with no
+    valid labels anywhere gives loss 0 with zero gradient.
+    """
+
+    def __init__(self, group=None, grad_scale: float = 1.0):
+        self.group = group
+        self.grad_scale = grad_scale
+
+    def __call__(self, local_sum: torch.Tensor, local_count: torch.Tensor) -> torch.Tensor:
+        local_sum = local_sum.float()
+        stats = torch.stack([local_sum.detach(), local_count.detach().to(local_sum.dtype)])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(stats, group=self.group)
+        total, count = stats[0], stats[1]
+        denom = torch.clamp(count, min=1.0)
+        grad_part = local_sum * (self.grad_scale / denom)
+        value = total / denom
+        return grad_part + (value - grad_part).detach()

@@ -1,0 +1,76 @@
+"""Run a function on N fresh gloo processes and collect each rank's return value.
+
+SP groups and the attention override are once per process, so every distributed case runs in
+freshly spawned processes; batch many cases into one call to keep the suite short.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    result = None
+    try:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        result = ("ok", fn(rank, world, *args))
+    except BaseException as e:  # report, don't hang the parent
+        result = ("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and result[0] == "ok":
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_distributed(fn, world: int, *args, timeout: float = 600):
+    """Spawn ``world`` processes running ``fn(rank, world, *args)``; return the list of results.
+
+    Raises with every failing rank's traceback if any rank raised.
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, out_dir), nprocs=world,
+                                 join=False, start_method="spawn")
+        import time
+
+        deadline = time.time() + timeout
+        while not ctx.join(timeout=5):
+            if time.time() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                raise TimeoutError(f"distributed run of {fn.__name__} did not finish in {timeout}s")
+        results = []
+        for r in range(world):
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} wrote no result (crashed?)")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    errors = [msg for status, msg in results if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [value for _, value in results]
