@@ -25,5 +25,5 @@ def tiny_config(arch: str = "llama", heads: int = 4, kv_heads: int = 2, head_dim
 
 def build(cfg, seed: int = 0, dtype=torch.float32):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation=cfg._attn_implementation)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=cfg._attn_implementation)
     return model

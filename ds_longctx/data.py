@@ -1,0 +1,171 @@
+"""Sequence sharding for SP, the data loader, the embedded long-context task and file datasets."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from .config import ConfigError
+from .loss import shift_labels_of
+
+# ---------------------------------------------------------------------------------------------
+# sharding
+# ---------------------------------------------------------------------------------------------
+
+
+def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> Dict[str, torch.Tensor]:
+    """Cut a full-sequence batch into this SP rank's contiguous sequence shard.
+
+    Labels are shifted *before* cutting (``shift_labels``), so the target of a shard's last token is
+    the first token of the next shard, and the sample's last position is ignored (-100).
+    ``position_ids`` are global positions, so RoPE is right on every shard.
+    """
+    if "input_ids" not in batch:
+        raise ConfigError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ConfigError("batch.input_ids", f"expected shape [batch, seq], got {tuple(input_ids.shape)}",
+                          "collate samples into a 2-D tensor")
+    bsz, seq = input_ids.shape
+    if seq % sp_size != 0:
+        raise ConfigError("batch.input_ids", f"sequence length {seq} is not divisible by "
+                          f"sequence_parallel_size={sp_size}",
+                          f"pad or cut samples to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size})")
+    out: Dict[str, torch.Tensor] = {}
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool((mask == 1).all()):
+        raise ConfigError("batch.attention_mask", "contains padding (zeros); sequence-parallel attention is causal "
+                          "over the whole sample", "pack samples to full length instead of padding, and drop "
+                          "attention_mask")
+    if "shift_labels" in batch:
+        shift = batch["shift_labels"]
+    elif "labels" in batch:
+        shift = shift_labels_of(batch["labels"])
+    else:
+        shift = shift_labels_of(input_ids)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(bsz, seq)
+    chunk = seq // sp_size
+    sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    out["input_ids"] = input_ids[:, sl].contiguous()
+    out["position_ids"] = pos[:, sl].contiguous()
+    out["shift_labels"] = shift[:, sl].contiguous()
+    for k, v in batch.items():  # pass through anything else (e.g. per-sample metadata)
+        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask"):
+            out[k] = v
+    return out
+
+
+class SPDataLoader:
+    """Each data-parallel replica reads its own samples; every rank of an SP group reads the *same*
+    sample and keeps its sequence shard.
+
+    Written instead of DeepSpeed's ``UlyssesSPDataLoaderAdapter``: that adapter makes the SP group
+    take turns on each rank's sample (the order and the epoch length change with the SP degree),
+    while we need the same samples in the same order for every SP degree and process count so loss
+    curves compare across layouts.
+    """
+
+    def __init__(self, dataset, batch_size: int, sp_rank: int = 0, sp_size: int = 1, dp_rank: int = 0,
+                 dp_size: int = 1, collate_fn: Optional[Callable] = None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = True, num_workers: int = 0):
+        self.sp_rank, self.sp_size = sp_rank, sp_size
+        self.sampler = DistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed,
+                                          drop_last=drop_last)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
+                                 drop_last=drop_last, num_workers=num_workers)
+
+    def set_epoch(self, epoch: int):
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        for batch in self.loader:
+            yield shard_batch(batch, self.sp_rank, self.sp_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# the embedded long-context task
+# ---------------------------------------------------------------------------------------------
+
+PAD, SEP = 0, 1
+
+
+class LongRangeCopy(Dataset):
+    """A random block of tokens, a separator, then the same block again; only the copy is scored.
+
+    Each copied token can only be predicted by attending to its source half a sequence back, which
+    under SP lives on other ranks (with SP=2 the whole source is on rank 0, the whole copy on rank 1).
+    Random tokens are uniform over ``vocab-2`` symbols, so without attention across shards the loss
+    cannot go below ln(vocab-2). Sample i depends only on (seed, i): the same data for every layout.
+    """
+
+    def __init__(self, seq_len: int, vocab_size: int, num_samples: int = 100_000, seed: int = 0):
+        if seq_len < 4 or seq_len % 2:
+            raise ConfigError("--seq-len", f"the copy task needs an even length >= 4, got {seq_len}",
+                              "use an even sequence length")
+        if vocab_size < 4:
+            raise ConfigError("model.vocab_size", f"the copy task needs vocab_size >= 4, got {vocab_size}",
+                              "use a model with a larger vocabulary")
+        self.seq_len, self.vocab, self.n, self.seed = seq_len, vocab_size, num_samples, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        half = self.seq_len // 2
+        block = torch.randint(2, self.vocab, (half - 1,), generator=g)
+        ids = torch.cat([torch.tensor([SEP]), block, torch.tensor([SEP]), block])
+        labels = ids.clone()
+        labels[: half + 1] = -100  # score only the copy (its first token is predicted from the SEP)
+        return {"input_ids": ids, "labels": labels}
+
+    @property
+    def chance_loss(self) -> float:
+        import math
+
+        return math.log(self.vocab - 2)
+
+
+class TokenFileDataset(Dataset):
+    """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file."""
+
+    def __init__(self, path: str, tokenizer, seq_len: int):
+        if not os.path.exists(path):
+            raise ConfigError("--data", f"file {path!r} does not exist", "give a .txt/.jsonl path or a task name")
+        if path.endswith(".jsonl"):
+            with open(path) as f:
+                texts = [json.loads(line)["text"] for line in f if line.strip()]
+        elif path.endswith(".txt"):
+            with open(path) as f:
+                texts = [f.read()]
+        else:
+            raise ConfigError("--data", f"unsupported file type {path!r}", "use a .txt or .jsonl file")
+        ids = []
+        eos = tokenizer.eos_token_id
+        for t in texts:
+            ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
+            if eos is not None:
+                ids.append(eos)
+        n = len(ids) // seq_len
+        if n == 0:
+            raise ConfigError("--data", f"{path} has {len(ids)} tokens, fewer than one sample of {seq_len}",
+                              "use a larger file or a smaller --seq-len")
+        self.data = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+    def __len__(self):
+        return self.data.shape[0]
+
+    def __getitem__(self, i):
+        ids = self.data[i]
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+TASKS = {"copy": LongRangeCopy}

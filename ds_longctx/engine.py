@@ -1,0 +1,225 @@
+"""``initialize``: config -> checks -> SP groups -> patch model -> ``deepspeed.initialize`` -> data.
+
+Drop-in for ``deepspeed.initialize``: same arguments, same four return values. Everything extra is
+driven by the ``long_context`` section of the ds_config.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import types
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config import ConfigError, LongContextConfig, check_against, load_ds_config, parse
+from .data import SPDataLoader
+from .loss import causal_lm_loss_sum, shift_labels_of
+
+logger = logging.getLogger("ds_longctx")
+
+
+# ---------------------------------------------------------------------------------------------
+# model patching (no collectives: the planner runs this under a fake process group)
+# ---------------------------------------------------------------------------------------------
+
+
+# the HF attention functions as they were before we overrode them (one override per process)
+_ORIGINAL_ATTENTION: dict = {}
+
+
+def _install_ulysses(model, group) -> None:
+    """DeepSpeed's own Ulysses attention, built for our group instead of through
+    ``register_with_transformers`` (which also creates the groups: we need them before, and the
+    planner needs no collectives here)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = model.config._attn_implementation
+    core = _ORIGINAL_ATTENTION.setdefault(impl, ALL_ATTENTION_FUNCTIONS[impl])
+    tc = model.config.get_text_config()
+    uattn = UlyssesSPAttentionHF(
+        attn=core, batch_size=1, attn_head_count=tc.num_attention_heads,
+        attn_head_size=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        kv_head_count=tc.num_key_value_heads, num_hidden_layers=tc.num_hidden_layers, process_group=group,
+        seq_length_is_variable=True)
+    uattn.core_attn_implementation = impl
+
+    def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # HF built the mask for the local shard; attention runs causal over the gathered sequence.
+        return uattn(module, query, key, value, None, *args, **kwargs)
+
+    # Same interception as DeepSpeed's register_with_transformers: overriding the core key keeps
+    # every HF branch that tests `_attn_implementation == "flash_attention_2"` etc.
+    ALL_ATTENTION_FUNCTIONS[impl] = ulysses_attention
+
+
+def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
+    """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
+    sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
+    sp = comm.sp_world_size(group)
+    tiled = lc.tiled_loss
+    orig_forward = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
+                **kwargs):
+        if labels is None and shift_labels is None:
+            return orig_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **kwargs)
+        if shift_labels is None:
+            if sp > 1:
+                raise ConfigError("batch.labels", "unshifted labels on a sequence shard lose the target of the "
+                                  "shard's last token", "feed batches from the loader returned by "
+                                  "ds_longctx.initialize, or shard with ds_longctx.data.shard_batch")
+            shift_labels = shift_labels_of(labels)
+        if sp > 1 and position_ids is None:
+            raise ConfigError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
+                              "feed batches from the loader returned by ds_longctx.initialize, or shard with "
+                              "ds_longctx.data.shard_batch")
+        kwargs.pop("use_cache", None)
+        kwargs.pop("logits_to_keep", None)
+        out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False, **kwargs)
+        hidden = out.last_hidden_state
+        logits = None
+        if tiled.enabled:
+            from .memory.tiling import tiled_causal_lm_loss_sum
+
+            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group)
+        else:
+            loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=sp_loss(loss_sum, count), logits=logits)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.0) -> None:
+    """Install the configured attention, memory stack and SP loss on a built HF causal LM.
+
+    Issues no collectives, so the planner can run it under a fake process group.
+    """
+    if getattr(model, "_ds_longctx_patched", False):
+        raise RuntimeError("model is already patched by ds_longctx (initialize it once)")
+    impl = lc.attention.implementation
+    sp = comm.sp_world_size(group)
+    if impl == "ulysses" and sp > 1:
+        _install_ulysses(model, group)
+    elif impl == "untied_ulysses":
+        from .attention.hf import install_untied
+
+        install_untied(model, lc.attention, group)
+    ac, tm = lc.activation_checkpointing, lc.tiled_mlp
+    if ac.enabled or tm.enabled:
+        from .memory import apply_memory_stack
+
+        model._ds_longctx_memory = apply_memory_stack(model, lc, group)
+    _install_loss_forward(model, lc, group, grad_scale)
+    model._ds_longctx_patched = True
+
+
+# ---------------------------------------------------------------------------------------------
+# initialize
+# ---------------------------------------------------------------------------------------------
+
+
+def _zero_stage(ds_config: dict) -> int:
+    return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+
+
+def _reduce_scatter(ds_config: dict) -> bool:
+    return bool((ds_config.get("zero_optimization") or {}).get("reduce_scatter", True))
+
+
+def init_distributed(ds_config: Optional[dict] = None, distributed_port: int = 29500,
+                     dist_init_required: Optional[bool] = None):
+    """Start the process group from whichever launcher started us (env vars, MPI or SLURM)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=distributed_port, auto_mpi_discovery=True)
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None, data_shuffle: bool = False, data_seed: int = 0):
+    """Same arguments and return values as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``training_dataloader`` (when ``training_data`` is given) yields this rank's sequence shard of
+    each sample, with ``position_ids`` and ``shift_labels``; feed its batches to ``engine(**batch)``.
+    """
+    import deepspeed
+
+    if model is None:
+        raise ConfigError("model", "is required", "pass the Hugging Face model to ds_longctx.initialize")
+    ds_config = load_ds_config(config if config is not None else config_params, args)
+    lc = parse(ds_config)
+    sp = lc.sequence_parallel_size
+    if mpu is not None:
+        raise ConfigError("mpu", "ds_longctx builds the sequence-parallel groups itself",
+                          "drop mpu= and set sequence_parallel_size in the config")
+    init_distributed(ds_config, distributed_port, dist_init_required)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model_config = getattr(model, "config", None)
+    check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
+
+    ds_mpu = comm.initialize_groups(sp)
+    group = comm.sp_group() if sp > 1 else None
+    grad_scale = comm.sp_grad_scale(_zero_stage(ds_config), _reduce_scatter(ds_config), sp)
+    patch_model(model, lc, group, grad_scale)
+
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        # deepspeed.initialize refuses a config given both ways; we pass the parsed dict.
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    engine, opt, _, sched = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port, mpu=ds_mpu, dist_init_required=dist_init_required, config=ds_config,
+        mesh_param=mesh_param)
+    engine.long_context = lc
+
+    loader = None
+    if training_data is not None:
+        dp_size, dp_rank = comm.dp_world_size_and_rank(sp)
+        loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                              sp_rank=comm.sp_rank(group), sp_size=sp, dp_rank=dp_rank, dp_size=dp_size,
+                              collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
+    if dist.get_rank() == 0 if dist.is_initialized() else True:
+        dp = world // sp
+        logger.info(f"ds_longctx: world={world} sp={sp} dp={dp} zero_stage={_zero_stage(ds_config)} "
+                    f"attention={lc.attention.implementation} grad_scale={grad_scale}")
+    return engine, opt, loader, sched
+
+
+@contextlib.contextmanager
+def model_init(config, args: Any = None):
+    """Build HF models inside this context to have ZeRO-3 partition them as they are created.
+
+    ``AutoModelForCausalLM.from_pretrained/from_config`` see the ds_config through transformers'
+    ``HfDeepSpeedConfig`` and wrap construction in ``deepspeed.zero.Init``, so no rank ever holds
+    the full model (DeepSpeed issue #7458). Without ZeRO-3 this is a no-op.
+    """
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    ds_config = load_ds_config(config, args)
+    parse(ds_config)
+    if _zero_stage(ds_config) != 3:
+        yield
+        return
+    init_distributed(ds_config)
+    hf_ds = HfDeepSpeedConfig(ds_config)
+    try:
+        yield hf_ds
+    finally:
+        del hf_ds
+        unset_hf_deepspeed_config()

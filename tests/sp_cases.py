@@ -1,0 +1,76 @@
+"""Shared helpers for SP-vs-single-process equivalence tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import torch
+
+from tiny_models import build, tiny_config
+
+
+def sample(seq: int, vocab: int, bsz: int = 1, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (bsz, seq), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100  # some ignored targets, incl. across the first shard
+    return {"input_ids": ids, "labels": labels}
+
+
+def ds_config(stage: int, sp: int, extra_lc: dict | None = None, **top):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "sequence_parallel_size": sp,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if extra_lc is not None:
+        cfg["long_context"] = extra_lc
+    cfg.update(top)
+    return cfg
+
+
+def full_params(module):
+    """Full (gathered) fp32 copies of every parameter, by name."""
+    import deepspeed
+
+    params = list(module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+        return {n: p.detach().float().clone() for n, p in params}
+
+
+def reference_step(cfg_kwargs: dict, batch: dict, seed: int = 0):
+    """Single process, no DeepSpeed: loss and SGD(lr=1) parameter deltas."""
+    model = build(tiny_config(**cfg_kwargs), seed=seed)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+    loss.backward()
+    deltas = {n: -p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.item(), deltas, before
+
+
+def sp_step(cfg_kwargs: dict, batch: dict, stage: int, sp: int, lc: dict | None = None, seed: int = 0,
+            use_model_init: bool = False):
+    """One SGD(lr=1) step through ds_longctx.initialize; returns (loss, deltas, initial params)."""
+    import ds_longctx
+    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.data import shard_batch
+
+    config = ds_config(stage, sp, lc)
+    if use_model_init:
+        with ds_longctx.model_init(config):
+            model = build(tiny_config(**cfg_kwargs), seed=seed)
+    else:
+        model = build(tiny_config(**cfg_kwargs), seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=opt, config=config)
+    before = full_params(engine.module)
+    shard = shard_batch(batch, sp_rank(sp_group()) if sp > 1 else 0, sp)
+    loss = engine(**shard).loss
+    engine.backward(loss)
+    engine.step()
+    after = full_params(engine.module)
+    deltas = {n: after[n] - before[n] for n in after}
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return loss.item(), deltas, before
