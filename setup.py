@@ -12,6 +12,7 @@ setup(
         "deepspeed>=0.19.8",
         "transformers>=5,<6",
         "pydantic>=2",
+        "accelerate>=1.1",  # transformers needs it for ZeRO-3 partitioned loading (HfDeepSpeedConfig)
         "tqdm",
     ],
     extras_require={

@@ -49,6 +49,13 @@ def _install_ulysses(model, group) -> None:
     uattn.core_attn_implementation = impl
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        bs = query.shape[0]
+        if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
+            uattn.batch_size = bs
+            for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+                shape = list(getattr(uattn, name))
+                shape[1] = bs
+                setattr(uattn, name, torch.Size(shape))
         # HF built the mask for the local shard; attention runs causal over the gathered sequence.
         return uattn(module, query, key, value, None, *args, **kwargs)
 
