@@ -1,0 +1,83 @@
+"""The memory stack: activation checkpointing (+ host offload of checkpointed layer inputs), tiled
+MLP and tiled loss. ``apply_memory_stack`` installs the first two on a built model; the tiled loss is
+a function the engine's loss forward calls (:func:`tiling.tiled_causal_lm_loss_sum`)."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .checkpointing import decoder_layers, install_checkpointing, uninstall_checkpointing
+from .offload import (AutoTarget, CheckpointInputOffloader, HostCopyTarget, OffloadTarget, PinnedHostTarget)
+from .tiling import (TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
+                     tiled_causal_lm_loss_sum, uninstall_tiled_mlp)
+
+
+class MemoryStackHandle:
+    """What :func:`apply_memory_stack` installed, with host-memory accounting and an undo."""
+
+    def __init__(self):
+        self.offloader: Optional[CheckpointInputOffloader] = None
+        self.checkpointed_layers = []
+        self.tiling: Optional[TilingState] = None
+        self.tiled_mlps = []
+        self._ckpt_hooks = []
+        self._mlp_hooks = []
+
+    def host_bytes(self) -> int:
+        """Bytes of checkpoint inputs held in host memory right now."""
+        return self.offloader.host_bytes() if self.offloader is not None else 0
+
+    def host_bytes_peak(self) -> int:
+        return self.offloader.stats.host_bytes_peak if self.offloader is not None else 0
+
+    def stats(self) -> dict:
+        out = {"checkpointed_layers": len(self.checkpointed_layers), "tiled_mlps": len(self.tiled_mlps),
+               "host_bytes": self.host_bytes(), "host_bytes_peak": self.host_bytes_peak()}
+        if self.offloader is not None:
+            s = self.offloader.stats
+            out.update(offloaded_tensors=s.offloaded_tensors, offloaded_bytes=s.offloaded_bytes,
+                       restored_tensors=s.restored_tensors, restored_bytes=s.restored_bytes,
+                       prefetched_tensors=s.prefetched_tensors)
+        return out
+
+    def set_offload_target(self, target: OffloadTarget) -> None:
+        if self.offloader is None:
+            raise RuntimeError("activation_checkpointing.offload is not enabled on this model")
+        self.offloader.target = target
+
+    def remove(self) -> None:
+        uninstall_checkpointing(self.checkpointed_layers)
+        for h in self._ckpt_hooks:
+            h.remove()
+        uninstall_tiled_mlp(self.tiled_mlps, self._mlp_hooks)
+        self.checkpointed_layers, self.tiled_mlps, self._ckpt_hooks, self._mlp_hooks = [], [], [], []
+
+
+def apply_memory_stack(model, lc_cfg, group=None, offload_target: Optional[OffloadTarget] = None
+                       ) -> MemoryStackHandle:
+    """Install activation checkpointing (with optional host offload) and the tiled MLP on ``model``
+    per ``lc_cfg`` (a :class:`ds_longctx.config.LongContextConfig`). Call after the model is built and
+    before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP shard count is agreed at
+    run time, once per forward). ``offload_target`` replaces the default host target (tests, CPU).
+    """
+    handle = MemoryStackHandle()
+    ac, tm = lc_cfg.activation_checkpointing, lc_cfg.tiled_mlp
+    if ac.enabled:
+        if ac.offload == "cpu":
+            handle.offloader = CheckpointInputOffloader(target=offload_target, pin_memory=ac.pin_memory,
+                                                        prefetch=ac.prefetch)
+        handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(model, ac, handle.offloader)
+    if tm.enabled:
+        # agreement over every rank (None), not the SP group: see tiling.agree_max
+        handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm, None)
+    return handle
+
+
+def get_memory_handle(model) -> Optional[MemoryStackHandle]:
+    """The handle the engine stored on the model (accepts a DeepSpeed engine too)."""
+    module = getattr(model, "module", model)
+    return getattr(module, "_ds_longctx_memory", None)
+
+
+__all__ = ["apply_memory_stack", "get_memory_handle", "MemoryStackHandle", "tiled_causal_lm_loss_sum",
+           "CheckpointInputOffloader", "OffloadTarget", "HostCopyTarget", "PinnedHostTarget", "AutoTarget",
+           "agree_max", "auto_shards", "resolve_shards", "decoder_layers"]

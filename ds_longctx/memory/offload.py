@@ -1,0 +1,265 @@
+"""Offload of checkpointed decoder-layer inputs to host memory, with prefetch in backward.
+
+Why not DeepSpeed's ``offload_activations.get_checkpoint_hidden_states_offloading_ctx_manager``:
+its context must stay open across forward *and* backward (``__exit__`` clears the tracker, so a
+``loss = engine(**batch)`` / ``engine.backward(loss)`` split raises "no longer tracked"), it never
+offloads on a CPU accelerator (so nothing of it can be exercised in a CPU test), its restore makes
+the compute stream wait at issue time (a restore issued early stalls the current layer's recompute,
+so it cannot prefetch), and it patches ``GradientCheckpointingLayer.__call__`` process-wide. Here the
+pack/unpack hooks are bound per checkpoint call (they outlive no context), the copy target is
+injectable, and backward prefetches the previous layer's input while the current one recomputes.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+
+# ---------------------------------------------------------------------------------------------
+# targets: where a checkpoint input goes and how it comes back
+# ---------------------------------------------------------------------------------------------
+
+
+class OffloadTarget:
+    """Copies a device tensor to host memory and back. ``to_host``/``to_device`` may return before the
+    copy ends; they return ``(tensor, event)`` and ``wait(event)`` orders the caller's stream after it."""
+
+    def to_host(self, t: torch.Tensor):
+        raise NotImplementedError
+
+    def to_device(self, host: torch.Tensor, device: torch.device):
+        raise NotImplementedError
+
+    def wait(self, event) -> None:
+        pass
+
+
+class HostCopyTarget(OffloadTarget):
+    """Host "memory" for tensors that already live on the CPU: a separate copy, made outside any
+    active TorchDispatchMode so live-bytes trackers account it as host memory, the way the CUDA
+    allocator never sees pinned host buffers. Copies are synchronous and bit-exact."""
+
+    def to_host(self, t):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            host.copy_(t.detach())
+        return host, None
+
+    def to_device(self, host, device):
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out.copy_(host)
+        return out, None
+
+
+class PinnedHostTarget(OffloadTarget):
+    """CUDA (or any streamed accelerator): copies run on one side stream per device, so the D2H of
+    layer i overlaps layer i+1's forward and the H2D of layer i-1 overlaps layer i's recompute."""
+
+    def __init__(self, pin_memory: bool = True):
+        self.pin_memory = pin_memory
+        self._streams = {}
+
+    def _stream(self, device):
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def to_host(self, t):
+        side = self._stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))  # t is produced on the compute stream
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+        with torch.cuda.stream(side):
+            host.copy_(t.detach(), non_blocking=self.pin_memory)
+        # the allocator must not hand t's block to the compute stream before the copy has read it
+        t.record_stream(side)
+        return host, side.record_event()
+
+    def to_device(self, host, device):
+        device = torch.device(device)
+        compute = torch.cuda.current_stream(device)
+        side = self._stream(device)
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)  # owned by the compute stream
+        # the block may have been freed by kernels still queued on the compute stream
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            out.copy_(host, non_blocking=self.pin_memory)
+        return out, side.record_event()
+
+    def wait(self, event):
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+class AutoTarget(OffloadTarget):
+    """Pinned host memory for CUDA tensors, :class:`HostCopyTarget` for CPU tensors."""
+
+    def __init__(self, pin_memory: bool = True):
+        self.cuda = PinnedHostTarget(pin_memory=pin_memory)
+        self.cpu = HostCopyTarget()
+
+    def _for(self, device):
+        return self.cuda if torch.device(device).type == "cuda" else self.cpu
+
+    def to_host(self, t):
+        return self._for(t.device).to_host(t)
+
+    def to_device(self, host, device):
+        return self._for(device).to_device(host, device)
+
+    def wait(self, event):
+        if event is not None:
+            self.cuda.wait(event)
+
+
+# ---------------------------------------------------------------------------------------------
+# the offloader
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OffloadStats:
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_tensors: int = 0
+    restored_bytes: int = 0
+    prefetched_tensors: int = 0  # restores whose H2D was issued before they were needed
+    host_bytes: int = 0  # host copies alive now
+    host_bytes_peak: int = 0
+    events: list = field(default_factory=list)  # ("offload"|"prefetch"|"restore", seq) when recording
+
+
+class _Offloaded:
+    """What autograd holds instead of a checkpoint input: the host copy (and, once prefetched, the
+    device copy on its way back). Dies with the graph node that saved it, freeing the host copy."""
+
+    __slots__ = ("seq", "host", "host_event", "device", "shape", "dtype", "requires_grad", "dev", "dev_event",
+                 "__weakref__")
+
+    def __init__(self, seq, t, host, host_event):
+        self.seq, self.host, self.host_event = seq, host, host_event
+        self.device, self.shape, self.dtype = t.device, t.shape, t.dtype
+        self.requires_grad = t.requires_grad
+        self.dev = None
+        self.dev_event = None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CheckpointInputOffloader:
+    """Moves each checkpointed layer's input to host memory at checkpoint time and brings it back in
+    backward, one layer ahead of need.
+
+    Use :meth:`capture` around one checkpoint call with that call's hidden-states tensor: the saved
+    copy of that tensor (and only it) is replaced by a host copy. The hooks are bound at pack time,
+    so backward may run any time later, outside any context.
+    """
+
+    def __init__(self, target: Optional[OffloadTarget] = None, pin_memory: bool = True, prefetch: bool = True,
+                 min_bytes: int = 0, record_events: bool = False):
+        self.target = target if target is not None else AutoTarget(pin_memory=pin_memory)
+        self.prefetch = prefetch
+        self.min_bytes = min_bytes
+        self.record_events = record_events
+        self.stats = OffloadStats()
+        self._seq = itertools.count(1)
+        self._live: "weakref.WeakValueDictionary[int, _Offloaded]" = weakref.WeakValueDictionary()
+        self._newest: Optional[weakref.ref] = None
+        self._lock = threading.Lock()
+
+    # -- accounting ---------------------------------------------------------------------------
+    def host_bytes(self) -> int:
+        return self.stats.host_bytes
+
+    def _event(self, kind, seq):
+        if self.record_events:
+            self.stats.events.append((kind, seq))
+
+    def _host_alloc(self, n):
+        with self._lock:
+            self.stats.host_bytes += n
+            self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self.stats.host_bytes)
+
+    def _host_free(self, n):
+        with self._lock:
+            self.stats.host_bytes -= n
+
+    def reset_stats(self):
+        live = self.stats.host_bytes
+        self.stats = OffloadStats(host_bytes=live, host_bytes_peak=live)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def capture(self, hidden_states: torch.Tensor):
+        """saved_tensors_hooks for one checkpoint call that offload ``hidden_states`` when saved."""
+        return saved_tensors_hooks(lambda t: self._pack(t, hidden_states), self._unpack)
+
+    @staticmethod
+    def _same(t, target):
+        if t is target:
+            return True
+        # autograd may hand the hook an alias of the input rather than the input object itself
+        return (t.shape == target.shape and t.dtype == target.dtype and t.device == target.device
+                and t.numel() > 0 and t.data_ptr() == target.data_ptr() and t.stride() == target.stride())
+
+    def _pack(self, t, hidden_states):
+        if not isinstance(hidden_states, torch.Tensor) or not self._same(t, hidden_states):
+            return t
+        if _nbytes(t) < self.min_bytes or isinstance(t, torch.nn.Parameter):
+            return t
+        host, ev = self.target.to_host(t)
+        ref = _Offloaded(next(self._seq), t, host, ev)
+        n = _nbytes(host)
+        self._host_alloc(n)
+        weakref.finalize(ref, self._host_free, n)
+        self._live[ref.seq] = ref
+        self._newest = weakref.ref(ref)
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += n
+        self._event("offload", ref.seq)
+        return ref
+
+    def _start_restore(self, ref: _Offloaded):
+        if ref.dev is None:
+            # no wait on host_event: the H2D is queued on the same side stream as the D2H
+            ref.dev, ref.dev_event = self.target.to_device(ref.host, ref.device)
+
+    def prefetch_seq(self, seq: int) -> bool:
+        ref = self._live.get(seq)
+        if ref is None or ref.dev is not None:
+            return False
+        self._start_restore(ref)
+        self.stats.prefetched_tensors += 1
+        self._event("prefetch", seq)
+        return True
+
+    def prefetch_newest(self) -> bool:
+        """Start bringing back the most recent input (called when the last checkpointed layer's forward
+        ends: the backward needs it first, and its H2D overlaps the norm, lm_head and loss)."""
+        ref = self._newest() if self._newest is not None else None
+        self._newest = None
+        return False if ref is None else self.prefetch_seq(ref.seq)
+
+    def _unpack(self, ref):
+        if not isinstance(ref, _Offloaded):
+            return ref
+        self._start_restore(ref)
+        out, ev = ref.dev, ref.dev_event
+        ref.dev, ref.dev_event = None, None  # hand over; a retained graph restores again from host
+        self.target.wait(ev)
+        self.stats.restored_tensors += 1
+        self.stats.restored_bytes += _nbytes(out)
+        self._event("restore", ref.seq)
+        if self.prefetch:
+            # backward walks the layers in reverse, so the previous layer's input is needed next
+            self.prefetch_seq(ref.seq - 1)
+        return out

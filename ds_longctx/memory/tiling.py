@@ -1,0 +1,275 @@
+"""Sequence-tiled MLP and sequence-tiled lm_head + cross-entropy, correct under ZeRO-3.
+
+Why not DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` (ulysses_sp.py):
+- both split with ``torch.chunk``, which returns *fewer* pieces than asked whenever the length is
+  not a convenient multiple (10 rows in 6 chunks -> 5 pieces). Ranks that agreed on the shard count
+  but hold different local lengths then run the MLP a different number of times, i.e. issue different
+  numbers of ZeRO-3 all-gathers (deadlock), and ``ds_grad_is_ready`` is keyed on the requested count,
+  so a short split never marks the weights ready and their gradient is never reduced. We split with
+  ``torch.tensor_split``, which always yields exactly ``shards`` pieces (some empty).
+- ``TiledFusedLogitsLoss`` runs the weight backward inside forward with an assumed upstream gradient
+  of 1 and only rescales the *input* gradient in backward, so any scale applied after it (our SP
+  token-mean division, DeepSpeed's gradient-accumulation and fp16 loss scaling) reaches ``lm_head``'s
+  gradient unscaled. Our loss recomputes each shard in backward with the real upstream gradient.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..config import ConfigError
+
+IGNORE_INDEX = -100
+
+# decoder MLPs whose forward is pointwise over tokens (gate/up/down SwiGLU), so row tiling is exact
+SUPPORTED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+
+
+# ---------------------------------------------------------------------------------------------
+# shard counts
+# ---------------------------------------------------------------------------------------------
+
+
+def auto_shards(local_seq: int, hidden: int) -> int:
+    return max(1, math.ceil(local_seq / max(1, hidden)))
+
+
+def _is_fake(t) -> bool:
+    return t is not None and (type(t).__name__ == "FakeTensor" or t.device.type == "meta")
+
+
+def agree_max(local: int, group=None, like: Optional[torch.Tensor] = None) -> int:
+    """MAX of ``local`` over ``group`` (None: every rank). Every rank must call it at the same point.
+
+    The group must cover every rank that shares ZeRO-3 parameter all-gathers with this one: with
+    DP x SP that is the whole world, not the SP group, so callers pass None.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or _is_fake(like):
+        return int(local)  # under the planner's fake tensors there is nothing to read back
+    if dist.get_world_size(group) == 1:
+        return int(local)
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([int(local)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def resolve_shards(shards: Union[int, str], local_seq: int, hidden: int, group=None,
+                   like: Optional[torch.Tensor] = None) -> int:
+    """An integer is taken as is (identical config on every rank, no collective); "auto" is
+    ceil(local_seq / hidden) agreed by MAX over ``group``."""
+    if isinstance(shards, bool) or not (isinstance(shards, int) or shards == "auto"):
+        raise ConfigError("long_context.tiled_*.shards", f"{shards!r} is not a shard count",
+                          "use a positive integer or 'auto'")
+    if shards == "auto":
+        return agree_max(auto_shards(local_seq, hidden), group, like)
+    if shards < 1:
+        raise ConfigError("long_context.tiled_*.shards", f"must be positive, got {shards}",
+                          "use a positive integer or 'auto'")
+    return shards
+
+
+def _mark_ready(params: Sequence[torch.nn.Parameter], ready: bool) -> None:
+    # ZeRO (stage3.py, stage_1_and_2.py) adds a gradient to its reduce bucket only when this is True,
+    # so the per-shard partial gradients accumulate locally and are reduced once, after the last shard
+    for p in params:
+        p.ds_grad_is_ready = ready
+
+
+# ---------------------------------------------------------------------------------------------
+# tiled MLP
+# ---------------------------------------------------------------------------------------------
+
+
+class TiledRowsFunction(torch.autograd.Function):
+    """y = fn(module, x) computed over ``shards`` row tiles of x flattened to [rows, hidden]; backward
+    recomputes one tile at a time. ``fn`` must be pointwise over rows (tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, fn, module, shards, params):
+        ctx.fn, ctx.module, ctx.shards, ctx.params = fn, module, shards, [p for p in params if p.requires_grad]
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        row = 0
+        with torch.no_grad():
+            for piece in torch.tensor_split(flat, shards, dim=0):
+                y = fn(module, piece)
+                if out is None:  # allocated once the output width and dtype are known
+                    out = y.new_empty(flat.shape[0], y.shape[-1])
+                out[row:row + piece.shape[0]].copy_(y)
+                row += piece.shape[0]
+                del y
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        fn, module, shards, params = ctx.fn, ctx.module, ctx.shards, ctx.params
+        need_x = ctx.needs_input_grad[0]
+        flat = x.detach().reshape(-1, x.shape[-1])
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        x_grad = torch.zeros_like(flat) if need_x else None
+        row = 0
+        try:
+            for i, (piece, g_piece) in enumerate(zip(torch.tensor_split(flat, shards, 0),
+                                                     torch.tensor_split(g, shards, 0))):
+                _mark_ready(params, i == shards - 1)
+                piece = piece.detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    y = fn(module, piece)
+                if y.requires_grad:
+                    torch.autograd.backward(y, g_piece)
+                if need_x and piece.grad is not None:
+                    x_grad[row:row + piece.shape[0]].copy_(piece.grad)
+                row += piece.shape[0]
+        finally:
+            _mark_ready(params, True)
+        return (x_grad.view_as(x) if need_x else None), None, None, None, None
+
+
+def _class_forward(module, x):
+    # the class's own forward: submodule calls go through __call__, so ZeRO-3 fetch hooks fire per tile
+    return type(module).forward(module, x)
+
+
+class TilingState:
+    """Shard count of the tiled MLPs, agreed once per model forward (one all-reduce, not one per layer
+    per forward and again per recompute) and reused by every layer and by the backward recompute."""
+
+    def __init__(self, shards: Union[int, str], group=None):
+        self.shards = shards
+        self.group = group
+        self.forward_id = 0
+        self._cached = None  # (forward_id, shards)
+
+    def new_forward(self, *_):
+        self.forward_id += 1
+
+    def mlp_shards(self, x: torch.Tensor) -> int:
+        if self.shards != "auto":
+            return resolve_shards(self.shards, 0, 1)
+        if self._cached is not None and self._cached[0] == self.forward_id:
+            return self._cached[1]
+        local_seq = x.shape[-2] if x.dim() >= 3 else x.shape[0]
+        n = resolve_shards("auto", local_seq, x.shape[-1], self.group, like=x)
+        self._cached = (self.forward_id, n)
+        return n
+
+
+def tiled_mlp_forward(module, x, state: TilingState):
+    shards = state.mlp_shards(x)
+    if shards <= 1:  # every rank agreed on 1: the plain forward issues the same collectives everywhere
+        return _class_forward(module, x)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return TiledRowsFunction.apply(x, _class_forward, module, shards, params)
+
+
+def find_mlps(model) -> List[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ in SUPPORTED_MLPS]
+
+
+def install_tiled_mlp(model, tm_cfg, group=None):
+    """Patch the forward of every supported MLP *instance* (the class stays untouched, so other models
+    in the process are unaffected). Returns (state, modules, hook handles). Issues no collectives."""
+    mlps = find_mlps(model)
+    if not mlps:
+        raise ConfigError("long_context.tiled_mlp.enabled",
+                          f"{type(model).__name__} has no supported MLP ({', '.join(SUPPORTED_MLPS)})",
+                          "set long_context.tiled_mlp.enabled=false for this model")
+    state = TilingState(tm_cfg.shards, group)
+    for m in mlps:
+        m.forward = (lambda mod: (lambda x: tiled_mlp_forward(mod, x, state)))(m)
+    root = model.get_decoder() if hasattr(model, "get_decoder") else model
+    hooks = [root.register_forward_pre_hook(state.new_forward)]
+    return state, mlps, hooks
+
+
+def uninstall_tiled_mlp(mlps, hooks):
+    for m in mlps:
+        m.__dict__.pop("forward", None)
+    for h in hooks:
+        h.remove()
+
+
+# ---------------------------------------------------------------------------------------------
+# tiled loss
+# ---------------------------------------------------------------------------------------------
+
+
+def _ce_sum(lm_head, x, y):
+    logits = lm_head(x).float()
+    return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class TiledLMLossSum(torch.autograd.Function):
+    """fp32 sum of CE(lm_head(hidden), labels) over ``shards`` row tiles, never holding more than one
+    tile's logits. Backward recomputes each tile with the true upstream gradient; ``lm_head``'s
+    parameter gradients are accumulated directly (they are passed in only so that the output requires
+    grad when the hidden states do not), marked ready for ZeRO after the last tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, lm_head, shards, params, *param_inputs):
+        ctx.lm_head, ctx.shards, ctx.params = lm_head, shards, params
+        ctx.n_param_inputs = len(param_inputs)
+        ctx.save_for_backward(hidden, labels)
+        flat = hidden.detach().reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.no_grad():
+            for xp, yp in zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0)):
+                total += _ce_sum(lm_head, xp, yp)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, labels = ctx.saved_tensors
+        lm_head, shards, params = ctx.lm_head, ctx.shards, ctx.params
+        need_x = ctx.needs_input_grad[0]
+        flat = hidden.detach().reshape(-1, hidden.shape[-1])
+        y = labels.reshape(-1)
+        x_grad = torch.zeros_like(flat) if need_x else None
+        g = grad_out.detach().float()
+        row = 0
+        try:
+            for i, (xp, yp) in enumerate(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0))):
+                _mark_ready(params, i == shards - 1)
+                xp = xp.detach().requires_grad_(need_x)
+                with torch.enable_grad():
+                    loss = _ce_sum(lm_head, xp, yp)
+                if loss.requires_grad:
+                    torch.autograd.backward(loss, g)
+                if need_x and xp.grad is not None:
+                    x_grad[row:row + xp.shape[0]].copy_(xp.grad)
+                row += xp.shape[0]
+                del loss, xp
+        finally:
+            _mark_ready(params, True)
+        x_out = x_grad.view_as(hidden) if need_x else None
+        return (x_out, None, None, None, None) + (None,) * ctx.n_param_inputs
+
+
+def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
+                             shards: Union[int, str] = "auto", group=None):
+    """(fp32 sum of CE over valid tokens, number of valid tokens) without [seq, vocab] logits.
+
+    hidden [b, s_local, h]; shift_labels [b, s_local] with -100 = ignore. Shards with no valid label
+    contribute exactly 0 (a CE *sum*, never a mean, so never NaN). ``shards`` "auto" is
+    ceil(s_local / h) MAX-agreed over every rank (``group`` is accepted for the engine's call but the
+    agreement is world-wide: ZeRO-3's lm_head all-gathers span DP x SP, not just the SP group).
+    """
+    if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
+        raise ValueError(f"tiled_causal_lm_loss_sum: hidden {tuple(hidden.shape)} must be [b, s, h] and "
+                         f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
+    labels = shift_labels.to(hidden.device)
+    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None, like=hidden)
+    params = [p for p in lm_head.parameters() if p.requires_grad]
+    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, *params)
+    count = (labels != IGNORE_INDEX).sum()
+    return loss_sum, count
