@@ -1,0 +1,258 @@
+"""Hooking untied Ulysses attention into Hugging Face models.
+
+Two ways in, picked by ``long_context.attention.fuse_projections``:
+
+* fused (true): the attention module's forward is replaced for the architectures in
+  ``ds_longctx.models`` (Llama, Mistral, Qwen2, Qwen3). q/k/v are projected per head chunk from the
+  layer input, so the full q/k/v never exist: the whole saving.
+* attention-function level (false): any model that calls transformers' attention interface. HF
+  computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
+
+The model sees per-rank local position_ids (the loader shards input_ids and position_ids), so HF's
+rotary embedding yields local cos/sin; attention is causal over the gathered sequence. A causal
+mask built by HF for the local shard is ignored; any other mask (padding, packed documents) is an
+error, because causal-over-the-full-sequence would silently be wrong for it.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from ..models import AttentionFacts, facts_for, rms_norm, rope_bshd
+from .kernels import check_kernel, get_backend
+from .untied import ProjectionSpec, Schedule, untied_attention_fused, untied_attention_qkv
+
+FUSE_KEY = "long_context.attention.fuse_projections"
+HPC_KEY = "long_context.attention.heads_per_chunk"
+
+
+@dataclass
+class _State:
+    group: object
+    sp: int
+    heads_per_chunk: int
+    kernel: str
+    facts: Optional[AttentionFacts] = None
+
+
+# attention-function path: modules of installed models -> state (weak: models can be freed)
+_MODULE_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, _State]" = weakref.WeakKeyDictionary()
+_ORIGINAL_FUNCTIONS = {}
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def install_untied(model, attn_cfg, group) -> None:
+    """Patch ``model`` (a built HF PreTrainedModel, possibly ZeRO-3 partitioned) to use untied Ulysses.
+
+    attn_cfg: ``config.AttentionConfig``; group: the SP process group or None for SP=1. Runs no
+    collectives (the planner calls it under a fake process group).
+    """
+    kernel = check_kernel(attn_cfg.kernel)
+    hpc = attn_cfg.heads_per_chunk
+    if not isinstance(hpc, int) or isinstance(hpc, bool) or hpc < 1:
+        raise ConfigError(HPC_KEY, f"must be a positive integer here, got {hpc!r}", "use 1 for the most memory saving")
+    sp = 1 if group is None else dist.get_world_size(group)
+    tc = _text_config(model)
+    heads = tc.num_attention_heads
+    kv = getattr(tc, "num_key_value_heads", None) or heads
+    try:
+        Schedule(heads, kv, sp, hpc)
+    except ValueError as e:
+        raise ConfigError(HPC_KEY if (heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)) else
+                          "sequence_parallel_size", str(e), "pick heads_per_chunk dividing heads/SP and an SP "
+                          "degree dividing the heads") from None
+    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel)
+    if attn_cfg.fuse_projections:
+        _install_fused(model, tc, state)
+    else:
+        _install_function_level(model, state)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused path
+# ---------------------------------------------------------------------------------------------
+
+
+def _install_fused(model, tc, state: _State):
+    model_type = getattr(tc, "model_type", None)
+    facts = facts_for(model_type)
+    if facts is None:
+        raise ConfigError(FUSE_KEY, f"architecture {model_type!r} has no fused untied attention (supported: llama, "
+                          "mistral, qwen2, qwen3)", f"set {FUSE_KEY} to false to chunk heads at the attention-"
+                          "function level, which works for any model using transformers' attention interface")
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    cls = getattr(mod, facts.attention_class)
+    found = [m for m in model.modules() if isinstance(m, cls)]
+    if not found:
+        raise ConfigError(FUSE_KEY, f"no {facts.attention_class} modules found in the {model_type} model",
+                          f"set {FUSE_KEY} to false")
+    state.facts = facts
+    for m in found:
+        m._ds_longctx_untied = state
+        m.forward = types.MethodType(_fused_forward, m)
+    try:
+        from deepspeed.utils import set_z3_leaf_modules
+    except ImportError:
+        return
+    # the stage loop reads q/k/v/o (and q/k-norm) weights directly, not through child modules, so
+    # ZeRO-3 must gather the whole attention module at its forward and again for its backward
+    set_z3_leaf_modules(model, [cls])
+
+
+def _sliding_window(module, facts: AttentionFacts):
+    attr = facts.sliding_window_attr
+    if attr is None:
+        return None
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
+    state: _State = self._ds_longctx_untied
+    facts = state.facts
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and not self.training:
+        raise NotImplementedError("untied Ulysses attention does not fill a KV cache; call the model with "
+                                  "use_cache=False (it is a training path)")
+    if position_embeddings is None:
+        raise ValueError("untied attention needs position_embeddings (cos, sin) from the model's rotary embedding")
+    b, s, _ = hidden_states.shape
+    _check_mask(attention_mask, s)
+    _check_window(_sliding_window(self, facts), s * state.sp)
+    if self.training and getattr(self, "attention_dropout", 0.0):
+        raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 "
+                         f"(got {self.attention_dropout})")
+    cos, sin = position_embeddings
+    q, k, v, o = (getattr(self, n) for n in (facts.q, facts.k, facts.v, facts.o))
+    qn = getattr(self, facts.q_norm) if facts.q_norm else None
+    kn = getattr(self, facts.k_norm) if facts.k_norm else None
+    eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", 1e-6)) if qn is not None else None
+    spec = ProjectionSpec(head_dim=self.head_dim, rope=rope_bshd,
+                          norm=(lambda t, w, eps=eps: rms_norm(t, w, eps)) if qn is not None else None)
+    H = q.weight.shape[0] // self.head_dim if q.weight.dim() == 2 and q.weight.numel() else None
+    tc = self.config
+    heads, kv_heads = tc.num_attention_heads, tc.num_key_value_heads
+    if H is not None and H != heads:
+        raise ValueError(f"untied attention: q_proj has {H} heads, config says {heads}")
+    out, _ = untied_attention_fused(
+        hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
+        heads=heads, kv_heads=kv_heads, spec=spec, bq=q.bias, bk=k.bias, bv=v.bias,
+        q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
+        group=state.group, heads_per_chunk=state.heads_per_chunk,
+        backend=get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling)
+    out = o(out.reshape(b, s, -1))
+    return out, None
+
+
+# ---------------------------------------------------------------------------------------------
+# attention-function path
+# ---------------------------------------------------------------------------------------------
+
+
+def _install_function_level(model, state: _State):
+    impl = getattr(model.config, "_attn_implementation", None)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if impl is None or impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
+        raise ConfigError("model.config._attn_implementation",
+                          f"{impl!r} does not go through transformers' attention interface",
+                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
+    for m in model.modules():
+        _MODULE_STATE[m] = state
+    if impl not in _ORIGINAL_FUNCTIONS:
+        original = ALL_ATTENTION_FUNCTIONS[impl]
+        _ORIGINAL_FUNCTIONS[impl] = original
+
+        # process-global by necessity (HF looks the function up by name); modules of models that
+        # were not installed still get the original function
+        def dispatch(module, query, key, value, attention_mask, *args, _original=original, **kwargs):
+            st = _MODULE_STATE.get(module)
+            if st is None:
+                return _original(module, query, key, value, attention_mask, *args, **kwargs)
+            return _function_level_attention(st, module, query, key, value, attention_mask, *args, **kwargs)
+
+        dispatch._ds_longctx_untied = True
+        ALL_ATTENTION_FUNCTIONS[impl] = dispatch
+
+
+def _function_level_attention(state: _State, module, query, key, value, attention_mask, dropout=0.0,
+                              scaling=None, is_causal=None, sliding_window=None, softcap=None, **kwargs):
+    """HF layout in: query [b, H, s, d], key/value [b, G, s, d]; out [b, s, H, d], weights None."""
+    if dropout:
+        raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 (got {dropout})")
+    if softcap:
+        raise ValueError("untied attention does not support attention logit softcapping")
+    if is_causal is False or getattr(module, "is_causal", True) is False:
+        raise ValueError("untied attention is causal-only; this attention module is bidirectional")
+    s = query.shape[2]
+    if key.shape[2] != s:
+        raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
+                                  "call the model with use_cache=False")
+    _check_mask(attention_mask, s)
+    _check_window(sliding_window, s * state.sp)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
+                                  backend=get_backend(state.kernel, q.device), causal=True,
+                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5)
+    return out, None
+
+
+# ---------------------------------------------------------------------------------------------
+# masks
+# ---------------------------------------------------------------------------------------------
+
+_LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version, verdict
+
+
+def _check_window(window, global_len):
+    if window is not None and window < global_len:
+        raise ValueError(f"untied attention is full causal; this layer has a sliding window of {window} tokens, "
+                         f"shorter than the {global_len}-token sequence")
+
+
+def _check_mask(mask, s_local):
+    """Accept None or the plain causal mask of the local shard; reject padding/packed masks."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):  # e.g. flex BlockMask
+        raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
+    ref, version, verdict = _LAST_MASK
+    if ref is not None and ref() is mask and version == mask._version:  # one mask is shared by all layers
+        if not verdict:
+            raise ValueError(_BAD_MASK)
+        return
+    if mask.dim() == 2:  # flash-attention style padding mask [b, s]: must be all ones
+        ok = bool(mask.bool().all())
+    elif mask.dim() == 4:
+        allowed = mask if mask.dtype == torch.bool else (mask == 0)
+        sq, sk = allowed.shape[-2:]
+        causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).tril(sk - sq)
+        ok = bool((allowed == causal).all())
+    else:
+        ok = False
+    _LAST_MASK[:] = [weakref.ref(mask), mask._version, ok]
+    if not ok:
+        raise ValueError(_BAD_MASK)
+
+
+_BAD_MASK = ("untied attention got an attention mask that is not plain causal (padding or packed sequences); "
+             "it computes causal attention over the whole gathered sequence, so pass unpadded sequences with "
+             "attention_mask=None and contiguous position_ids")
+
+
+__all__ = ["install_untied"]

@@ -1,0 +1,274 @@
+"""Attention kernel backends with one interface that keeps the log-sum-exp.
+
+Layout (every backend, both directions):
+    q: [b, s_q, h_q, d]    k, v: [b, s_k, h_kv, d]    (h_q a multiple of h_kv: GQA/MQA)
+    out: [b, s_q, h_q, d]  (same dtype as q)
+    lse: [b, h_q, s_q] float32, natural log (may be a strided view; treat it as opaque)
+
+    forward(q, k, v, causal, scale) -> (out, lse)
+    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)   (dk/dv shaped like k/v)
+
+Inputs may be strided views as long as the head_dim is contiguous. A backend that cannot do GQA
+itself gets k/v expanded here and dk/dv summed back. Nothing here knows about sequence parallelism.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from ..config import ConfigError
+
+KERNEL_KEY = "long_context.attention.kernel"
+aten = torch.ops.aten
+
+
+class Backend:
+    name = "base"
+    native_gqa = False
+    device_type = "cpu"
+
+    @staticmethod
+    def available() -> bool:
+        return False
+
+    def _fwd(self, q, k, v, causal, scale):
+        raise NotImplementedError
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        raise NotImplementedError
+
+    def forward(self, q, k, v, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        _check(self, q, k, v)
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1 and not self.native_gqa:
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        return self._fwd(q, k, v, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        rep = q.shape[2] // k.shape[2]
+        if rep > 1 and not self.native_gqa:
+            b, s, hk, d = k.shape
+            ke, ve = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+            dq, dk, dv = self._bwd(dout, q, ke, ve, out, lse, causal, scale)
+            return dq, dk.view(b, s, hk, rep, d).sum(3), dv.view(b, s, hk, rep, d).sum(3)
+        return self._bwd(dout, q, k, v, out, lse, causal, scale)
+
+
+def _check(backend, q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"{backend.name}: q/k/v must be [b, s, h, d], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[2] % k.shape[2] != 0 or k.shape != v.shape:
+        raise ValueError(f"{backend.name}: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads "
+                         f"(k {tuple(k.shape)}, v {tuple(v.shape)})")
+    if q.device.type != backend.device_type:
+        raise ValueError(f"{backend.name} runs on {backend.device_type} tensors, got {q.device}; "
+                         f"set {KERNEL_KEY} to 'auto' or to a kernel for this device")
+
+
+def _bhsd(t):
+    # [b, s, h, d] -> [b, h, s, d] view: torch's flash ops take this layout and read strides
+    return t.transpose(1, 2)
+
+
+class TorchCPUFlash(Backend):
+    """aten._scaled_dot_product_flash_attention_for_cpu (+ _backward): what CI runs."""
+    name = "sdpa_cpu_flash"
+    native_gqa = True  # measured: the CPU flash op takes fewer kv heads in forward and backward
+    device_type = "cpu"
+
+    @staticmethod
+    def available() -> bool:
+        return hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+    def _fwd(self, q, k, v, causal, scale):
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal,
+                                                                    scale=scale)
+        return out.transpose(1, 2), lse
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+class TorchCUDAFlash(Backend):
+    """aten._scaled_dot_product_flash_attention (+ _backward): torch's bundled FA2, fp16/bf16 only."""
+    name = "sdpa_cuda_flash"
+    native_gqa = False  # the aten op's GQA support is not part of its contract; expand to be safe
+    device_type = "cuda"
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available() and hasattr(aten, "_scaled_dot_product_flash_attention_backward")
+
+    def _fwd(self, q, k, v, causal, scale):
+        res = aten._scaled_dot_product_flash_attention(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale)
+        return res[0].transpose(1, 2), res[1]
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        # with dropout 0 the philox state is never read; cum_seq_* are None for dense batches
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, None, None, q.shape[1], k.shape[1], 0.0,
+            causal, seed, offset, scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+_FLASH_DEFAULTS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
+                       alibi_slopes=None, return_softmax=False, deterministic=False, rng_state=None)
+
+
+def _call_by_name(fn, **known):
+    """flash-attn's private fwd/bwd signatures change between releases: bind by parameter name."""
+    import inspect
+
+    kwargs = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        if name in known:
+            kwargs[name] = known[name]
+        elif name in _FLASH_DEFAULTS:
+            kwargs[name] = _FLASH_DEFAULTS[name]
+        elif p.default is inspect.Parameter.empty:
+            kwargs[name] = None  # cu_seqlens_*, page tables, descales, ...: unused for dense batches
+    return fn(**kwargs)
+
+
+def _lse_from(res, q):
+    # the LSE's position in the returned tuple differs by release; it is the [b, h, s_q] fp32 tensor
+    b, s, h, _ = q.shape
+    for t in res[1:]:
+        if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) == (b, h, s):
+            return t
+    raise RuntimeError("flash-attn forward returned no [b, h, s] float32 LSE; unsupported flash-attn version")
+
+
+class FlashAttn2(Backend):
+    """flash_attn 2.x private fwd/bwd (the public autograd wrapper does not expose a backward from the LSE)."""
+    name = "flash_attention_2"
+    native_gqa = True
+    device_type = "cuda"
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+    def _fwd(self, q, k, v, causal, scale):
+        from flash_attn import flash_attn_interface as fa
+
+        res = _call_by_name(fa._flash_attn_forward, q=q, k=k, v=v, softmax_scale=scale, causal=causal)
+        return res[0], _lse_from(res, q)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        from flash_attn import flash_attn_interface as fa
+
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_by_name(fa._flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
+                      dk=dk, dv=dv, softmax_scale=scale, causal=causal)
+        return dq, dk, dv
+
+
+class FlashAttn3(Backend):
+    """flash_attn_interface (FA3, Hopper) private fwd/bwd."""
+    name = "flash_attention_3"
+    native_gqa = True
+    device_type = "cuda"
+
+    @staticmethod
+    def available() -> bool:
+        if not torch.cuda.is_available() or importlib.util.find_spec("flash_attn_interface") is None:
+            return False
+        return torch.cuda.get_device_capability()[0] >= 9
+
+    def _fwd(self, q, k, v, causal, scale):
+        import flash_attn_interface as fa3
+
+        res = _call_by_name(fa3._flash_attn_forward, q=q, k=k, v=v, softmax_scale=scale, causal=causal)
+        return res[0], _lse_from(res, q)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        import flash_attn_interface as fa3
+
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call_by_name(fa3._flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse,
+                      dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal)
+        return dq, dk, dv
+
+
+BACKENDS: Dict[str, type] = {
+    "flash_attention_3": FlashAttn3,
+    "flash_attention_2": FlashAttn2,
+    "sdpa_cuda_flash": TorchCUDAFlash,
+    "sdpa_cpu_flash": TorchCPUFlash,
+}
+_AUTO_ORDER = {"cuda": ("flash_attention_3", "flash_attention_2", "sdpa_cuda_flash"), "cpu": ("sdpa_cpu_flash",)}
+_INSTANCES: Dict[str, Backend] = {}
+
+
+def _instance(name: str) -> Backend:
+    if name not in _INSTANCES:
+        _INSTANCES[name] = BACKENDS[name]()
+    return _INSTANCES[name]
+
+
+def available_backends():
+    return [n for n, cls in BACKENDS.items() if cls.available()]
+
+
+def check_kernel(name: str) -> str:
+    """Validate a config value of ``long_context.attention.kernel`` without any tensor. Returns it."""
+    if name == "auto" or name == "sdpa":
+        return name
+    if name not in BACKENDS:
+        raise ConfigError(KERNEL_KEY, f"unknown kernel {name!r}", "use one of auto, flash_attention_3, "
+                          "flash_attention_2, sdpa")
+    if not BACKENDS[name].available():
+        hint = {"flash_attention_2": "pip install flash-attn (needs CUDA)",
+                "flash_attention_3": "install FA3 (flash_attn_interface, Hopper GPU)"}.get(name, "")
+        raise ConfigError(KERNEL_KEY, f"{name!r} is not available on this machine (found: {available_backends()})",
+                          f"{hint + '; or ' if hint else ''}set it to 'auto' or 'sdpa'")
+    return name
+
+
+def get_backend(name: str, device: torch.device) -> Backend:
+    """The backend for config value ``name`` ('auto' | 'sdpa' | a flash kernel) on ``device``."""
+    dev = torch.device(device).type
+    check_kernel(name)
+    if name == "auto":
+        for cand in _AUTO_ORDER.get(dev, ()):
+            if BACKENDS[cand].available():
+                return _instance(cand)
+        raise ConfigError(KERNEL_KEY, f"no attention kernel with LSE is available for {dev} tensors",
+                          "run on CPU or CUDA with torch>=2.3")
+    if name == "sdpa":
+        cand = {"cpu": "sdpa_cpu_flash", "cuda": "sdpa_cuda_flash"}.get(dev)
+        if cand is None or not BACKENDS[cand].available():
+            raise ConfigError(KERNEL_KEY, f"torch's flash SDPA is not available for {dev} tensors",
+                              "set it to 'auto' or run on CPU/CUDA")
+        return _instance(cand)
+    backend = _instance(name)
+    if backend.device_type != dev:
+        raise ConfigError(KERNEL_KEY, f"{name!r} runs on {backend.device_type}, the tensors are on {dev}",
+                          "set it to 'auto' or move the model to the kernel's device")
+    return backend
+
+
+def reference_attention(q, k, v, causal: bool, scale: float):
+    """Plain math attention in q's dtype (use float64 inputs for a reference). Same layout as the backends."""
+    rep = q.shape[2] // k.shape[2]
+    qh, kh, vh = _bhsd(q), _bhsd(k.repeat_interleave(rep, 2)), _bhsd(v.repeat_interleave(rep, 2))
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.softmax(scores, dim=-1), vh)
+    return out.transpose(1, 2), lse
+
+
+__all__ = ["Backend", "BACKENDS", "available_backends", "check_kernel", "get_backend", "reference_attention",
+           "KERNEL_KEY"]

@@ -1,0 +1,459 @@
+"""Untied Ulysses (UPipe): DeepSpeed-Ulysses attention run as a loop over head chunks.
+
+Tensors on a rank are sequence-sharded: x [b, s, D], q [b, s, H, d], k/v [b, s, G, d], out [b, s, H, d]
+(s = S/C local tokens, C = SP degree). Each stage moves U = heads_per_chunk * C query heads to the
+head-sharded layout [b, S, heads_per_chunk, d], runs the kernel keeping the LSE and writes the stage's
+output heads back into a preallocated [b, s, H, d] buffer, so intermediates scale with U, not H.
+
+Head schedule (standard pretrained pairing: query head h uses kv head h // (H/G)). Over the whole
+layer rank r computes exactly the heads tied Ulysses gives it (query heads [r*H/C, (r+1)*H/C), kv
+heads [r*G/C, (r+1)*G/C) or, when C > G, the one kv head r // (C/G)), so per-head results match tied
+Ulysses. KV is sent in chunks of m kv heads per rank (m = u / gcd(u, group size), the fewest that
+make every stage's u query heads fall inside the chunk) and reused by that chunk's stages.
+
+Backward is a staged loop that re-projects (fused path) or re-slices (q/k/v path) and re-sends the
+stage's inputs and calls the kernel's backward with the saved LSE: there is no attention forward
+recompute. dk/dv accumulate in fp32 over a chunk's stages; dW in fp32; dx in x's dtype (an fp32 dx
+would cost 2x the layer input, more than the saving at long context).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from .kernels import Backend
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Schedule:
+    heads: int            # H query heads
+    kv_heads: int         # G key/value heads
+    sp: int               # C
+    heads_per_chunk: int  # u query heads per rank per stage
+
+    def __post_init__(self):
+        H, G, C, u = self.heads, self.kv_heads, self.sp, self.heads_per_chunk
+        if min(H, G, C, u) < 1:
+            raise ValueError(f"untied attention: heads={H}, kv_heads={G}, sp={C}, heads_per_chunk={u} must be >= 1")
+        if H % G:
+            raise ValueError(f"untied attention: {H} query heads are not a multiple of {G} kv heads")
+        if H % C:
+            raise ValueError(f"untied attention: SP degree {C} does not divide the {H} query heads")
+        if G % C and C % G:
+            raise ValueError(f"untied attention: SP degree {C} neither divides nor is a multiple of the {G} kv heads")
+        if (H // C) % u:
+            valid = [v for v in range(1, H // C + 1) if (H // C) % v == 0]
+            raise ValueError(f"untied attention: heads_per_chunk={u} does not divide the {H // C} query heads per "
+                             f"rank ({H} heads / SP {C}); use one of {valid}")
+
+    # per-rank quantities -------------------------------------------------------------------
+    @property
+    def replicated(self) -> bool:
+        return self.sp > self.kv_heads
+
+    @property
+    def rep(self) -> int:  # copies of each kv head across ranks
+        return self.sp // self.kv_heads if self.replicated else 1
+
+    @property
+    def q_local(self) -> int:
+        return self.heads // self.sp
+
+    @property
+    def kv_local(self) -> int:
+        return 1 if self.replicated else self.kv_heads // self.sp
+
+    @property
+    def group(self) -> int:  # local query heads per local kv head
+        return self.q_local // self.kv_local
+
+    @property
+    def m(self) -> int:  # kv heads per rank per chunk
+        u, g = self.heads_per_chunk, self.group
+        return u // math.gcd(u, g)
+
+    @property
+    def chunks(self) -> int:
+        return self.kv_local // self.m
+
+    @property
+    def stages_per_chunk(self) -> int:
+        return self.m * self.group // self.heads_per_chunk
+
+    @property
+    def stages(self) -> int:
+        return self.chunks * self.stages_per_chunk
+
+    # head lists (sent order: rank-major, so rank r receives entries [r*n, (r+1)*n)) ----------
+    def kv_heads_of_chunk(self, j: int) -> List[int]:
+        return [(r * self.kv_local + j * self.m + i) // self.rep for r in range(self.sp) for i in range(self.m)]
+
+    def q_heads_of_stage(self, j: int, t: int) -> List[int]:
+        u = self.heads_per_chunk
+        return [r * self.q_local + j * self.m * self.group + t * u + i for r in range(self.sp) for i in range(u)]
+
+    def stage_kv(self, t: int):
+        """How stage t's u local query heads use the chunk's m local kv heads.
+
+        Returns ("slice", lo, hi): query heads map onto kv heads [lo, hi) with a uniform group (the
+        kernel does GQA itself); or ("index", idx): kv head per query head (expanded, then summed back).
+        """
+        u, g = self.heads_per_chunk, self.group
+        if u % g == 0:
+            return ("slice", t * u // g, (t + 1) * u // g)
+        if g % u == 0:
+            return ("slice", t * u // g, t * u // g + 1)
+        return ("index", [(t * u + i) // g for i in range(u)])
+
+    def lse_heads(self, rank: int) -> List[List[int]]:
+        """Global query head of each LSE row on ``rank``: [stage][i] for the lse buffer [stages, b, u, S]."""
+        u = self.heads_per_chunk
+        out = []
+        for j in range(self.chunks):
+            for t in range(self.stages_per_chunk):
+                heads = self.q_heads_of_stage(j, t)
+                out.append(heads[rank * u:(rank + 1) * u])
+        return out
+
+    @cached_property
+    def _index_cache(self):
+        return {}
+
+    def index(self, key, values, device) -> torch.Tensor:
+        k = (key, device)
+        if k not in self._index_cache:
+            self._index_cache[k] = torch.tensor(values, dtype=torch.long, device=device)
+        return self._index_cache[k]
+
+
+# ---------------------------------------------------------------------------------------------
+# sources: where a stage's q and a chunk's k/v come from, and where their gradients go
+# ---------------------------------------------------------------------------------------------
+
+
+class _QKVSource:
+    """Attention-function level: HF already computed q/k/v (post RoPE) for all heads."""
+
+    def __init__(self, q, k, v):
+        self.q_, self.k_, self.v_ = q, k, v
+
+    def q(self, idx, grad=False):
+        return self.q_.index_select(2, idx), None
+
+    def kv(self, idx, grad=False):
+        return self.k_.index_select(2, idx), self.v_.index_select(2, idx), None
+
+    def begin_backward(self, sched):
+        self.dq = torch.empty_like(self.q_)
+        acc = torch.float32 if sched.rep > 1 else self.k_.dtype  # replicas are summed: do it in fp32
+        self.dk = torch.zeros(self.k_.shape, dtype=acc, device=self.k_.device)
+        self.dv = torch.zeros(self.v_.shape, dtype=acc, device=self.v_.device)
+
+    def q_grad(self, idx, handle, dq):
+        self.dq.index_copy_(2, idx, dq)
+
+    def kv_grad(self, idx, handle, dk, dv):
+        self.dk.index_add_(2, idx, dk.to(self.dk.dtype))
+        self.dv.index_add_(2, idx, dv.to(self.dv.dtype))
+
+    def grads(self):
+        return self.dq, self.dk.to(self.k_.dtype), self.dv.to(self.v_.dtype)
+
+
+@dataclass
+class ProjectionSpec:
+    """Per-architecture pieces the fused path needs (see ds_longctx/models)."""
+    head_dim: int
+    rope: Callable            # rope(t [b, s, n, d], cos [b, s, d], sin [b, s, d]) -> t
+    norm: Optional[Callable] = None  # norm(t [b, s, n, d], weight [d]) -> t (q/k-norm, e.g. Qwen3)
+
+
+class _ProjSource:
+    """Fused path: q/k/v are projected per stage from x, normed and rotated on local positions."""
+
+    def __init__(self, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec: ProjectionSpec):
+        self.x, self.cos, self.sin = x, cos, sin
+        self.w = {"q": (wq, bq, qn), "k": (wk, bk, kn), "v": (wv, bv, None)}
+        self.spec = spec
+        self.d = spec.head_dim
+        self.D = x.shape[-1]
+
+    def _proj(self, which, idx, grad):
+        w, b, nw = self.w[which]
+        d, D = self.d, self.D
+        n = idx.numel()
+        ws = w.view(-1, d * D).index_select(0, idx).view(n * d, D)
+        bs = b.view(-1, d).index_select(0, idx).view(n * d) if b is not None else None
+        y = torch.nn.functional.linear(self.x, ws, bs).view(*self.x.shape[:-1], n, d)
+        if not grad:
+            with torch.no_grad():
+                return self._post(which, y, nw), None
+        y = y.detach().requires_grad_(True)
+        nw_leaf = nw.detach().requires_grad_(True) if (nw is not None and self.spec.norm is not None) else None
+        with torch.enable_grad():
+            z = self._post(which, y, nw_leaf)
+        return z.detach(), (y, z, ws, nw_leaf)
+
+    def _post(self, which, y, nw):
+        if which == "v":
+            return y
+        if nw is not None and self.spec.norm is not None:
+            y = self.spec.norm(y, nw)
+        return self.spec.rope(y, self.cos, self.sin)
+
+    def q(self, idx, grad=False):
+        return self._proj("q", idx, grad)
+
+    def kv(self, idx, grad=False):
+        k, hk = self._proj("k", idx, grad)
+        v, hv = self._proj("v", idx, grad)
+        return k, v, (hk, hv)
+
+    def begin_backward(self, sched):
+        f32 = torch.float32
+        self.dx = torch.zeros_like(self.x)
+        self.g = {}
+        for which, (w, b, nw) in self.w.items():
+            self.g[which] = [torch.zeros(w.shape, dtype=f32, device=w.device),
+                             torch.zeros(b.shape, dtype=f32, device=b.device) if b is not None else None,
+                             torch.zeros(nw.shape, dtype=f32, device=nw.device)
+                             if nw is not None and self.spec.norm is not None else None]
+
+    def _back(self, which, idx, handle, dz):
+        y, z, ws, nw_leaf = handle
+        if y is z:  # v: no norm/rope
+            gy = dz
+        else:
+            inputs = [y] + ([nw_leaf] if nw_leaf is not None else [])
+            grads = torch.autograd.grad(z, inputs, dz)
+            gy = grads[0]
+            if nw_leaf is not None:
+                self.g[which][2].add_(grads[1].float())
+        d, D = self.d, self.D
+        n = idx.numel()
+        gy2 = gy.reshape(-1, n * d)
+        x2 = self.x.reshape(-1, D)
+        self.dx.view(-1, D).addmm_(gy2.to(self.dx.dtype), ws)
+        gw, gb, _ = self.g[which]
+        gw.view(-1, d * D).index_add_(0, idx, (gy2.t() @ x2).view(n, d * D).float())
+        if gb is not None:
+            gb.view(-1, d).index_add_(0, idx, gy2.sum(0).view(n, d).float())
+
+    def q_grad(self, idx, handle, dq):
+        self._back("q", idx, handle, dq)
+
+    def kv_grad(self, idx, handle, dk, dv):
+        hk, hv = handle
+        self._back("k", idx, hk, dk.to(self.x.dtype))
+        self._back("v", idx, hv, dv.to(self.x.dtype))
+
+    def grads(self):
+        out = [self.dx]
+        for which in ("q", "k", "v"):
+            w, b, nw = self.w[which]
+            gw, gb, gn = self.g[which]
+            out += [gw.to(w.dtype), gb.to(b.dtype) if gb is not None else None]
+        for which in ("q", "k"):
+            nw = self.w[which][2]
+            gn = self.g[which][2]
+            out.append(gn.to(nw.dtype) if gn is not None else None)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the staged loops
+# ---------------------------------------------------------------------------------------------
+
+
+def _kv_for_stage(sched, t, k, v):
+    kind = sched.stage_kv(t)
+    if kind[0] == "slice":
+        return k[:, :, kind[1]:kind[2]], v[:, :, kind[1]:kind[2]], kind
+    idx = sched.index(("kvmap", t), kind[1], k.device)
+    return k.index_select(2, idx), v.index_select(2, idx), kind
+
+
+def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale, b, s, d, dtype, device):
+    u = sched.heads_per_chunk
+    out = torch.empty(b, s, sched.heads, d, dtype=dtype, device=device)
+    S = s * sched.sp
+    lse_all = torch.empty(sched.stages, b, u, S, dtype=torch.float32, device=device)
+    stage = 0
+    for j in range(sched.chunks):
+        kv_idx = sched.index(("kv", j), sched.kv_heads_of_chunk(j), device)
+        k, v, _ = src.kv(kv_idx)
+        k_h, v_h = comm.seq_to_head(k, group), comm.seq_to_head(v, group)
+        del k, v
+        for t in range(sched.stages_per_chunk):
+            q_idx = sched.index(("q", j, t), sched.q_heads_of_stage(j, t), device)
+            q, _ = src.q(q_idx)
+            q_h = comm.seq_to_head(q, group)
+            del q
+            ks, vs, _ = _kv_for_stage(sched, t, k_h, v_h)
+            o_h, lse = backend.forward(q_h, ks, vs, causal, scale)
+            del q_h, ks, vs
+            lse_all[stage].copy_(lse)
+            del lse
+            out.index_copy_(2, q_idx, comm.head_to_seq(o_h, group))
+            del o_h
+            stage += 1
+        del k_h, v_h
+    return out, lse_all
+
+
+def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scale, out, dout, lse_all):
+    device = out.device
+    src.begin_backward(sched)
+    stage = 0
+    for j in range(sched.chunks):
+        kv_idx = sched.index(("kv", j), sched.kv_heads_of_chunk(j), device)
+        k, v, kv_handle = src.kv(kv_idx, grad=True)
+        k_h, v_h = comm.seq_to_head(k, group), comm.seq_to_head(v, group)
+        del k, v
+        dk_acc = torch.zeros(k_h.shape, dtype=torch.float32, device=device)
+        dv_acc = torch.zeros(v_h.shape, dtype=torch.float32, device=device)
+        for t in range(sched.stages_per_chunk):
+            q_idx = sched.index(("q", j, t), sched.q_heads_of_stage(j, t), device)
+            q, q_handle = src.q(q_idx, grad=True)
+            q_h = comm.seq_to_head(q, group)
+            del q
+            o_h = comm.seq_to_head(out.index_select(2, q_idx), group)
+            do_h = comm.seq_to_head(dout.index_select(2, q_idx), group)
+            ks, vs, kind = _kv_for_stage(sched, t, k_h, v_h)
+            dq_h, dks, dvs = backend.backward(do_h, q_h, ks, vs, o_h, lse_all[stage], causal, scale)
+            del q_h, o_h, do_h, ks, vs
+            if kind[0] == "slice":
+                dk_acc[:, :, kind[1]:kind[2]] += dks
+                dv_acc[:, :, kind[1]:kind[2]] += dvs
+            else:
+                idx = sched.index(("kvmap", t), kind[1], device)
+                dk_acc.index_add_(2, idx, dks.float())
+                dv_acc.index_add_(2, idx, dvs.float())
+            del dks, dvs
+            src.q_grad(q_idx, q_handle, comm.head_to_seq(dq_h, group))
+            del dq_h, q_handle
+            stage += 1
+        del k_h, v_h
+        dt = out.dtype
+        dk = comm.head_to_seq(dk_acc.to(dt), group)
+        dv = comm.head_to_seq(dv_acc.to(dt), group)
+        del dk_acc, dv_acc
+        src.kv_grad(kv_idx, kv_handle, dk, dv)
+        del dk, dv, kv_handle
+    return src.grads()
+
+
+def _sp(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class UntiedQKVAttention(torch.autograd.Function):
+    """q [b, s, H, d], k/v [b, s, G, d] sequence-sharded -> out [b, s, H, d] (+ lse, non-differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, heads_per_chunk, backend, causal, scale):
+        b, s, H, d = q.shape
+        sched = Schedule(H, k.shape[2], _sp(group), heads_per_chunk)
+        _check_shapes(q, k, v)
+        out, lse_all = _staged_forward(_QKVSource(q, k, v), sched, group, backend, causal, scale, b, s, d,
+                                       q.dtype, q.device)
+        ctx.save_for_backward(q, k, v, out, lse_all)
+        ctx.meta = (sched, group, backend, causal, scale)
+        ctx.mark_non_differentiable(lse_all)
+        return out, lse_all
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse_all = ctx.saved_tensors
+        sched, group, backend, causal, scale = ctx.meta
+        dq, dk, dv = _staged_backward(_QKVSource(q, k, v), sched, group, backend, causal, scale, out, dout, lse_all)
+        return dq, dk, dv, None, None, None, None, None
+
+
+class UntiedFusedAttention(torch.autograd.Function):
+    """x [b, s, D] sequence-sharded + projection weights -> out [b, s, H, d] (+ lse, non-differentiable)."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, meta):
+        heads, kv_heads, group, heads_per_chunk, backend, causal, scale, spec = meta
+        d = spec.head_dim
+        D = x.shape[-1]
+        _check_weights(x, wq, wk, wv, heads, kv_heads, d)
+        sched = Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
+        b, s = x.shape[0], x.shape[1]
+        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec)
+        out, lse_all = _staged_forward(src, sched, group, backend, causal, scale, b, s, d, x.dtype, x.device)
+        ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all)
+        ctx.meta = (sched, group, backend, causal, scale, spec)
+        ctx.mark_non_differentiable(lse_all)
+        return out, lse_all
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all = ctx.saved_tensors
+        sched, group, backend, causal, scale, spec = ctx.meta
+        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec)
+        dx, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn = _staged_backward(src, sched, group, backend, causal, scale, out,
+                                                                      dout, lse_all)
+        return dx, None, None, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn, None
+
+
+def _check_shapes(q, k, v):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"untied attention: q/k/v must be [b, s_local, heads, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"untied attention: q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)} disagree")
+
+
+def _check_weights(x, wq, wk, wv, heads, kv_heads, d):
+    D = x.shape[-1]
+    if x.dim() != 3:
+        raise ValueError(f"untied attention: x must be [b, s_local, hidden], got {tuple(x.shape)}")
+    for name, w, n in (("q", wq, heads), ("k", wk, kv_heads), ("v", wv, kv_heads)):
+        if tuple(w.shape) != (n * d, D):
+            raise ValueError(f"untied attention: {name}_proj weight is {tuple(w.shape)}, expected {(n * d, D)} "
+                             f"(heads={n}, head_dim={d}, hidden={D}); under ZeRO-3 the weights must be gathered")
+
+
+def untied_attention_qkv(q, k, v, group=None, heads_per_chunk: int = 1, backend: Backend = None,
+                         causal: bool = True, scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Attention on sequence-sharded q [b, s, H, d], k/v [b, s, G, d] over the SP ``group``.
+
+    Returns (out [b, s, H, d], lse [stages, b, heads_per_chunk, S]); ``Schedule.lse_heads(rank)`` names
+    the query head of each LSE row.
+    """
+    if backend is None:
+        from .kernels import get_backend
+
+        backend = get_backend("auto", q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return UntiedQKVAttention.apply(q, k, v, group, heads_per_chunk, backend, causal, scale)
+
+
+def untied_attention_fused(x, cos, sin, wq, wk, wv, *, heads: int, kv_heads: int, spec: ProjectionSpec,
+                           bq=None, bk=None, bv=None, q_norm=None, k_norm=None, group=None,
+                           heads_per_chunk: int = 1, backend: Backend = None, causal: bool = True,
+                           scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Project, rotate and attend per head chunk from the sequence-sharded layer input x [b, s, D].
+
+    Returns (out [b, s, H, d], lse) like :func:`untied_attention_qkv`; o_proj is the caller's.
+    """
+    if backend is None:
+        from .kernels import get_backend
+
+        backend = get_backend("auto", x.device)
+    scale = spec.head_dim ** -0.5 if scale is None else scale
+    meta = (heads, kv_heads, group, heads_per_chunk, backend, causal, scale, spec)
+    return UntiedFusedAttention.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, meta)

@@ -1,0 +1,8 @@
+"""Llama and Mistral: q/k/v/o projections (optional biases for Llama via attention_bias), RoPE from
+the model-level rotary embedding (passed as position_embeddings), no q/k-norm."""
+from ._common import AttentionFacts
+
+LLAMA = AttentionFacts(model_types=("llama",), attention_class="LlamaAttention")
+# Mistral reads config.sliding_window inside attention; a window shorter than the sequence is not causal-only
+MISTRAL = AttentionFacts(model_types=("mistral",), attention_class="MistralAttention",
+                         sliding_window_attr="config.sliding_window")
