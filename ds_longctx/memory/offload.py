@@ -201,7 +201,10 @@ class CheckpointInputOffloader:
     # -- hooks --------------------------------------------------------------------------------
     def capture(self, hidden_states: torch.Tensor):
         """saved_tensors_hooks for one checkpoint call that offload ``hidden_states`` when saved."""
-        return saved_tensors_hooks(lambda t: self._pack(t, hidden_states), self._unpack)
+        # weak: autograd keeps the pack hook alive with every tensor it saved, and a strong reference
+        # here would pin the very device tensor we are offloading
+        target = weakref.ref(hidden_states)
+        return saved_tensors_hooks(lambda t: self._pack(t, target()), self._unpack)
 
     @staticmethod
     def _same(t, target):
