@@ -1,0 +1,105 @@
+"""Every bad config or shape gets one clear error naming the key path and the fix."""
+import pytest
+
+from ds_longctx.config import ConfigError, check_against, parse
+from tiny_models import tiny_config
+
+
+def _err(ds_config, model_config=None, world=2, seq=None):
+    with pytest.raises(ConfigError) as e:
+        check_against(parse(ds_config), model_config, world, seq)
+    return str(e.value)
+
+
+def test_defaults_parse():
+    lc = parse({"sequence_parallel_size": 2})
+    assert lc.attention.implementation == "ulysses" and lc.sequence_parallel_size == 2
+    assert not lc.tiled_mlp.enabled and not lc.activation_checkpointing.enabled
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"attention": {"implemntation": "ulysses"}}, "long_context.attention.implemntation"),
+    ({"tiled_mlp": {"enabled": True, "chunks": 4}}, "long_context.tiled_mlp.chunks"),
+    ({"bogus": 1}, "long_context.bogus"),
+])
+def test_unknown_keys(section, key):
+    msg = _err({"long_context": section})
+    assert msg.startswith(key + ": unknown key") and "Fix: remove it" in msg
+
+
+def test_unknown_implementation():
+    msg = _err({"long_context": {"attention": {"implementation": "ring"}}})
+    assert msg.startswith("long_context.attention.implementation: 'ring' is not allowed")
+    assert "'untied_ulysses'" in msg
+
+
+def test_unknown_kernel():
+    msg = _err({"long_context": {"attention": {"kernel": "flash_attention_9"}}})
+    assert msg.startswith("long_context.attention.kernel:") and "'sdpa'" in msg
+
+
+def test_section_not_object():
+    assert _err({"long_context": [1]}).startswith("long_context: expected an object")
+
+
+def test_sp_not_positive():
+    assert _err({"sequence_parallel_size": 0}).startswith("sequence_parallel_size: must be a positive integer")
+
+
+def test_sp_does_not_divide_world():
+    msg = _err({"sequence_parallel_size": 4}, world=6)
+    assert msg.startswith("sequence_parallel_size: 4 does not divide the world size 6")
+
+
+def test_heads_not_divisible():
+    msg = _err({"sequence_parallel_size": 4}, tiny_config(heads=6, kv_heads=6), world=4)
+    assert msg.startswith("sequence_parallel_size: 4 does not divide the 6 attention heads")
+
+
+def test_kv_heads_neither_divide():
+    msg = _err({"sequence_parallel_size": 4}, tiny_config(heads=12, kv_heads=6), world=4)
+    assert "neither divides nor is divided by the 6 key/value heads" in msg
+
+
+def test_kv_replication_is_allowed():
+    check_against(parse({"sequence_parallel_size": 4}), tiny_config(heads=8, kv_heads=2), 4)
+
+
+def test_sequence_length_not_divisible():
+    msg = _err({"sequence_parallel_size": 4, "long_context": {"sequence_length": 1000002}}, world=4)
+    assert msg.startswith("long_context.sequence_length: 1000002 is not divisible by sequence_parallel_size=4")
+    assert "1000004" in msg
+
+
+def test_runtime_sequence_length_not_divisible():
+    msg = _err({"sequence_parallel_size": 2}, seq=15)
+    assert msg.startswith("sequence length: 15 is not divisible")
+
+
+def test_eager_with_sp():
+    msg = _err({"sequence_parallel_size": 2}, tiny_config(attn="eager"))
+    assert msg.startswith("model.config._attn_implementation: 'eager' cannot run sequence parallel")
+    assert "sdpa" in msg
+
+
+def test_none_with_sp():
+    msg = _err({"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": "none"}}})
+    assert msg.startswith("long_context.attention.implementation: 'none' cannot run with sequence_parallel_size=2")
+
+
+def test_offload_without_checkpointing():
+    msg = _err({"long_context": {"activation_checkpointing": {"offload": "cpu"}}})
+    assert msg.startswith("long_context.activation_checkpointing.offload:")
+
+
+def test_heads_per_chunk_auto_is_not_yet_supported():
+    msg = _err({"long_context": {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": "auto"}}})
+    assert msg.startswith("long_context.attention.heads_per_chunk: 'auto'")
+
+
+def test_heads_per_chunk_must_divide_local_heads():
+    cfg = {"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": "untied_ulysses",
+                                                                       "heads_per_chunk": 3}}}
+    msg = _err(cfg, tiny_config(heads=8, kv_heads=2))
+    assert msg.startswith("long_context.attention.heads_per_chunk: 3 does not divide the 4 query heads per rank")
+    assert "[1, 2, 4]" in msg
