@@ -272,3 +272,14 @@ def test_offload_idle_in_eval():
     with torch.no_grad():
         model(input_ids=torch.randint(0, cfg.vocab_size, (1, 8)))
     assert handle.stats()["offloaded_tensors"] == 0 and handle.host_bytes() == 0
+
+
+def test_tiled_loss_trains_lm_head_when_hidden_is_frozen():
+    lm_head = torch.nn.Linear(8, 40, bias=False)
+    hidden = torch.randn(1, 9, 8)  # no grad: e.g. a frozen body
+    labels = torch.randint(0, 40, (1, 9))
+    causal_lm_loss_sum(hidden, lm_head, labels)[0].backward()
+    ref, lm_head.weight.grad = lm_head.weight.grad.clone(), None
+    loss, _ = tiled_causal_lm_loss_sum(hidden, lm_head, labels, 4)
+    loss.backward()
+    torch.testing.assert_close(lm_head.weight.grad, ref, rtol=1e-5, atol=1e-6)

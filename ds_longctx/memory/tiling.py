@@ -211,13 +211,13 @@ def _ce_sum(lm_head, x, y):
 class TiledLMLossSum(torch.autograd.Function):
     """fp32 sum of CE(lm_head(hidden), labels) over ``shards`` row tiles, never holding more than one
     tile's logits. Backward recomputes each tile with the true upstream gradient; ``lm_head``'s
-    parameter gradients are accumulated directly (they are passed in only so that the output requires
-    grad when the hidden states do not), marked ready for ZeRO after the last tile."""
+    parameter gradients are accumulated directly by that recompute, marked ready for ZeRO after the
+    last tile. Trailing tensor inputs are anchors only (they get no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, lm_head, shards, params, *param_inputs):
+    def forward(ctx, hidden, labels, lm_head, shards, params, *anchors):
         ctx.lm_head, ctx.shards, ctx.params = lm_head, shards, params
-        ctx.n_param_inputs = len(param_inputs)
+        ctx.n_anchors = len(anchors)
         ctx.save_for_backward(hidden, labels)
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
@@ -252,7 +252,7 @@ class TiledLMLossSum(torch.autograd.Function):
         finally:
             _mark_ready(params, True)
         x_out = x_grad.view_as(hidden) if need_x else None
-        return (x_out, None, None, None, None) + (None,) * ctx.n_param_inputs
+        return (x_out, None, None, None, None) + (None,) * ctx.n_anchors
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
@@ -270,6 +270,12 @@ def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shi
     labels = shift_labels.to(hidden.device)
     n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None, like=hidden)
     params = [p for p in lm_head.parameters() if p.requires_grad]
-    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, *params)
+    # ZeRO-3 parameters cannot be inputs of the Function (their recorded shape is the empty partition,
+    # and the recompute's gathered-weight gradient is then rejected); when only lm_head trains, an
+    # empty leaf makes the output require grad so backward still reaches the tiles
+    anchor = ()
+    if params and not hidden.requires_grad and torch.is_grad_enabled():
+        anchor = (hidden.new_empty(0).requires_grad_(True),)
+    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, *anchor)
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count
