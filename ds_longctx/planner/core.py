@@ -1,0 +1,267 @@
+"""plan(): model states by arithmetic + one simulated step of activations -> peak device/host bytes.
+
+Depth. A step's activation peak is affine in the layer count (every layer leaves the same saved
+tensors or checkpoint; the layer working set and the loss do not depend on depth), so by default the
+step is simulated at 2 and 3 layers and extrapolated per category to the model's depth. This is
+checked against full-depth runs (tests/test_planner.py; ``--full-depth`` forces them), and
+``max_context`` re-checks its answer at full depth.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Union
+
+from ..config import ConfigError, LongContextConfig, check_against, load_ds_config, parse
+from . import model_states as ms
+from .simulate import CATEGORIES, StepMemory, simulate_step, text_config, with_layers
+from .units import fmt_bytes, parse_bytes
+
+logger = logging.getLogger("ds_longctx.planner")
+
+EXTRAPOLATE_FROM = (2, 3)
+
+
+@dataclass
+class PlanResult:
+    fits: bool
+    sequence_length: int
+    world_size: int
+    sequence_parallel_size: int
+    peak_device_bytes: int
+    device_budget_bytes: int
+    reserve_bytes: int
+    host_bytes: int                 # per rank
+    host_bytes_per_node: int
+    host_budget_bytes: Optional[int]
+    breakdown: Dict[str, int]       # model_states, attention, mlp, loss, other (device, at the peak)
+    model_states: Dict[str, int]    # device model-state parts
+    host: Dict[str, int]            # host parts: offloaded activations, optimizer, grads, params
+    layers_simulated: List[int]
+    num_layers: int
+    extrapolated: bool
+    sim_seconds: float
+    notes: List[str] = field(default_factory=list)
+    label: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def load_model_config(model_config=None, model: Optional[str] = None):
+    """A transformers config from a config object, a dict, a config.json path or a model directory."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    src = model_config if model_config is not None else model
+    if src is None:
+        raise ConfigError("--model-config", "no model config was given",
+                          "pass --model-config config.json or --model <local model directory>")
+    if isinstance(src, PretrainedConfig):
+        return src
+    if isinstance(src, dict):
+        d = dict(src)
+    else:
+        path = os.fspath(src)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise ConfigError("--model-config", f"{path!r} does not exist",
+                              "pass an HF config.json (e.g. ds_configs/models/llama3-8b.json) or a model directory")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError("--model-config", f"{path} is not valid JSON ({e})", "fix the JSON") from None
+    mt = d.pop("model_type", None)
+    if mt is None:
+        raise ConfigError("--model-config", "the model config has no model_type", "use an HF config.json")
+    try:
+        return AutoConfig.for_model(mt, **d)
+    except Exception as e:
+        raise ConfigError("--model-config", f"transformers cannot build a {mt!r} config ({e})",
+                          "use a config.json of a causal LM transformers knows") from None
+
+
+def param_info(model_config) -> ms.ParamInfo:
+    """Parameter counts from fake 1- and 2-layer builds (no allocation), extended to full depth."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .simulate import build_model, with_layers
+    import torch
+
+    def count(n):
+        model = build_model(with_layers(model_config, n), torch.bfloat16, "meta", FakeTensorMode())
+        total = sum(p.numel() for p in model.parameters())
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        small = sum(p.numel() for p in model.parameters() if p.numel() <= 100000)
+        return total, largest, small
+
+    L = text_config(model_config).num_hidden_layers
+    t1, big, s1 = count(1)
+    t2, _, s2 = count(2)
+    return ms.ParamInfo(total=t1 + (L - 1) * (t2 - t1), largest_module=big, persistent=s1 + (L - 1) * (s2 - s1))
+
+
+def _persistent(ds_config: dict, info: ms.ParamInfo) -> ms.ParamInfo:
+    zero = ds_config.get("zero_optimization") or {}
+    thr = zero.get("stage3_param_persistence_threshold", zero.get("param_persistence_threshold", 100000))
+    return info if thr == "auto" or int(float(thr)) >= 100000 else ms.ParamInfo(info.total, info.largest_module, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+
+def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
+    L = text_config(model_config).num_hidden_layers
+    if full_depth or L <= EXTRAPOLATE_FROM[1] + 1:
+        r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device)
+        return r.breakdown, r.peak_host, [L], False, r.seconds
+    a = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[0], device=device)
+    b = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[1], device=device)
+    k = L - EXTRAPOLATE_FROM[0]
+    br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
+    host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
+    return br, host, list(EXTRAPOLATE_FROM), True, a.seconds + b.seconds
+
+
+class Planner:
+    """Holds what does not change across sequence lengths (configs, parameter counts, model states)."""
+
+    def __init__(self, ds_config, model_config, world_size: int, gpu_mem="80GiB", host_mem=None,
+                 reserve="0", gpus_per_node: Optional[int] = None, device: str = "meta",
+                 full_depth: bool = False, params: Optional[ms.ParamInfo] = None):
+        self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
+        self.model_config = model_config
+        self.world = int(world_size)
+        if self.world < 1:
+            raise ConfigError("--gpus", f"must be a positive integer, got {world_size}", "pass the world size")
+        try:
+            self.budget = parse_bytes(gpu_mem)
+            self.reserve = parse_bytes(reserve)
+            self.host_budget = parse_bytes(host_mem) if host_mem is not None else None
+        except ValueError as e:
+            raise ConfigError("--gpu-mem/--host-mem/--reserve", str(e), "write sizes like 80GiB") from None
+        if self.budget <= self.reserve:
+            raise ConfigError("--gpu-mem", f"the budget {fmt_bytes(self.budget)} leaves nothing after the "
+                              f"reserve {fmt_bytes(self.reserve)}", "give the device memory, e.g. 80GiB")
+        self.gpus_per_node = gpus_per_node or min(self.world, 8)
+        self.device = device
+        self.full_depth = full_depth
+        self.lc = parse(self.ds_config)
+        check_against(self.lc, self.model_config, self.world)
+        self.params = _persistent(self.ds_config, params or param_info(model_config))
+        self.states = ms.compute(self.ds_config, self.params, self.world)
+        if self.states.device_total + self.reserve >= self.budget:
+            raise ConfigError("--gpu-mem", f"the model states alone need {fmt_bytes(self.states.device_total)} per "
+                              f"device (ZeRO-{self.states.zero_stage}, {self.world} ranks), over the budget "
+                              f"{fmt_bytes(self.budget - self.reserve)}: no sequence length can fit",
+                              "use more GPUs, ZeRO-3, or offload_optimizer/offload_param to cpu")
+
+    def run(self, seq_len: int, label: str = "", full_depth: Optional[bool] = None) -> PlanResult:
+        lc, sp = self.lc, self.lc.sequence_parallel_size
+        check_against(lc, self.model_config, self.world, seq_len)
+        fd = self.full_depth if full_depth is None else full_depth
+        br, host_act, layers, extrap, secs = _steps(self.model_config, self.ds_config, lc, self.world, seq_len,
+                                                    self.device, fd)
+        breakdown = {"model_states": self.states.device_total, **br}
+        peak = sum(breakdown.values())
+        host = dict(self.states.host)
+        if host_act:
+            host["offloaded activations"] = int(host_act)
+        host_total = sum(host.values())
+        host_node = host_total * self.gpus_per_node
+        fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget)
+        notes = list(self.states.notes)
+        if self.states.nvme:
+            notes.append(f"on NVMe per rank: {fmt_bytes(sum(self.states.nvme.values()))}")
+        return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
+                          peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
+                          host_bytes=int(host_total), host_bytes_per_node=int(host_node),
+                          host_budget_bytes=self.host_budget, breakdown={k: int(v) for k, v in breakdown.items()},
+                          model_states=dict(self.states.device), host={k: int(v) for k, v in host.items()},
+                          layers_simulated=layers, num_layers=text_config(self.model_config).num_hidden_layers,
+                          extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label)
+
+    def max_context(self, granularity: Optional[int] = None, limit: int = 1 << 27, label: str = ""):
+        """Largest S (a multiple of SP) whose step fits, and the PlanResult at it (None when none fits)."""
+        unit = granularity or self.lc.sequence_parallel_size
+        cache: Dict[int, PlanResult] = {}
+
+        def at(k, full=None):
+            if (k, full) not in cache:
+                cache[(k, full)] = self.run(k * unit, label=label, full_depth=full)
+            return cache[(k, full)]
+
+        def headroom(r: PlanResult):
+            return r.device_budget_bytes - r.reserve_bytes - r.peak_device_bytes
+
+        if not at(1).fits:
+            return 0, at(1)
+        lo = hi = max(1, 4096 // unit)
+        while not at(lo).fits and lo > 1:
+            hi, lo = lo, max(1, lo // 4)
+        while at(hi).fits:  # gallop: memory grows at least linearly, so this brackets in few steps
+            lo = hi
+            hi = min(hi * 4, limit // unit)
+            if hi == lo:
+                return lo * unit, at(lo)
+        halve = False
+        while hi - lo > 1:
+            # false position on the (nearly affine) headroom, every other step a bisection so that
+            # steps in the curve (shard counts change with S) cannot stall it
+            h_lo, h_hi = headroom(at(lo)), headroom(at(hi))
+            if not halve and h_lo >= 0 > h_hi:
+                guess = lo + int((hi - lo) * h_lo / (h_lo - h_hi))
+            else:
+                guess = (lo + hi) // 2
+            mid = min(max(guess, lo + 1), hi - 1)
+            before = hi - lo
+            if at(mid).fits:
+                lo = mid
+                if mid + 1 < hi and not at(mid + 1).fits:
+                    hi = mid + 1
+            else:
+                hi = mid
+                if mid - 1 > lo and at(mid - 1).fits:
+                    lo = mid - 1
+            halve = (hi - lo) * 2 > before
+        best = at(lo)
+        if best.extrapolated:
+            # the answer is re-checked at full depth; walk down if extrapolation was optimistic
+            full = at(lo, True)
+            while not full.fits and lo > 1:
+                lo = max(1, lo - max(1, lo // 200))
+                full = at(lo, True)
+            best = full if full.fits else at(lo)
+        return (lo * unit if best.fits else 0), best
+
+
+def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem="80GiB",
+         host_mem=None, seq_len: Optional[int] = None, reserve="0", gpus_per_node: Optional[int] = None,
+         device: str = "meta", full_depth: bool = False) -> PlanResult:
+    """Plan one training step (see module doc). ``seq_len`` defaults to long_context.sequence_length."""
+    mc = load_model_config(model_config, model)
+    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, full_depth)
+    seq = seq_len if seq_len is not None else p.lc.sequence_length
+    if seq is None:
+        raise ConfigError("--seq-len", "no sequence length was given",
+                          "pass --seq-len N, set long_context.sequence_length, or use --max-context")
+    return p.run(int(seq))
+
+
+def max_context(ds_config, model_config=None, *, model=None, world_size: int = 8, gpu_mem="80GiB", host_mem=None,
+                reserve="0", gpus_per_node=None, device: str = "meta") -> tuple:
+    mc = load_model_config(model_config, model)
+    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device)
+    return p.max_context()

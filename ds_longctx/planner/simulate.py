@@ -1,0 +1,495 @@
+"""One rank's forward + backward, run for real on fake tensors under a fake process group.
+
+The model is built from its HF config inside ``FakeTensorMode`` (shapes and dtypes, no storage), our
+``engine.patch_model`` installs exactly what training installs (attention, memory stack, SP loss),
+and the step runs under :class:`Accountant`, which counts every storage the real code creates and
+frees, split by where it lives (device / host) and by what created it (attention / mlp / loss /
+other). Collectives go to torch's "fake" backend, which returns without moving data: every rank's
+shapes are the same, so rank 0's step is every rank's step.
+
+Simulated device. Fake CUDA tensors exist on a CPU-only torch, but autograd aborts on them (the
+engine needs a CUDA device guard) and SDPA on them falls back to the math kernel (an S x S matrix).
+So the GPU is stood in for by the ``meta`` device: offloaded tensors (``.to("cpu")``) then land on
+fake ``cpu`` and are counted as host bytes, and ``F.scaled_dot_product_attention`` on meta is routed
+to the flash kernel's op (out + fp32 LSE saved, no S x S matrix), which is what runs on the GPU.
+``device="cpu"`` simulates a CPU run instead (host and device are the same memory there); the CPU
+tests use it to compare with real CPU measurements.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("attention", "mlp", "loss", "other")
+_TAG = "ds_longctx_planner_tag"
+
+
+class NeedsOwnProcess(RuntimeError):
+    """The process already runs a real process group; the fake one needs a process of its own."""
+
+
+# ---------------------------------------------------------------------------------------------
+# fake world
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    """A default process group of ``world_size`` fake ranks (this process is rank 0)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise NeedsOwnProcess("a real process group is initialized in this process")
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    import deepspeed.comm as ds_comm
+
+    # DeepSpeed's comm wrapper (used by its Ulysses attention) must see a backend; it wraps ours.
+    ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, dist_init_required=False,
+                             verbose=False)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _restored_attention_registry():
+    """patch_model overrides HF's global attention functions (once per training process); the planner
+    runs many configurations in one process, so put them back after each."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    saved = dict(ALL_ATTENTION_FUNCTIONS._global_mapping) if hasattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping") \
+        else None
+    saved_local = dict(getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {}) or {})
+    try:
+        yield
+    finally:
+        if saved is not None:
+            ALL_ATTENTION_FUNCTIONS._global_mapping.clear()
+            ALL_ATTENTION_FUNCTIONS._global_mapping.update(saved)
+        if hasattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping"):
+            ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
+            ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved_local)
+
+
+@contextlib.contextmanager
+def _contiguous_positions():
+    """HF looks for packed sequences in position_ids by reading their values; on fake tensors it cannot
+    and assumes packing, which materializes an [s, s] mask. The planner's position_ids are one
+    contiguous sequence, for which the real run finds no packing: give that answer."""
+    import transformers.masking_utils as mu
+
+    orig = mu.find_packed_sequence_indices
+    mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu.find_packed_sequence_indices = orig
+
+
+# ---------------------------------------------------------------------------------------------
+# accounting
+# ---------------------------------------------------------------------------------------------
+
+
+class Accountant(TorchDispatchMode):
+    """Live storage bytes created inside the mode, by place (device/host) and category.
+
+    Category: the innermost attention/MLP module whose forward is running (forward, and recompute
+    under checkpointing); in backward, the category of the module whose forward created the autograd
+    node being run (recorded on ``node.metadata`` by :class:`_Tagger`); else ``default``.
+    """
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.live: Dict[tuple, int] = {}
+        self.peak_device = 0
+        self.peak_breakdown: Dict[str, int] = {c: 0 for c in CATEGORIES}
+        self.host_at_peak = 0
+        self.peak_host = 0
+        self.stack: List[str] = []
+        self.default = "other"
+        self._dev = 0
+        self._host = 0
+        self._seen: Dict[int, tuple] = {}
+        self._ignored: set = set()
+        self.host_scope = False
+        self._last_bwd = "other"
+        self._keep: list = []
+
+    def ignore(self, tensors):
+        """Storages that existed before the step (parameters, buffers): views of them are not new."""
+        for t in tensors:
+            st = t.untyped_storage()
+            self._keep.append(st)  # pins the id while ignored
+            self._ignored.add(id(st))
+
+    def category(self) -> str:
+        if self.stack:
+            return self.stack[-1]
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            tag = node.metadata.get(_TAG)
+            if tag is None:
+                # a graph built inside another node's backward (tiled recompute): that node's category
+                return self._last_bwd
+            self._last_bwd = tag
+            return tag
+        return self.default
+
+    def _track(self, t: torch.Tensor):
+        try:
+            st = t.untyped_storage()
+        except Exception:
+            return
+        key = id(st)
+        nbytes = st.nbytes()
+        if key in self._seen or key in self._ignored or nbytes == 0:
+            return
+        where = "device" if t.device.type == self.device_type and not self.host_scope else "host"
+        slot = (where, self.category())
+        self._seen[key] = (slot, nbytes)
+        self.live[slot] = self.live.get(slot, 0) + nbytes
+        if where == "device":
+            self._dev += nbytes
+            if self._dev > self.peak_device:
+                self.peak_device = self._dev
+                self.peak_breakdown = {c: self.live.get(("device", c), 0) for c in CATEGORIES}
+                self.host_at_peak = self._host
+        else:
+            self._host += nbytes
+            self.peak_host = max(self.peak_host, self._host)
+        weakref.finalize(st, Accountant._free, weakref.ref(self), key)
+
+    @staticmethod
+    def _free(ref, key):
+        me = ref()
+        if me is None or key not in me._seen:
+            return
+        slot, nbytes = me._seen.pop(key)
+        me.live[slot] -= nbytes
+        if slot[0] == "device":
+            me._dev -= nbytes
+        else:
+            me._host -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+class _SimHostTarget:
+    """Offload target for the simulation: the host copy is a fake CPU tensor made inside the modes and
+    counted as host memory (the memory stack's CPU target makes real copies outside every mode, which
+    under fake tensors would allocate real memory). Same shapes and lifetimes as the pinned target."""
+
+    def __init__(self, acct: "Accountant"):
+        self.acct = acct
+
+    def to_host(self, t):
+        self.acct.host_scope = True
+        try:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            host.copy_(t.detach())
+        finally:
+            self.acct.host_scope = False
+        return host, None
+
+    def to_device(self, host, device):
+        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out.copy_(host)
+        return out, None
+
+    def wait(self, event):
+        pass
+
+
+def _grad_fns(obj):
+    return [t.grad_fn for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _tag_graph(roots, tag: str, boundary: set):
+    """Record ``tag`` on every autograd node reachable from ``roots`` that no earlier module claimed,
+    stopping at the module's inputs."""
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in boundary or _TAG in node.metadata:
+            continue
+        node.metadata[_TAG] = tag
+        stack.extend(n for n, _ in node.next_functions)
+
+
+class _Tagger:
+    """Module hooks that tell the Accountant which category is running and tag autograd nodes."""
+
+    def __init__(self, acct: Accountant, model):
+        self.acct = acct
+        self.handles = []
+        self.boundaries: List[set] = []
+        decoder = model.get_decoder()
+        for layer in decoder.layers:
+            for name, child in layer.named_children():
+                low = name.lower()
+                if "attn" in low or "attention" in low:
+                    self._hook(child, "attention", push=True)
+                elif "mlp" in low or "feed_forward" in low:
+                    self._hook(child, "mlp", push=True)
+            self._hook(layer, "other", push=False)
+        self._hook(decoder, "other", push=False, after="loss")
+        self._hook(model, "loss", push=False, after="other")
+
+    def _hook(self, module, tag, push: bool, after: Optional[str] = None):
+        def pre(mod, args, kwargs):
+            self.boundaries.append({id(n) for n in _grad_fns((args, kwargs))})
+            if push:
+                self.acct.stack.append(tag)
+
+        def post(mod, args, kwargs, output):
+            boundary = self.boundaries.pop() if self.boundaries else set()
+            _tag_graph(_grad_fns(output), tag, boundary)
+            if push and self.acct.stack:
+                self.acct.stack.pop()
+            if after is not None:
+                self.acct.default = after
+
+        self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(post, with_kwargs=True))
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _flash_fwd(q, k, v):
+    """Memory of a CUDA flash forward: the output and an fp32 LSE. Layout [b, h, s, d]."""
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+def _flash_bwd(q, k, v):
+    """Memory of flash-attention-2's backward (flash_api.cpp mha_bwd): dq/dk/dv, an fp32 dq
+    accumulator and softmax_d (both alive for the call), and head-expanded dk/dv under GQA, reduced
+    to the KV heads at the end. Layout [b, h, s, d]."""
+    b, h, s, d = q.shape
+    work = [torch.empty(b, h, s, d, dtype=torch.float32, device=q.device),
+            torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
+    dq = torch.empty_like(q)
+    if k.shape[1] != h:
+        work += [torch.empty(b, h, k.shape[2], d, dtype=k.dtype, device=k.device) for _ in range(2)]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    del work
+    return dq, dk, dv
+
+
+class _MetaFlash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = _flash_fwd(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return _flash_bwd(q, k, v)
+
+
+@contextlib.contextmanager
+def _flash_sdpa_on_meta(device: str):
+    """On the meta stand-in device, run SDPA as the CUDA flash kernel does (out + fp32 LSE saved,
+    GQA without repeating K/V), not as the math fallback (an S x S matrix) that meta would pick.
+    Replaces the module attribute (what HF calls) rather than using a TorchFunctionMode, which
+    checkpoint recomputation in backward does not see."""
+    if device != "meta":
+        yield
+        return
+    orig = F.scaled_dot_product_attention
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type == "meta" and attn_mask is None:
+            return _MetaFlash.apply(query, key, value)
+        return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = orig
+
+
+def _meta_backend_class():
+    """A backend for ds_longctx.attention.kernels on the meta stand-in device, with flash-attention-2's
+    memory (native GQA). Registered only while a simulation runs."""
+    from ..attention import kernels
+
+    class MetaFlash(kernels.Backend):
+        name = "planner_meta_flash"
+        native_gqa = True
+        device_type = "meta"
+
+        @staticmethod
+        def available() -> bool:
+            return True
+
+        def _fwd(self, q, k, v, causal, scale):  # [b, s, h, d] like the other backends
+            out, lse = _flash_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return out.transpose(1, 2), lse
+
+        def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+            dq, dk, dv = _flash_bwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+    return MetaFlash
+
+
+@contextlib.contextmanager
+def _meta_kernels(device: str):
+    if device != "meta":
+        yield
+        return
+    try:
+        from ..attention import kernels
+    except ImportError:
+        yield
+        return
+    cls = _meta_backend_class()
+    saved_auto = dict(kernels._AUTO_ORDER)
+    kernels.BACKENDS[cls.name] = cls
+    kernels._AUTO_ORDER["meta"] = (cls.name,)
+    # configs that name a CUDA kernel ("flash_attention_2", "sdpa") mean that kernel on the GPU
+    saved_get = kernels.get_backend
+
+    def get_backend(name, dev):
+        if torch.device(dev).type == "meta":
+            return kernels._instance(cls.name)
+        return saved_get(name, dev)
+
+    kernels.get_backend = get_backend
+    try:
+        yield
+    finally:
+        kernels.get_backend = saved_get
+        kernels._AUTO_ORDER.clear()
+        kernels._AUTO_ORDER.update(saved_auto)
+        kernels.BACKENDS.pop(cls.name, None)
+        kernels._INSTANCES.pop(cls.name, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# the step
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepMemory:
+    peak_device: int
+    breakdown: Dict[str, int]
+    host_at_peak: int
+    peak_host: int
+    num_layers: int
+    seconds: float
+    notes: List[str] = field(default_factory=list)
+
+
+def text_config(model_config):
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+def with_layers(model_config, num_layers: int):
+    cfg = copy.deepcopy(model_config)
+    tc = text_config(cfg)
+    tc.num_hidden_layers = num_layers
+    for key in ("layer_types", "mlp_only_layers"):
+        val = getattr(tc, key, None)
+        if isinstance(val, list) and len(val) > num_layers:
+            setattr(tc, key, val[:num_layers])
+    return cfg
+
+
+def dtype_of(ds_config: dict) -> torch.dtype:
+    from .model_states import model_dtype
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[model_dtype(ds_config)]
+
+
+def build_model(model_config, dtype: torch.dtype, device: str, mode):
+    from transformers import AutoModelForCausalLM
+
+    attn = getattr(model_config, "_attn_implementation", None)
+    if attn in (None, "eager") or "flash" in str(attn):
+        # flash_attention_* needs the flash_attn package; sdpa's flash path has the same memory
+        attn = "sdpa"
+    with mode, torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype, attn_implementation=attn)
+    model.train()
+    return model
+
+
+def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: int, num_layers: int,
+                  device: str = "meta", batch_size: int = 1) -> StepMemory:
+    """Peak memory of one training step (forward + backward) on rank 0 of ``world_size`` fake ranks.
+
+    Parameter storage and final full gradients are not counted here (they are model states, sized
+    by arithmetic); transient full gradients inside backward are, since they exist on the device.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..engine import patch_model
+
+    sp = lc.sequence_parallel_size
+    t0 = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_world(world_size), _restored_attention_registry(), _contiguous_positions(), \
+            _meta_kernels(device), _flash_sdpa_on_meta(device):
+        group = dist.new_group(list(range(sp))) if sp > 1 else None
+        model = build_model(with_layers(model_config, num_layers), dtype_of(ds_config), device, mode)
+        for p in model.parameters():
+            if p.requires_grad:
+                # DeepSpeed moves each full grad into its bucket/partition as soon as it is ready;
+                # the partitions are model states, counted by arithmetic.
+                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        patch_model(model, lc, group, 1.0)
+        acct = Accountant(device)
+        acct.ignore(list(model.parameters()) + list(model.buffers()))
+        handle = getattr(model, "_ds_longctx_memory", None)
+        if handle is not None and handle.offloader is not None:
+            handle.set_offload_target(_SimHostTarget(acct))
+        tagger = _Tagger(acct, model)
+        local = seq_len // sp
+        try:
+            with mode, acct:
+                ids = torch.zeros(batch_size, local, dtype=torch.long, device=device)
+                pos = torch.arange(local, device=device).unsqueeze(0).expand(batch_size, -1)
+                labels = torch.zeros(batch_size, local, dtype=torch.long, device=device)
+                out = model(input_ids=ids, position_ids=pos, shift_labels=labels)
+                loss = out.loss
+                del out
+                loss.backward()
+                del loss, ids, pos, labels
+        finally:
+            tagger.remove()
+        res = StepMemory(acct.peak_device, acct.peak_breakdown, acct.host_at_peak, acct.peak_host, num_layers,
+                         time.perf_counter() - t0)
+        res.memory_stats = handle.stats() if handle is not None else {}
+        del model
+    return res
