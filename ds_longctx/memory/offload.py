@@ -11,6 +11,7 @@ injectable, and backward prefetches the previous layer's input while the current
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import weakref
@@ -38,6 +39,9 @@ class OffloadTarget:
 
     def wait(self, event) -> None:
         pass
+
+    def sync(self, event) -> None:
+        """Block the host until ``event``'s copy is done."""
 
 
 class HostCopyTarget(OffloadTarget):
@@ -92,11 +96,16 @@ class PinnedHostTarget(OffloadTarget):
         side.wait_stream(compute)
         with torch.cuda.stream(side):
             out.copy_(host, non_blocking=self.pin_memory)
+        out.record_stream(side)  # a prefetch dropped unconsumed must not be reused mid-copy
         return out, side.record_event()
 
     def wait(self, event):
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+    def sync(self, event):
+        if event is not None:
+            event.synchronize()
 
 
 class AutoTarget(OffloadTarget):
@@ -118,6 +127,10 @@ class AutoTarget(OffloadTarget):
     def wait(self, event):
         if event is not None:
             self.cuda.wait(event)
+
+    def sync(self, event):
+        if event is not None:
+            self.cuda.sync(event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +179,7 @@ class CheckpointInputOffloader:
     """
 
     def __init__(self, target: Optional[OffloadTarget] = None, pin_memory: bool = True, prefetch: bool = True,
-                 min_bytes: int = 0, record_events: bool = False):
+                 min_bytes: int = 0, record_events: bool = False, max_inflight: int = 1):
         self.target = target if target is not None else AutoTarget(pin_memory=pin_memory)
         self.prefetch = prefetch
         self.min_bytes = min_bytes
@@ -175,6 +188,12 @@ class CheckpointInputOffloader:
         self._seq = itertools.count(1)
         self._live: "weakref.WeakValueDictionary[int, _Offloaded]" = weakref.WeakValueDictionary()
         self._newest: Optional[weakref.ref] = None
+        # A D2H copy frees its source only once the side stream has run it (record_stream), and the
+        # host runs layers ahead of the GPU: unthrottled, every offloaded input stays allocated until
+        # the next sync (measured on an H200: +1 GiB over plain checkpointing for 8 x 128 MiB inputs).
+        # Waiting for the copy issued max_inflight layers ago keeps the host at most that far ahead.
+        self.max_inflight = max_inflight
+        self._inflight: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
     # -- accounting ---------------------------------------------------------------------------
@@ -220,6 +239,10 @@ class CheckpointInputOffloader:
         if _nbytes(t) < self.min_bytes or isinstance(t, torch.nn.Parameter):
             return t
         host, ev = self.target.to_host(t)
+        if ev is not None:
+            self._inflight.append(ev)
+            while len(self._inflight) > self.max_inflight:
+                self.target.sync(self._inflight.popleft())
         ref = _Offloaded(next(self._seq), t, host, ev)
         n = _nbytes(host)
         self._host_alloc(n)
