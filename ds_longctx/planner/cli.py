@@ -105,6 +105,15 @@ def plot(rows, path: str, show_max: bool):
 
 
 def run_plan(a) -> int:
+    import contextlib
+
+    # DeepSpeed prints build/info lines on stdout; with --json, stdout carries the JSON alone
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run_plan(a, out)
+
+
+def _run_plan(a, out) -> int:
     t0 = time.perf_counter()
     ds = load_ds_config(a.config)
     mc = load_model_config(a.model_config, a.model)
@@ -141,14 +150,14 @@ def run_plan(a) -> int:
             label, r, mx = rows[0]
             obj = {**_row(r, mx), "wall_seconds": round(wall, 2)}
             obj["fits"] = fits
-        print(json.dumps(obj, indent=1))
+        print(json.dumps(obj, indent=1), file=out)
     else:
-        print(_table(rows, show_max=a.max_context))
-        print(_detail(rows[-1][1]))
+        print(_table(rows, show_max=a.max_context), file=out)
+        print(_detail(rows[-1][1]), file=out)
         if a.max_context:
             for label, r, mx in rows:
-                print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)})")
-        print(f"planner wall time {wall:.1f}s")
+                print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)})", file=out)
+        print(f"planner wall time {wall:.1f}s", file=out)
     return 0 if fits else 1
 
 

@@ -229,11 +229,17 @@ def _tag_graph(roots, tag: str, boundary: set):
     """Record ``tag`` on every autograd node reachable from ``roots`` that no earlier module claimed,
     stopping at the module's inputs."""
     stack = list(roots)
+    seen = []  # keeps visited wrappers alive so their ids stay unique during the walk
+    ids = set()
     while stack:
         node = stack.pop()
-        if node is None or id(node) in boundary or _TAG in node.metadata:
+        if node is None or id(node) in boundary or id(node) in ids:
             continue
-        node.metadata[_TAG] = tag
+        seen.append(node)
+        ids.add(id(node))
+        # walk through nodes an inner module already claimed: the nodes between an inner module's
+        # input and this module's input (a norm before the MLP) are reachable only through them
+        node.metadata.setdefault(_TAG, tag)
         stack.extend(n for n, _ in node.next_functions)
 
 
@@ -248,22 +254,29 @@ class _Tagger:
         for layer in decoder.layers:
             for name, child in layer.named_children():
                 low = name.lower()
-                if "attn" in low or "attention" in low:
+                if "norm" in low:  # post_attention_layernorm is a norm, not attention
+                    continue
+                if low.endswith("attn") or low.endswith("attention"):
                     self._hook(child, "attention", push=True)
-                elif "mlp" in low or "feed_forward" in low:
+                elif low in ("mlp", "feed_forward", "ffn", "block_sparse_moe") or low.endswith("mlp"):
                     self._hook(child, "mlp", push=True)
-            self._hook(layer, "other", push=False)
+            # pushes too, so that a layer recomputed in backward (checkpointing) is charged to its
+            # own ops, not to the node whose backward triggered the recompute
+            self._hook(layer, "other", push=True)
         self._hook(decoder, "other", push=False, after="loss")
         self._hook(model, "loss", push=False, after="other")
 
     def _hook(self, module, tag, push: bool, after: Optional[str] = None):
         def pre(mod, args, kwargs):
-            self.boundaries.append({id(n) for n in _grad_fns((args, kwargs))})
+            # keep the node objects alive until the post-hook: a node's Python wrapper (and so its
+            # id) is recreated once the last reference to it dies
+            nodes = _grad_fns((args, kwargs))
+            self.boundaries.append(({id(n) for n in nodes}, nodes))
             if push:
                 self.acct.stack.append(tag)
 
         def post(mod, args, kwargs, output):
-            boundary = self.boundaries.pop() if self.boundaries else set()
+            boundary, _nodes = self.boundaries.pop() if self.boundaries else (set(), None)
             _tag_graph(_grad_fns(output), tag, boundary)
             if push and self.acct.stack:
                 self.acct.stack.pop()
@@ -271,7 +284,8 @@ class _Tagger:
                 self.acct.default = after
 
         self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        self.handles.append(module.register_forward_hook(post, with_kwargs=True))
+        # always_call: checkpoint recompute stops early by raising, which would leave the tag pushed
+        self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
 
     def remove(self):
         for h in self.handles:

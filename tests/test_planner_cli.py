@@ -1,0 +1,69 @@
+"""ds-longctx plan: exit codes (0 fits, 1 not, 2 bad input with a clear message) and the --json schema."""
+import json
+
+import pytest
+
+from ds_longctx.planner.cli import main
+
+MODEL = "ds_configs/models/llama3-8b.json"
+# a 1B-class Llama: same code paths as 8B, fewer bytes to push through the tiled loops on 2 shared cores
+SMALL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
+         "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 16, "vocab_size": 32000,
+         "tie_word_embeddings": False}
+BASE = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "sequence_parallel_size": 8,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "long_context": {"attention": {"implementation": "ulysses"},
+                         "activation_checkpointing": {"enabled": True, "offload": "cpu"},
+                         "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}}}
+
+
+def _cfg(tmp_path, cfg=None, name="ds.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(BASE if cfg is None else cfg))
+    return str(p)
+
+
+def test_json_schema_and_fits(tmp_path, capsys):
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", MODEL, "--gpus", "8", "--gpu-mem", "80GiB",
+               "--seq-len", "131072", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True
+    for key in ("fits", "peak_device_bytes", "host_bytes", "breakdown", "sequence_length", "device_budget_bytes"):
+        assert key in out
+    assert set(out["breakdown"]) == {"model_states", "attention", "mlp", "loss", "other"}
+    assert out["peak_device_bytes"] == sum(out["breakdown"].values())
+    assert out["host"]["offloaded activations"] > 0 and out["host"]["optimizer"] > 0
+
+
+def _small(tmp_path):
+    p = tmp_path / "small.json"
+    p.write_text(json.dumps(SMALL))
+    return str(p)
+
+
+def test_does_not_fit_exits_1(tmp_path, capsys):
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--gpu-mem", "12GiB", "--seq-len", str(2 * 1024 * 1024), "--json"])
+    assert rc == 1 and json.loads(capsys.readouterr().out)["fits"] is False
+
+
+def test_max_context_json(tmp_path, capsys):
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--gpu-mem", "8GiB", "--max-context", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["max_sequence_length"] % 8 == 0 and out["max_sequence_length"] > 0
+    assert out["fits"] and out["sequence_length"] == out["max_sequence_length"]
+
+
+@pytest.mark.parametrize("args,cfg,needle", [
+    (["--gpus", "8"], None, "model config"),                                   # missing model config
+    (["--gpus", "12", "--model-config", MODEL], None, "does not divide the world size 12"),
+    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    (["--gpus", "8", "--gpu-mem", "lots", "--model-config", MODEL], None, "byte size"),
+    (["--gpus", "8", "--model-config", "nope/config.json"], None, "does not exist"),
+    (["--gpus", "8", "--model-config", MODEL], dict(BASE, long_context={"tiled_mpl": {}}), "unknown key"),
+])
+def test_bad_input_exits_2(tmp_path, capsys, args, cfg, needle):
+    rc = main(["plan", "--config", _cfg(tmp_path, cfg), "--seq-len", "65536"] + args)
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err, err
