@@ -101,6 +101,7 @@ def _install_fused(model, tc, state: _State):
     for m in found:
         m._ds_longctx_untied = state
         m.forward = types.MethodType(_fused_forward, m)
+        m.__class__ = _positional_call_class(type(m))
     try:
         from deepspeed.utils import set_z3_leaf_modules
     except ImportError:
@@ -108,6 +109,31 @@ def _install_fused(model, tc, state: _State):
     # the stage loop reads q/k/v/o (and q/k-norm) weights directly, not through child modules, so
     # ZeRO-3 must gather the whole attention module at its forward and again for its backward
     set_z3_leaf_modules(model, [cls])
+
+
+_CALL_CLASSES = {}
+
+
+def _positional_call_class(cls):
+    """Same class, but ``hidden_states`` passed by keyword is moved to the first positional argument.
+
+    DeepSpeed reduces a ZeRO-3 leaf module's grads from a full backward hook, and such hooks see
+    only positional inputs. HF decoder layers call attention with keywords only, so the hook would
+    fire on the output grads, before any weight grad exists (it then reduces zeros and the real
+    grads hit partitioned params). With hidden_states positional it fires after the input grad.
+    """
+    if getattr(cls, "_ds_longctx_positional", False):
+        return cls
+    if cls not in _CALL_CLASSES:
+        def __call__(self, *args, **kwargs):
+            if not args and "hidden_states" in kwargs:
+                args = (kwargs.pop("hidden_states"),)
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+
+        _CALL_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                                         "__qualname__": cls.__qualname__,
+                                                         "_ds_longctx_positional": True})
+    return _CALL_CLASSES[cls]
 
 
 def _sliding_window(module, facts: AttentionFacts):
