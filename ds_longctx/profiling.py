@@ -1,0 +1,237 @@
+"""Per-step time, throughput, TFLOPs and peak memory, plus profiler artifacts for chosen steps.
+
+The train loop calls ``start_step(step)`` before the forward and ``end_step(step, tokens)`` after the
+optimizer step, and stores the returned dict in its metrics file. With ``long_context.profile.enabled``
+the steps listed in ``profile.steps`` also write, under ``profile.output_dir``:
+
+- ``trace_rank{r}_step{s}.json``: a torch.profiler Chrome trace (CPU, and CUDA when present);
+- ``memory_snapshot_rank{r}_step{s}.pickle`` (CUDA only): ``torch.cuda.memory._dump_snapshot``, open it
+  at https://pytorch.org/memory_viz;
+- ``memory_rank{r}_step{s}.png`` (and ``.csv``): device memory sampled over the step (CUDA: allocated
+  bytes; CPU: process RSS). The PNG needs matplotlib; without it only the CSV is written.
+
+FLOPs (model FLOPs, i.e. without checkpoint recomputation, the MFU convention), for one sample of S
+tokens on an SP group of C ranks, N = parameters without the input embedding, L layers, h hidden:
+
+    dense     = 6 * N * S                  (forward 2NS + backward 4NS)
+    attention = 6 * L * h * S^2            (QK^T and PV: 4*S^2*h forward per layer, x3 with backward,
+                                            halved by the causal mask)
+    TFLOPs per GPU = (dense + attention) * samples / C / step_seconds / 1e12
+
+``tokens`` given to ``end_step`` is the global tokens the rank's SP group processed this step
+(sequence length x micro-batch); tokens/s is reported per GPU (divided by C), as UPipe and ALST do.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+def _cfg_get(cfg, key, default):
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def count_params(model) -> Dict[str, int]:
+    """Total parameters and those of the input embedding (ZeRO-3 partitioned params report ds_numel)."""
+    total = emb = 0
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", None) or p.numel()
+        total += n
+        if id(p) in embed_ids:
+            emb += n
+    return {"total": total, "embedding": emb}
+
+
+def flops_per_sample(seq_len: int, n_params_no_embed: int, num_layers: int, hidden: int) -> Dict[str, float]:
+    dense = 6.0 * n_params_no_embed * seq_len
+    attn = 6.0 * num_layers * hidden * float(seq_len) ** 2
+    return {"dense": dense, "attention": attn, "total": dense + attn}
+
+
+class _Sampler(threading.Thread):
+    """Samples device memory every ``interval`` seconds while a profiled step runs."""
+
+    def __init__(self, cuda: bool, interval: float = 0.005):
+        super().__init__(daemon=True)
+        self.cuda, self.interval = cuda, interval
+        self.samples: List[tuple] = []
+        self._halt = threading.Event()
+        self.t0 = time.perf_counter()
+
+    def _read(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def run(self):
+        while not self._halt.is_set():
+            self.samples.append((time.perf_counter() - self.t0, self._read()))
+            self._halt.wait(self.interval)
+
+    def stop(self):
+        self._halt.set()
+        self.join(timeout=1.0)
+        self.samples.append((time.perf_counter() - self.t0, self._read()))
+
+
+class StepProfiler:
+    """See the module doc. ``model_config``: the HF config (for FLOPs); ``model``: optional, for the
+    exact parameter count (else estimated from the config); ``tracker``: a LiveBytesTracker whose peak
+    is reported on CPU instead of RSS."""
+
+    def __init__(self, cfg=None, model_config=None, world_size: int = 1, sp_size: int = 1, rank: int = 0,
+                 model=None, tracker=None, device: Optional[str] = None):
+        self.enabled = bool(_cfg_get(cfg, "enabled", False))
+        self.steps = set(int(s) for s in (_cfg_get(cfg, "steps", []) or []))
+        self.output_dir = _cfg_get(cfg, "output_dir", "profiles")
+        self.world_size, self.sp, self.rank = world_size, max(1, sp_size), rank
+        self.tracker = tracker
+        self.cuda = (device == "cuda") if device is not None else torch.cuda.is_available()
+        tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        self.num_layers = getattr(tc, "num_hidden_layers", 0) if tc is not None else 0
+        self.hidden = getattr(tc, "hidden_size", 0) if tc is not None else 0
+        if model is not None:
+            c = count_params(model)
+            self.n_params = c["total"] - c["embedding"]
+        else:
+            self.n_params = self._estimate_params(tc)
+        self._t0 = None
+        self._prof = None
+        self._sampler = None
+        self._snapshot = False
+        self.history: List[Dict[str, Any]] = []
+
+    @staticmethod
+    def _estimate_params(tc) -> int:
+        if tc is None:
+            return 0
+        h, L = tc.hidden_size, tc.num_hidden_layers
+        heads = tc.num_attention_heads
+        d = getattr(tc, "head_dim", None) or h // heads
+        kv = getattr(tc, "num_key_value_heads", None) or heads
+        inter = getattr(tc, "intermediate_size", 4 * h)
+        per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter + 2 * h
+        return L * per_layer + h + tc.vocab_size * h  # + final norm + lm_head
+
+    def _profiled(self, step: int) -> bool:
+        return self.enabled and step in self.steps
+
+    def start_step(self, step: int) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        elif self.tracker is not None:
+            self.tracker.reset_peak()
+        if self._profiled(step):
+            os.makedirs(self.output_dir, exist_ok=True)
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(max_entries=200000)
+                self._snapshot = True
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=acts, profile_memory=True, record_shapes=False)
+            self._prof.__enter__()
+            self._sampler = _Sampler(self.cuda)
+            self._sampler.start()
+        self._t0 = time.perf_counter()
+
+    def _peak_memory(self):
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(), "cuda_max_memory_allocated"
+        if self.tracker is not None:
+            return self.tracker.peak, "live_bytes_tracker"
+        try:
+            import psutil
+
+            return psutil.Process().memory_info().rss, "process_rss"
+        except ImportError:
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+
+    def end_step(self, step: int, tokens: int) -> Dict[str, Any]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - (self._t0 if self._t0 is not None else time.perf_counter())
+        peak, source = self._peak_memory()
+        seq = tokens  # one sample per micro-batch is the long-context norm; FLOPs scale with S^2 per sample
+        f = flops_per_sample(seq, self.n_params, self.num_layers, self.hidden)
+        rec = {"step": step, "step_time_s": dt, "tokens": tokens,
+               "tokens_per_s_per_gpu": tokens / self.sp / dt if dt > 0 else 0.0,
+               "tflops_per_gpu": f["total"] / self.sp / dt / 1e12 if dt > 0 else 0.0,
+               "attention_flops_fraction": f["attention"] / f["total"] if f["total"] else 0.0,
+               "peak_memory_bytes": int(peak), "peak_memory_source": source}
+        if self._profiled(step):
+            rec["artifacts"] = self._finish_artifacts(step)
+        self.history.append(rec)
+        return rec
+
+    def _finish_artifacts(self, step: int) -> List[str]:
+        out = []
+        tag = f"rank{self.rank}_step{step}"
+        if self._sampler is not None:
+            self._sampler.stop()
+        if self._prof is not None:
+            self._prof.__exit__(None, None, None)
+            path = os.path.join(self.output_dir, f"trace_{tag}.json")
+            self._prof.export_chrome_trace(path)
+            out.append(path)
+            self._prof = None
+        if self._snapshot:
+            path = os.path.join(self.output_dir, f"memory_snapshot_{tag}.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self._snapshot = False
+            out.append(path)
+        if self._sampler is not None:
+            out += self._write_timeline(self._sampler.samples, tag)
+            self._sampler = None
+        return out
+
+    def _write_timeline(self, samples, tag) -> List[str]:
+        csv = os.path.join(self.output_dir, f"memory_{tag}.csv")
+        with open(csv, "w") as f:
+            f.write("seconds,bytes\n")
+            f.writelines(f"{t:.6f},{b}\n" for t, b in samples)
+        out = [csv]
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return out
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        ax.plot([t for t, _ in samples], [b / 2**30 for _, b in samples])
+        ax.set_xlabel("seconds into the step")
+        ax.set_ylabel("GiB " + ("allocated (CUDA)" if self.cuda else "RSS"))
+        ax.set_title(f"memory over the step ({tag})")
+        fig.tight_layout()
+        png = os.path.join(self.output_dir, f"memory_{tag}.png")
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        return out + [png]
+
+    def write_summary(self, path: Optional[str] = None) -> str:
+        path = path or os.path.join(self.output_dir, f"steps_rank{self.rank}.json")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.history, f, indent=1)
+        return path
+
+
+__all__ = ["StepProfiler", "flops_per_sample", "count_params"]
