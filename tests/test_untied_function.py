@@ -320,7 +320,10 @@ def test_fused_matches_tied_and_reference(case):
         r = res["fused"][case]
         where = f"rank {rank}: {r}"
         for n in [k[:-len("_rel_tied")] for k in r if k.endswith("_rel_tied")]:
-            assert r[f"{n}_rel_tied"] <= 1e-6, f"{n}; {where}"
+            # q/k-norm weight grads sum b*s*heads products: both sides sit ~1e-6 from fp64, so
+            # their difference gets twice that; their distance to fp64 is held to 2e-6 below
+            tol = 2e-6 if n in ("dqn", "dkn") else 1e-6
+            assert r[f"{n}_rel_tied"] <= tol, f"{n}; {where}"
             assert r[f"{n}_err_ref"] <= 2e-6, f"{n}; {where}"
 
 

@@ -26,7 +26,6 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from .kernels import Backend
 
 
@@ -95,6 +94,14 @@ class Schedule:
     def stages(self) -> int:
         return self.chunks * self.stages_per_chunk
 
+    def q_offset(self, j: int, t: int) -> int:
+        """First query head of stage (j, t) inside each rank's block of H/C heads."""
+        return j * self.m * self.group + t * self.heads_per_chunk
+
+    def kv_offset(self, j: int) -> int:
+        """First kv head of chunk j inside each rank's block of G/C kv heads (0 when replicated)."""
+        return j * self.m
+
     # head lists (sent order: rank-major, so rank r receives entries [r*n, (r+1)*n)) ----------
     def kv_heads_of_chunk(self, j: int) -> List[int]:
         return [(r * self.kv_local + j * self.m + i) // self.rep for r in range(self.sp) for i in range(self.m)]
@@ -138,6 +145,41 @@ class Schedule:
 
 
 # ---------------------------------------------------------------------------------------------
+# all-to-all on 5-D views. A stage's heads on a rank are [b, s, C, n, d]: C rank blocks of n heads.
+# Sources build them physically as [C, b, s, n, d], so the send buffer is the tensor itself.
+# ---------------------------------------------------------------------------------------------
+
+
+def _seq_to_head(t5, group):
+    """[b, s, C, n, d] (sequence-sharded, block r for rank r) -> [b, C*s, n, d] head-sharded."""
+    b, s, C, n, d = t5.shape
+    if group is None:
+        return t5.reshape(b, s, n, d)
+    send = t5.permute(2, 0, 1, 3, 4).contiguous()  # a no-op when built in this layout
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, C * s, n, d)  # a view when b == 1
+
+
+def _head_to_seq(t, group, C):
+    """[b, C*s, n, d] head-sharded -> [b, s, C, n, d] sequence-sharded (a strided view)."""
+    b, S, n, d = t.shape
+    s = S // C
+    if group is None:
+        return t.view(b, s, 1, n, d)
+    send = t.reshape(b, C, s, n, d).permute(1, 0, 2, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.permute(1, 2, 0, 3, 4)
+
+
+def _blocks(t, C, per, off, n):
+    """Heads [r*per + off, r*per + off + n) of every rank block r of t [b, s, C*per, d] -> [b, s, C, n, d]."""
+    b, s, _, d = t.shape
+    return t.view(b, s, C, per, d)[:, :, :, off:off + n]
+
+
+# ---------------------------------------------------------------------------------------------
 # sources: where a stage's q and a chunk's k/v come from, and where their gradients go
 # ---------------------------------------------------------------------------------------------
 
@@ -145,93 +187,133 @@ class Schedule:
 class _QKVSource:
     """Attention-function level: HF already computed q/k/v (post RoPE) for all heads."""
 
-    def __init__(self, q, k, v):
+    def __init__(self, q, k, v, sched: Schedule):
         self.q_, self.k_, self.v_ = q, k, v
+        self.sc = sched
 
-    def q(self, idx, grad=False):
-        return self.q_.index_select(2, idx), None
+    def q(self, off, grad=False):
+        sc = self.sc
+        return _blocks(self.q_, sc.sp, sc.q_local, off, sc.heads_per_chunk), None
 
-    def kv(self, idx, grad=False):
-        return self.k_.index_select(2, idx), self.v_.index_select(2, idx), None
+    def _kv(self, t, off):
+        sc = self.sc
+        if sc.replicated:  # every rank gets the one kv head its query heads need
+            b, s, G, d = t.shape
+            return t.repeat_interleave(sc.rep, dim=2).view(b, s, sc.sp, 1, d)
+        return _blocks(t, sc.sp, sc.kv_local, off, sc.m)
 
-    def begin_backward(self, sched):
+    def kv(self, off, grad=False):
+        return self._kv(self.k_, off), self._kv(self.v_, off), None
+
+    def begin_backward(self):
         self.dq = torch.empty_like(self.q_)
-        acc = torch.float32 if sched.rep > 1 else self.k_.dtype  # replicas are summed: do it in fp32
-        self.dk = torch.zeros(self.k_.shape, dtype=acc, device=self.k_.device)
-        self.dv = torch.zeros(self.v_.shape, dtype=acc, device=self.v_.device)
+        self.dk = torch.empty_like(self.k_)
+        self.dv = torch.empty_like(self.v_)
 
-    def q_grad(self, idx, handle, dq):
-        self.dq.index_copy_(2, idx, dq)
+    def q_grad(self, off, handle, dq5):
+        sc = self.sc
+        _blocks(self.dq, sc.sp, sc.q_local, off, sc.heads_per_chunk).copy_(dq5)
 
-    def kv_grad(self, idx, handle, dk, dv):
-        self.dk.index_add_(2, idx, dk.to(self.dk.dtype))
-        self.dv.index_add_(2, idx, dv.to(self.dv.dtype))
+    def _kv_grad(self, dst, off, d5):
+        sc = self.sc
+        if sc.replicated:  # sum the replicas (fp32, like the fused path)
+            b, s, C, _, d = d5.shape
+            dst.copy_(d5.float().reshape(b, s, sc.kv_heads, sc.rep, d).sum(3))
+        else:
+            _blocks(dst, sc.sp, sc.kv_local, off, sc.m).copy_(d5)
+
+    def kv_grad(self, off, handle, dk5, dv5):
+        self._kv_grad(self.dk, off, dk5)
+        self._kv_grad(self.dv, off, dv5)
 
     def grads(self):
-        return self.dq, self.dk.to(self.k_.dtype), self.dv.to(self.v_.dtype)
+        return self.dq, self.dk, self.dv
 
 
 @dataclass
 class ProjectionSpec:
     """Per-architecture pieces the fused path needs (see ds_longctx/models)."""
     head_dim: int
-    rope: Callable            # rope(t [b, s, n, d], cos [b, s, d], sin [b, s, d]) -> t
-    norm: Optional[Callable] = None  # norm(t [b, s, n, d], weight [d]) -> t (q/k-norm, e.g. Qwen3)
+    rope: Callable            # rope(t [b, s, ..., d], cos [b, s, d], sin [b, s, d]) -> t
+    norm: Optional[Callable] = None  # norm(t [b, s, ..., d], weight [d]) -> t (q/k-norm, e.g. Qwen3)
 
 
 class _ProjSource:
-    """Fused path: q/k/v are projected per stage from x, normed and rotated on local positions."""
+    """Fused path: q/k/v are projected per stage from x, normed and rotated on local positions.
 
-    def __init__(self, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec: ProjectionSpec):
+    Each rank block of a stage is one GEMM against a row slice (a view) of the weight, written into
+    its slot of the [C, b*s, n*d] send buffer: no weight copy, no reordering copy before the send.
+    """
+
+    def __init__(self, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec: ProjectionSpec, sched: Schedule):
         self.x, self.cos, self.sin = x, cos, sin
         self.w = {"q": (wq, bq, qn), "k": (wk, bk, kn), "v": (wv, bv, None)}
-        self.spec = spec
+        self.spec, self.sc = spec, sched
         self.d = spec.head_dim
-        self.D = x.shape[-1]
+        self.x2 = x.reshape(-1, x.shape[-1])
 
-    def _proj(self, which, idx, grad):
-        w, b, nw = self.w[which]
-        d, D = self.d, self.D
-        n = idx.numel()
-        ws = w.view(-1, d * D).index_select(0, idx).view(n * d, D)
-        bs = b.view(-1, d).index_select(0, idx).view(n * d) if b is not None else None
-        y = torch.nn.functional.linear(self.x, ws, bs).view(*self.x.shape[:-1], n, d)
+    def _rows(self, which, off, n):
+        """Row ranges (in heads) of the weight for each rank block, and heads per block."""
+        sc = self.sc
+        if which == "q":
+            return [r * sc.q_local + off for r in range(sc.sp)], n
+        if sc.replicated:  # project the G distinct kv heads once; replicas are made before the send
+            return [0], sc.kv_heads
+        return [r * sc.kv_local + off for r in range(sc.sp)], n
+
+    def _proj(self, which, off, n, grad):
+        w, bias, nw = self.w[which]
+        d = self.d
+        starts, n = self._rows(which, off, n)
+        N = self.x2.shape[0]
+        y = torch.empty(len(starts), N, n * d, dtype=self.x.dtype, device=self.x.device)
+        for i, h0 in enumerate(starts):
+            torch.mm(self.x2, w[h0 * d:(h0 + n) * d].t(), out=y[i])
+            if bias is not None:
+                y[i] += bias[h0 * d:(h0 + n) * d]
+        b, s = self.x.shape[0], self.x.shape[1]
+        y = y.view(len(starts), b, s, n, d).permute(1, 2, 0, 3, 4)  # [b, s, blocks, n, d]
+        norm = self.spec.norm if (nw is not None and self.spec.norm is not None) else None
         if not grad:
             with torch.no_grad():
-                return self._post(which, y, nw), None
+                return self._finish(which, self._post(which, y, nw if norm else None)), None
         y = y.detach().requires_grad_(True)
-        nw_leaf = nw.detach().requires_grad_(True) if (nw is not None and self.spec.norm is not None) else None
+        nw_leaf = nw.detach().requires_grad_(True) if norm else None
         with torch.enable_grad():
             z = self._post(which, y, nw_leaf)
-        return z.detach(), (y, z, ws, nw_leaf)
+        return self._finish(which, z.detach()), (y, z, starts, n, nw_leaf)
 
     def _post(self, which, y, nw):
         if which == "v":
             return y
-        if nw is not None and self.spec.norm is not None:
+        if nw is not None:
             y = self.spec.norm(y, nw)
         return self.spec.rope(y, self.cos, self.sin)
 
-    def q(self, idx, grad=False):
-        return self._proj("q", idx, grad)
+    def _finish(self, which, z):
+        if which != "q" and self.sc.replicated:  # [b, s, 1, G, d] -> [b, s, C, 1, d]
+            b, s, _, G, d = z.shape
+            return z.reshape(b, s, G, d).repeat_interleave(self.sc.rep, dim=2).view(b, s, self.sc.sp, 1, d)
+        return z
 
-    def kv(self, idx, grad=False):
-        k, hk = self._proj("k", idx, grad)
-        v, hv = self._proj("v", idx, grad)
+    def q(self, off, grad=False):
+        return self._proj("q", off, self.sc.heads_per_chunk, grad)
+
+    def kv(self, off, grad=False):
+        k, hk = self._proj("k", off, self.sc.m, grad)
+        v, hv = self._proj("v", off, self.sc.m, grad)
         return k, v, (hk, hv)
 
-    def begin_backward(self, sched):
-        f32 = torch.float32
+    def begin_backward(self):
         self.dx = torch.zeros_like(self.x)
         self.g = {}
         for which, (w, b, nw) in self.w.items():
-            self.g[which] = [torch.zeros(w.shape, dtype=f32, device=w.device),
-                             torch.zeros(b.shape, dtype=f32, device=b.device) if b is not None else None,
-                             torch.zeros(nw.shape, dtype=f32, device=nw.device)
+            self.g[which] = [torch.zeros_like(w), torch.zeros_like(b) if b is not None else None,
+                             torch.zeros(nw.shape, dtype=torch.float32, device=nw.device)
                              if nw is not None and self.spec.norm is not None else None]
 
-    def _back(self, which, idx, handle, dz):
-        y, z, ws, nw_leaf = handle
+    def _back(self, which, handle, dz):
+        y, z, starts, n, nw_leaf = handle
         if y is z:  # v: no norm/rope
             gy = dz
         else:
@@ -240,30 +322,43 @@ class _ProjSource:
             gy = grads[0]
             if nw_leaf is not None:
                 self.g[which][2].add_(grads[1].float())
-        d, D = self.d, self.D
-        n = idx.numel()
-        gy2 = gy.reshape(-1, n * d)
-        x2 = self.x.reshape(-1, D)
-        self.dx.view(-1, D).addmm_(gy2.to(self.dx.dtype), ws)
+        d = self.d
+        w = self.w[which][0]
         gw, gb, _ = self.g[which]
-        gw.view(-1, d * D).index_add_(0, idx, (gy2.t() @ x2).view(n, d * D).float())
-        if gb is not None:
-            gb.view(-1, d).index_add_(0, idx, gy2.sum(0).view(n, d).float())
+        gy = gy.permute(2, 0, 1, 3, 4).reshape(len(starts), -1, n * d)  # [blocks, b*s, n*d]
+        dx2 = self.dx.view(-1, self.dx.shape[-1])
+        for i, h0 in enumerate(starts):
+            rows = slice(h0 * d, (h0 + n) * d)
+            g_i = gy[i].to(dx2.dtype)
+            dx2.addmm_(g_i, w[rows])
+            # every weight row block gets exactly one contribution per step (replicas were summed)
+            if gw.dtype == g_i.dtype:
+                gw[rows].addmm_(g_i.t(), self.x2)
+            else:
+                gw[rows] += (g_i.t() @ self.x2).to(gw.dtype)
+            if gb is not None:
+                gb[rows] += g_i.sum(0).to(gb.dtype)
 
-    def q_grad(self, idx, handle, dq):
-        self._back("q", idx, handle, dq)
+    def q_grad(self, off, handle, dq5):
+        self._back("q", handle, dq5)
 
-    def kv_grad(self, idx, handle, dk, dv):
+    def _unreplicate(self, d5):
+        if not self.sc.replicated:
+            return d5
+        b, s, C, _, d = d5.shape  # sum replicas in fp32 -> [b, s, 1, G, d] like the projection
+        G = self.sc.kv_heads
+        return d5.float().reshape(b, s, G, self.sc.rep, d).sum(3).to(self.x.dtype).view(b, s, 1, G, d)
+
+    def kv_grad(self, off, handle, dk5, dv5):
         hk, hv = handle
-        self._back("k", idx, hk, dk.to(self.x.dtype))
-        self._back("v", idx, hv, dv.to(self.x.dtype))
+        self._back("k", hk, self._unreplicate(dk5).to(self.x.dtype))
+        self._back("v", hv, self._unreplicate(dv5).to(self.x.dtype))
 
     def grads(self):
         out = [self.dx]
         for which in ("q", "k", "v"):
-            w, b, nw = self.w[which]
-            gw, gb, gn = self.g[which]
-            out += [gw.to(w.dtype), gb.to(b.dtype) if gb is not None else None]
+            gw, gb, _ = self.g[which]
+            out += [gw, gb]
         for which in ("q", "k"):
             nw = self.w[which][2]
             gn = self.g[which][2]
@@ -284,28 +379,30 @@ def _kv_for_stage(sched, t, k, v):
     return k.index_select(2, idx), v.index_select(2, idx), kind
 
 
+def _out_blocks(out, sched, off):
+    return _blocks(out, sched.sp, sched.q_local, off, sched.heads_per_chunk)
+
+
 def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale, b, s, d, dtype, device):
-    u = sched.heads_per_chunk
+    u, C = sched.heads_per_chunk, sched.sp
     out = torch.empty(b, s, sched.heads, d, dtype=dtype, device=device)
-    S = s * sched.sp
-    lse_all = torch.empty(sched.stages, b, u, S, dtype=torch.float32, device=device)
+    lse_all = torch.empty(sched.stages, b, u, s * C, dtype=torch.float32, device=device)
     stage = 0
     for j in range(sched.chunks):
-        kv_idx = sched.index(("kv", j), sched.kv_heads_of_chunk(j), device)
-        k, v, _ = src.kv(kv_idx)
-        k_h, v_h = comm.seq_to_head(k, group), comm.seq_to_head(v, group)
+        k, v, _ = src.kv(sched.kv_offset(j))
+        k_h, v_h = _seq_to_head(k, group), _seq_to_head(v, group)
         del k, v
         for t in range(sched.stages_per_chunk):
-            q_idx = sched.index(("q", j, t), sched.q_heads_of_stage(j, t), device)
-            q, _ = src.q(q_idx)
-            q_h = comm.seq_to_head(q, group)
+            off = sched.q_offset(j, t)
+            q, _ = src.q(off)
+            q_h = _seq_to_head(q, group)
             del q
             ks, vs, _ = _kv_for_stage(sched, t, k_h, v_h)
             o_h, lse = backend.forward(q_h, ks, vs, causal, scale)
             del q_h, ks, vs
             lse_all[stage].copy_(lse)
             del lse
-            out.index_copy_(2, q_idx, comm.head_to_seq(o_h, group))
+            _out_blocks(out, sched, off).copy_(_head_to_seq(o_h, group, C))
             del o_h
             stage += 1
         del k_h, v_h
@@ -313,23 +410,23 @@ def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale
 
 
 def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scale, out, dout, lse_all):
-    device = out.device
-    src.begin_backward(sched)
+    device, C = out.device, sched.sp
+    dout = dout.contiguous()
+    src.begin_backward()
     stage = 0
     for j in range(sched.chunks):
-        kv_idx = sched.index(("kv", j), sched.kv_heads_of_chunk(j), device)
-        k, v, kv_handle = src.kv(kv_idx, grad=True)
-        k_h, v_h = comm.seq_to_head(k, group), comm.seq_to_head(v, group)
+        k, v, kv_handle = src.kv(sched.kv_offset(j), grad=True)
+        k_h, v_h = _seq_to_head(k, group), _seq_to_head(v, group)
         del k, v
         dk_acc = torch.zeros(k_h.shape, dtype=torch.float32, device=device)
         dv_acc = torch.zeros(v_h.shape, dtype=torch.float32, device=device)
         for t in range(sched.stages_per_chunk):
-            q_idx = sched.index(("q", j, t), sched.q_heads_of_stage(j, t), device)
-            q, q_handle = src.q(q_idx, grad=True)
-            q_h = comm.seq_to_head(q, group)
+            off = sched.q_offset(j, t)
+            q, q_handle = src.q(off, grad=True)
+            q_h = _seq_to_head(q, group)
             del q
-            o_h = comm.seq_to_head(out.index_select(2, q_idx), group)
-            do_h = comm.seq_to_head(dout.index_select(2, q_idx), group)
+            o_h = _seq_to_head(_out_blocks(out, sched, off), group)
+            do_h = _seq_to_head(_out_blocks(dout, sched, off), group)
             ks, vs, kind = _kv_for_stage(sched, t, k_h, v_h)
             dq_h, dks, dvs = backend.backward(do_h, q_h, ks, vs, o_h, lse_all[stage], causal, scale)
             del q_h, o_h, do_h, ks, vs
@@ -341,15 +438,15 @@ def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scal
                 dk_acc.index_add_(2, idx, dks.float())
                 dv_acc.index_add_(2, idx, dvs.float())
             del dks, dvs
-            src.q_grad(q_idx, q_handle, comm.head_to_seq(dq_h, group))
+            src.q_grad(off, q_handle, _head_to_seq(dq_h, group, C))
             del dq_h, q_handle
             stage += 1
         del k_h, v_h
         dt = out.dtype
-        dk = comm.head_to_seq(dk_acc.to(dt), group)
-        dv = comm.head_to_seq(dv_acc.to(dt), group)
+        dk = _head_to_seq(dk_acc.to(dt), group, C)
+        dv = _head_to_seq(dv_acc.to(dt), group, C)
         del dk_acc, dv_acc
-        src.kv_grad(kv_idx, kv_handle, dk, dv)
+        src.kv_grad(sched.kv_offset(j), kv_handle, dk, dv)
         del dk, dv, kv_handle
     return src.grads()
 
@@ -366,7 +463,7 @@ class UntiedQKVAttention(torch.autograd.Function):
         b, s, H, d = q.shape
         sched = Schedule(H, k.shape[2], _sp(group), heads_per_chunk)
         _check_shapes(q, k, v)
-        out, lse_all = _staged_forward(_QKVSource(q, k, v), sched, group, backend, causal, scale, b, s, d,
+        out, lse_all = _staged_forward(_QKVSource(q, k, v, sched), sched, group, backend, causal, scale, b, s, d,
                                        q.dtype, q.device)
         ctx.save_for_backward(q, k, v, out, lse_all)
         ctx.meta = (sched, group, backend, causal, scale)
@@ -377,7 +474,7 @@ class UntiedQKVAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_all = ctx.saved_tensors
         sched, group, backend, causal, scale = ctx.meta
-        dq, dk, dv = _staged_backward(_QKVSource(q, k, v), sched, group, backend, causal, scale, out, dout, lse_all)
+        dq, dk, dv = _staged_backward(_QKVSource(q, k, v, sched), sched, group, backend, causal, scale, out, dout, lse_all)
         return dq, dk, dv, None, None, None, None, None
 
 
@@ -392,7 +489,7 @@ class UntiedFusedAttention(torch.autograd.Function):
         _check_weights(x, wq, wk, wv, heads, kv_heads, d)
         sched = Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
         b, s = x.shape[0], x.shape[1]
-        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec)
+        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
         out, lse_all = _staged_forward(src, sched, group, backend, causal, scale, b, s, d, x.dtype, x.device)
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all)
         ctx.meta = (sched, group, backend, causal, scale, spec)
@@ -403,7 +500,7 @@ class UntiedFusedAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all = ctx.saved_tensors
         sched, group, backend, causal, scale, spec = ctx.meta
-        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec)
+        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
         dx, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn = _staged_backward(src, sched, group, backend, causal, scale, out,
                                                                       dout, lse_all)
         return dx, None, None, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn, None

@@ -14,8 +14,9 @@ def rotate_half(x):
 
 
 def rope_bshd(t, cos, sin):
-    """HF's apply_rotary_pos_emb for one tensor in [b, s, heads, d] with cos/sin [b, s, d]."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    """HF's apply_rotary_pos_emb for one tensor [b, s, <head dims>..., d] with cos/sin [b, s, d]."""
+    shape = (cos.shape[0], cos.shape[1]) + (1,) * (t.dim() - 3) + (cos.shape[-1],)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
     return (t * cos) + (rotate_half(t) * sin)
 
 
