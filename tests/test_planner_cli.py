@@ -67,3 +67,16 @@ def test_bad_input_exits_2(tmp_path, capsys, args, cfg, needle):
     rc = main(["plan", "--config", _cfg(tmp_path, cfg), "--seq-len", "65536"] + args)
     err = capsys.readouterr().err
     assert rc == 2 and needle in err, err
+
+
+def test_compare_table_json_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "stack.png"
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--gpu-mem", "80GiB", "--seq-len", "65536", "--compare", "--json", "--plot", str(png)])
+    out = json.loads(capsys.readouterr().out)
+    labels = [c["label"] for c in out["configs"]]
+    assert labels == ["no SP", "Ulysses", "+checkpointing", "+offload", "+tiled MLP and loss", "+untied attention"]
+    peaks = [c["peak_device_bytes"] for c in out["configs"]]
+    assert peaks[2] < peaks[1] and peaks[4] < peaks[3]  # checkpointing and tiling each save memory
+    assert rc == 0 and png.stat().st_size > 1000

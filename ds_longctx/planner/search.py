@@ -7,6 +7,7 @@ from typing import List, Optional, Tuple
 
 from ..config import ConfigError, SECTION
 from .simulate import text_config
+from .units import fmt_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
 
@@ -98,7 +99,8 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     r = planner.run(seq_len)
     if not r.fits:
         log(f"ds_longctx auto: even the memory-safest settings do not fit at {seq_len} tokens "
-            f"(peak {r.peak_device_bytes} B > budget); keeping them: "
+            f"(peak {fmt_bytes(r.peak_device_bytes)} > budget {fmt_bytes(r.device_budget_bytes - r.reserve_bytes)}); "
+            "keeping them: "
             + ", ".join(f"{s}.{k}={section[s][k]}" for s, k in auto_keys))
         return cfg
     for sec, key in auto_keys:
