@@ -25,9 +25,7 @@ CASES = {
 def _config(name, lc):
     from sp_cases import ds_config
 
-    # untied attention under ZeRO-3 does not run yet (a released parameter reaches its backward), so
-    # its case is measured under ZeRO-1; the activations it creates are the same code either way
-    cfg = ds_config(1 if name.startswith("untied") else 3, 2, copy.deepcopy(lc))
+    cfg = ds_config(3, 2, copy.deepcopy(lc))
     # a small IPG bucket: DeepSpeed allocates it lazily inside the first backward on CPU, where the
     # tracker would see it; the planner counts it with the model states
     cfg["zero_optimization"]["reduce_bucket_size"] = 10000
