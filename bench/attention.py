@@ -9,7 +9,8 @@ tied:   HF LlamaAttention's projection/RoPE code, then deepspeed's UlyssesSPAtte
 untied: ds_longctx.attention.untied.untied_attention_fused for every heads_per_chunk dividing H/SP.
 
 Time: wall time of forward+backward (slowest rank), median over --steps after one warm-up.
-Memory: peak live bytes of storages created during the stage (LiveBytesTracker), max over ranks,
+Memory: peak live bytes of storages allocated during the stage (LiveBytesTracker, charging only ops
+whose output does not alias an input, see _alloc_tracker), max over ranks,
 measured in a separate step so the tracker does not slow the timed ones. Inputs, weights and their
 .grad buffers exist before the step (model state) and are not counted; the output, saved
 activations, dx and every transient (weight-grad GEMM outputs included) are.
@@ -78,14 +79,37 @@ def _stage_untied(x, w, cos, sin, group, dout, hpc):
     return out
 
 
+def _alloc_tracker():
+    """LiveBytesTracker that charges only new allocations.
+
+    The shared tracker charges any output storage it has not seen, so a view or an in-place result
+    of a tensor created before the step (w[rows], weight.t(), param.grad += g) is counted as if
+    newly allocated: whole weight-sized storages that neither path allocates. An op's output that
+    aliases one of its inputs is never an allocation, so skip those.
+    """
+    from torch.utils._pytree import tree_flatten
+
+    from ds_longctx.memory.tracker import LiveBytesTracker
+
+    class AllocTracker(LiveBytesTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs or {}))[0]
+                   if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                    self._track(t)
+            return out
+
+    return AllocTracker()
+
+
 def _worker(rank, world, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_SIZE=str(world))
     torch.set_num_threads(args.threads)
     import deepspeed
     import torch.distributed as dist
-
-    from ds_longctx.memory.tracker import LiveBytesTracker
 
     group = None
     if world > 1:
@@ -136,7 +160,7 @@ def _worker(rank, world, port, args, out_path):
         pairs = [(out.detach(), ref_out), (x.grad, ref_dx)] + [(t.grad, ref_dw[n]) for n, t in w.items()]
         err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
         del out
-        tracker = LiveBytesTracker()
+        tracker = _alloc_tracker()
         with tracker:
             out = step()
             del out

@@ -307,10 +307,15 @@ class _ProjSource:
     def begin_backward(self):
         self.dx = torch.zeros_like(self.x)
         self.g = {}
-        for which, (w, b, nw) in self.w.items():
+
+    def _grad_buffers(self, which):
+        # allocated at first use: k/v grads only exist from the end of the first kv chunk on
+        if which not in self.g:
+            w, b, nw = self.w[which]
             self.g[which] = [torch.zeros_like(w), torch.zeros_like(b) if b is not None else None,
                              torch.zeros(nw.shape, dtype=torch.float32, device=nw.device)
                              if nw is not None and self.spec.norm is not None else None]
+        return self.g[which]
 
     def _back(self, which, handle, dz):
         y, z, starts, n, nw_leaf = handle
@@ -321,10 +326,10 @@ class _ProjSource:
             grads = torch.autograd.grad(z, inputs, dz)
             gy = grads[0]
             if nw_leaf is not None:
-                self.g[which][2].add_(grads[1].float())
+                self._grad_buffers(which)[2].add_(grads[1].float())
         d = self.d
         w = self.w[which][0]
-        gw, gb, _ = self.g[which]
+        gw, gb, _ = self._grad_buffers(which)
         gy = gy.permute(2, 0, 1, 3, 4).reshape(len(starts), -1, n * d)  # [blocks, b*s, n*d]
         dx2 = self.dx.view(-1, self.dx.shape[-1])
         for i, h0 in enumerate(starts):
@@ -357,11 +362,11 @@ class _ProjSource:
     def grads(self):
         out = [self.dx]
         for which in ("q", "k", "v"):
-            gw, gb, _ = self.g[which]
+            gw, gb, _ = self._grad_buffers(which)
             out += [gw, gb]
         for which in ("q", "k"):
             nw = self.w[which][2]
-            gn = self.g[which][2]
+            gn = self._grad_buffers(which)[2]
             out.append(gn.to(nw.dtype) if gn is not None else None)
         return out
 
