@@ -122,13 +122,19 @@ def _persistent(ds_config: dict, info: ms.ParamInfo) -> ms.ParamInfo:
 # ---------------------------------------------------------------------------------------------
 
 
+def _micro_batch(ds_config: dict) -> int:
+    mb = ds_config.get("train_micro_batch_size_per_gpu", 1)
+    return 1 if mb in (None, "auto") else int(mb)
+
+
 def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
     L = text_config(model_config).num_hidden_layers
+    bs = _micro_batch(ds_config)
     if full_depth or L <= EXTRAPOLATE_FROM[1] + 1:
-        r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device)
+        r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
         return r.breakdown, r.peak_host, [L], False, r.seconds
-    a = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[0], device=device)
-    b = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[1], device=device)
+    a = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[0], device=device, batch_size=bs)
+    b = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[1], device=device, batch_size=bs)
     k = L - EXTRAPOLATE_FROM[0]
     br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
     host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
