@@ -92,8 +92,14 @@ def _inputs(seq, dev, dtype, seed=0):
     return x, w, cos, sin, dout
 
 
-def stage_tied(x, w, cos, sin, dout):
+def stage_tied(x, w, cos, sin, dout, only=None):
     from ds_longctx.models import rope_bshd
+
+    if only is not None:  # pin SDPA to one backend, to tell kernel speed from chunking cost
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, only)):
+            return stage_tied(x, w, cos, sin, dout)
 
     b, s, _ = x.shape
     q = rope_bshd(torch.nn.functional.linear(x, w["q"]).view(b, s, HEADS, HEAD_DIM), cos, sin)
@@ -151,12 +157,14 @@ def compare(seq, steps, dev, hpcs, kernels):
     rows = []
     ref = None
     auto = get_backend("auto", dev).name
-    modes = [("tied (torch SDPA)", None, None)] + [(f"untied u={u} [{auto}]", u, "auto") for u in hpcs]
+    modes = [("tied (torch SDPA)", None, None), ("tied (SDPA pinned to flash)", None, "FLASH_ATTENTION"),
+             ("tied (SDPA pinned to cuDNN)", None, "CUDNN_ATTENTION")]
+    modes += [(f"untied u={u} [{auto}]", u, "auto") for u in hpcs]
     modes += [(f"untied u=1 [{k}]", 1, k) for k in kernels if k != auto]
     for name, hpc, kernel in modes:
         try:
             if hpc is None:
-                fn = lambda: stage_tied(x, w, cos, sin, dout)  # noqa: E731
+                fn = lambda kernel=kernel: stage_tied(x, w, cos, sin, dout, kernel)  # noqa: E731
             else:
                 fn = lambda hpc=hpc, kernel=kernel: stage_untied(x, w, cos, sin, dout, hpc, kernel)  # noqa: E731
             t, peak = measure(fn, tensors, steps)

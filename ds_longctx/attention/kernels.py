@@ -118,6 +118,32 @@ class TorchCUDAFlash(Backend):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
+class TorchCUDAcuDNN(Backend):
+    """aten._scaled_dot_product_cudnn_attention (+ _backward): cuDNN's fused attention, fp16/bf16."""
+    name = "sdpa_cuda_cudnn"
+    native_gqa = False
+    device_type = "cuda"
+
+    @staticmethod
+    def available() -> bool:
+        return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
+                and hasattr(aten, "_scaled_dot_product_cudnn_attention_backward"))
+
+    def _fwd(self, q, k, v, causal, scale):
+        res = aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, False,
+                                                      scale=scale)
+        lse = res[1]
+        return res[0].transpose(1, 2), lse[..., 0] if lse.dim() == 4 else lse  # cuDNN's LSE is [b, h, s, 1]
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        seed = torch.empty((), dtype=torch.long, device=q.device)  # unused without dropout
+        offset = torch.empty((), dtype=torch.long, device=q.device)
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.unsqueeze(-1), seed, offset, None, None, None,
+            q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
 _FLASH_DEFAULTS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
                        alibi_slopes=None, return_softmax=False, deterministic=False, rng_state=None)
 
@@ -202,6 +228,7 @@ BACKENDS: Dict[str, type] = {
     "flash_attention_3": FlashAttn3,
     "flash_attention_2": FlashAttn2,
     "sdpa_cuda_flash": TorchCUDAFlash,
+    "sdpa_cuda_cudnn": TorchCUDAcuDNN,
     "sdpa_cpu_flash": TorchCPUFlash,
 }
 _AUTO_ORDER = {"cuda": ("flash_attention_3", "flash_attention_2", "sdpa_cuda_flash"), "cpu": ("sdpa_cpu_flash",)}
