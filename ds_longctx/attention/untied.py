@@ -281,7 +281,7 @@ class _ProjSource:
         nw_leaf = nw.detach().requires_grad_(True) if norm else None
         with torch.enable_grad():
             z = self._post(which, y, nw_leaf)
-        return self._finish(which, z.detach()), (y, z, starts, n, nw_leaf)
+        return self._finish(which, z.detach()), [y, z, starts, n, nw_leaf]
 
     def _post(self, which, y, nw):
         if which == "v":
@@ -319,6 +319,7 @@ class _ProjSource:
 
     def _back(self, which, handle, dz):
         y, z, starts, n, nw_leaf = handle
+        handle.clear()  # the caller's reference must not keep the stage graph alive past here
         if y is z:  # v: no norm/rope
             gy = dz
         else:
@@ -327,6 +328,7 @@ class _ProjSource:
             gy = grads[0]
             if nw_leaf is not None:
                 self._grad_buffers(which)[2].add_(grads[1].float())
+        del y, z, dz
         d = self.d
         w = self.w[which][0]
         gw, gb, _ = self._grad_buffers(which)
@@ -407,8 +409,10 @@ def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale
             del q_h, ks, vs
             lse_all[stage].copy_(lse)
             del lse
-            _out_blocks(out, sched, off).copy_(_head_to_seq(o_h, group, C))
+            o5 = _head_to_seq(o_h, group, C)
             del o_h
+            _out_blocks(out, sched, off).copy_(o5)
+            del o5
             stage += 1
         del k_h, v_h
     return out, lse_all
@@ -443,8 +447,10 @@ def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scal
                 dk_acc.index_add_(2, idx, dks.float())
                 dv_acc.index_add_(2, idx, dvs.float())
             del dks, dvs
-            src.q_grad(off, q_handle, _head_to_seq(dq_h, group, C))
-            del dq_h, q_handle
+            dq5 = _head_to_seq(dq_h, group, C)
+            del dq_h
+            src.q_grad(off, q_handle, dq5)
+            del dq5, q_handle
             stage += 1
         del k_h, v_h
         dt = out.dtype
