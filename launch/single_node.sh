@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One node, the deepspeed launcher. Usage:
+#   launch/single_node.sh --deepspeed_config ds_configs/llama3-8b-5m.json --model meta-llama/Llama-3.1-8B
+#   NUM_GPUS=2 launch/single_node.sh --deepspeed_config ds_configs/tiny-cpu.json      # CPU demo
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${NUM_GPUS:-}" ]]; then
+  NUM_GPUS=$(command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l || echo 2)
+fi
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
+python -m ds_longctx.launch layout --deepspeed_config "$CFG" --world "$NUM_GPUS"
+exec deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" train.py "$@"
