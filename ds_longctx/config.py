@@ -49,6 +49,10 @@ class TiledConfig(_Strict):
     shards: Union[int, Literal["auto"]] = "auto"
 
 
+class RMSNormConfig(_Strict):
+    enabled: bool = False  # memory-efficient RMSNorm: saves the input and 1/rms, recomputes in backward
+
+
 class ProfileConfig(_Strict):
     enabled: bool = False
     steps: List[int] = Field(default_factory=lambda: [2, 3])
@@ -61,6 +65,7 @@ class LongContextConfig(_Strict):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     tiled_mlp: TiledConfig = Field(default_factory=TiledConfig)
     tiled_loss: TiledConfig = Field(default_factory=TiledConfig)
+    rms_norm: RMSNormConfig = Field(default_factory=RMSNormConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     # filled from the top level of the ds_config, not from the section

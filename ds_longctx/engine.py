@@ -121,7 +121,7 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
 
         install_untied(model, lc.attention, group)
     ac, tm = lc.activation_checkpointing, lc.tiled_mlp
-    if ac.enabled or tm.enabled:
+    if ac.enabled or tm.enabled or lc.rms_norm.enabled:
         from .memory import apply_memory_stack
 
         model._ds_longctx_memory = apply_memory_stack(model, lc, group)
