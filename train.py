@@ -62,6 +62,7 @@ def load_model_config(path):
 
 def build_model(args, ds_config):
     import ds_longctx
+    from ds_longctx.engine import deterministic_init
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
@@ -69,7 +70,9 @@ def build_model(args, ds_config):
         if args.model:
             return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
         cfg = load_model_config(args.model_config or DEFAULT_MODEL_CONFIG)
-        return AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
+    deterministic_init(model, args.seed)  # same weights for every SP degree, ZeRO stage, process count
+    return model
 
 
 def build_dataset(args, model_config, seq_len):

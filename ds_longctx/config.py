@@ -139,9 +139,10 @@ def parse(ds_config: dict) -> LongContextConfig:
         raise ConfigError(f"{SECTION}.sequence_length", f"must be positive, got {cfg.sequence_length}",
                           "give the global tokens per sample, or leave it out")
     hpc = cfg.attention.heads_per_chunk
-    if hpc == "auto":
-        raise ConfigError(f"{SECTION}.attention.heads_per_chunk", "'auto' needs the memory planner, which is not "
-                          "wired into initialize yet", "give a positive integer (1 saves the most memory)")
+    if hpc == "auto" and cfg.sequence_length is None:
+        raise ConfigError(f"{SECTION}.attention.heads_per_chunk", "'auto' is resolved by the memory planner for "
+                          "a sequence length, and long_context.sequence_length is not set",
+                          "set long_context.sequence_length, or give a positive integer (1 saves the most memory)")
     if isinstance(hpc, int) and hpc < 1:
         raise ConfigError(f"{SECTION}.attention.heads_per_chunk", f"must be a positive integer, got {hpc}",
                           "use 1 for the most memory saving, larger for speed")
@@ -195,7 +196,7 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
             raise ConfigError("sequence_parallel_size",
                               f"{sp} neither divides nor is divided by the {kv} key/value heads",
                               f"pick a degree that divides {kv} or is a multiple of it")
-    if impl == "untied_ulysses":
+    if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
         hpc = cfg.attention.heads_per_chunk
         local = heads // sp
         if local % hpc != 0:

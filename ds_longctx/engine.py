@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import types
 from typing import Any, Optional
 
@@ -157,6 +158,30 @@ def init_distributed(ds_config: Optional[dict] = None, distributed_port: int = 2
                                distributed_port=distributed_port, auto_mpi_discovery=True)
 
 
+def _device_budget_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs: host RAM is the device
+
+
+def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
+    """Replace "auto" values by the planner's fastest fitting choice: computed on rank 0 (the
+    simulation is pure but costs seconds) and broadcast, so every rank builds the same model."""
+    from .planner import resolve_auto
+
+    box = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = resolve_auto(ds_config, model_config, world, _device_budget_bytes(), log=logger.info)
+        except ConfigError as e:
+            box[0] = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
                dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
@@ -181,6 +206,11 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
     check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
+
+    if lc.attention.heads_per_chunk == "auto":
+        ds_config = _resolve_auto(ds_config, model_config, world)
+        lc = parse(ds_config)
+        check_against(lc, model_config, world)
 
     ds_mpu = comm.initialize_groups(sp)
     group = comm.sp_group() if sp > 1 else None
@@ -233,3 +263,33 @@ def model_init(config, args: Any = None):
     finally:
         del hf_ds
         unset_hf_deepspeed_config()
+
+
+@torch.no_grad()
+def deterministic_init(model, seed: int) -> None:
+    """Re-draw every weight from a generator keyed by (seed, parameter name), one parameter at a time.
+
+    HF's own init draws from the global RNG in module order, and under ``zero.Init`` that order and
+    the RNG stream differ from a plain build, so the same seed gave different weights per layout.
+    Keyed draws make random init identical for every SP degree, ZeRO stage and process count.
+    Distribution as HF's causal LMs: weights N(0, initializer_range), biases 0, norm weights 1.
+    Under ZeRO-3 only one full parameter exists at a time, on rank 0, and is re-partitioned.
+    """
+    import zlib
+
+    import deepspeed
+
+    std = getattr(model.config.get_text_config(), "initializer_range", 0.02)
+    for mod_name, mod in model.named_modules():
+        is_norm = "norm" in type(mod).__name__.lower()
+        for pname, p in mod.named_parameters(recurse=False):
+            # every rank draws the same values; under ZeRO-3 rank 0's copy is the one re-partitioned
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if is_norm:
+                    p.fill_(1.0)
+                elif pname == "bias" or p.dim() < 2:
+                    p.zero_()
+                else:
+                    key = f"{mod_name}.{pname}".encode()
+                    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key))
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(std).to(p.dtype))

@@ -92,9 +92,10 @@ def test_offload_without_checkpointing():
     assert msg.startswith("long_context.activation_checkpointing.offload:")
 
 
-def test_heads_per_chunk_auto_is_not_yet_supported():
+def test_heads_per_chunk_auto_needs_a_sequence_length():
     msg = _err({"long_context": {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": "auto"}}})
-    assert msg.startswith("long_context.attention.heads_per_chunk: 'auto'")
+    assert msg.startswith("long_context.attention.heads_per_chunk: 'auto' is resolved by the memory planner")
+    parse({"long_context": {"sequence_length": 64, "attention": {"heads_per_chunk": "auto"}}})
 
 
 def test_heads_per_chunk_must_divide_local_heads():
