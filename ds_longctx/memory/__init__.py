@@ -1,11 +1,14 @@
 """The memory stack: activation checkpointing (+ host offload of checkpointed layer inputs), tiled
-MLP and tiled loss. ``apply_memory_stack`` installs the first two on a built model; the tiled loss is
+MLP, memory-efficient RMSNorm and tiled loss. ``apply_memory_stack`` installs the first three on a
+built model; the tiled loss is
 a function the engine's loss forward calls (:func:`tiling.tiled_causal_lm_loss_sum`)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from .checkpointing import decoder_layers, install_checkpointing, uninstall_checkpointing
+from .norm import (MemoryEfficientRMSNorm, install_memory_efficient_rmsnorm,
+                   uninstall_memory_efficient_rmsnorm)
 from .offload import (AutoTarget, CheckpointInputOffloader, HostCopyTarget, OffloadTarget, PinnedHostTarget)
 from .tiling import (TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
                      tiled_causal_lm_loss_sum, uninstall_tiled_mlp)
@@ -19,6 +22,7 @@ class MemoryStackHandle:
         self.checkpointed_layers = []
         self.tiling: Optional[TilingState] = None
         self.tiled_mlps = []
+        self.rms_norms = []
         self._ckpt_hooks = []
         self._mlp_hooks = []
 
@@ -31,6 +35,7 @@ class MemoryStackHandle:
 
     def stats(self) -> dict:
         out = {"checkpointed_layers": len(self.checkpointed_layers), "tiled_mlps": len(self.tiled_mlps),
+               "rms_norms": len(self.rms_norms),
                "host_bytes": self.host_bytes(), "host_bytes_peak": self.host_bytes_peak()}
         if self.offloader is not None:
             s = self.offloader.stats
@@ -49,14 +54,16 @@ class MemoryStackHandle:
         for h in self._ckpt_hooks:
             h.remove()
         uninstall_tiled_mlp(self.tiled_mlps, self._mlp_hooks)
+        uninstall_memory_efficient_rmsnorm(self.rms_norms)
         self.checkpointed_layers, self.tiled_mlps, self._ckpt_hooks, self._mlp_hooks = [], [], [], []
+        self.rms_norms = []
 
 
 def apply_memory_stack(model, lc_cfg, group=None, offload_target: Optional[OffloadTarget] = None
                        ) -> MemoryStackHandle:
-    """Install activation checkpointing (with optional host offload) and the tiled MLP on ``model``
-    per ``lc_cfg`` (a :class:`ds_longctx.config.LongContextConfig`). Call after the model is built and
-    before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP shard count is agreed at
+    """Install activation checkpointing (with optional host offload), the tiled MLP and the
+    memory-efficient RMSNorm on ``model`` per ``lc_cfg`` (a :class:`ds_longctx.config.LongContextConfig`).
+    Call after the model is built and before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP shard count is agreed at
     run time, once per forward). ``offload_target`` replaces the default host target (tests, CPU).
     """
     handle = MemoryStackHandle()
@@ -69,6 +76,9 @@ def apply_memory_stack(model, lc_cfg, group=None, offload_target: Optional[Offlo
     if tm.enabled:
         # agreement over every rank (None), not the SP group: see tiling.agree_max
         handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm, None)
+    rn = getattr(lc_cfg, "rms_norm", None)
+    if rn is not None and rn.enabled:
+        handle.rms_norms = install_memory_efficient_rmsnorm(model)
     return handle
 
 
@@ -80,4 +90,5 @@ def get_memory_handle(model) -> Optional[MemoryStackHandle]:
 
 __all__ = ["apply_memory_stack", "get_memory_handle", "MemoryStackHandle", "tiled_causal_lm_loss_sum",
            "CheckpointInputOffloader", "OffloadTarget", "HostCopyTarget", "PinnedHostTarget", "AutoTarget",
-           "agree_max", "auto_shards", "resolve_shards", "decoder_layers"]
+           "agree_max", "auto_shards", "resolve_shards", "decoder_layers", "MemoryEfficientRMSNorm",
+           "install_memory_efficient_rmsnorm", "uninstall_memory_efficient_rmsnorm"]

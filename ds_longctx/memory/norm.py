@@ -1,0 +1,142 @@
+"""Memory-efficient RMSNorm for HF's Llama-style norms (Llama, Mistral, Qwen2, Qwen3).
+
+HF's ``LlamaRMSNorm`` upcasts to fp32 and autograd keeps the fp32 copy of the input (for ``pow`` and
+``* rsqrt``) plus the rounded normalized value (for ``weight *``) until backward: at long context
+that is several fp32 ``[seq_shard, hidden]`` tensors per norm inside a recomputed layer. Here only
+the input (its own dtype) and the fp32 ``1/rms`` (``[..., 1]``) are kept; backward recomputes the
+normalized value tile by tile, so its fp32 temporaries are bounded by the tile, not the sequence.
+
+The forward runs the same ops in the same order as HF (the output is bit-equal); only which tensors
+stay alive differs. The weight is an input of the Function and the norm is still called through its
+module, so ZeRO-3's module hooks gather the weight and see its gradient as usual.
+"""
+from __future__ import annotations
+
+import inspect
+import textwrap
+from typing import List
+
+import torch
+
+# fp32 elements per backward tile: 128 MiB per fp32 temporary, small next to a layer at 1M+ tokens
+# yet large enough that the per-tile kernel launches are negligible.
+_TILE_ELEMS = 32 * 2**20
+
+
+def _rows_per_tile(hidden: int) -> int:
+    return max(1, _TILE_ELEMS // max(1, hidden))
+
+
+class MemoryEfficientRMSNorm(torch.autograd.Function):
+    """``weight * (x.float() * rsqrt(mean(x.float()**2) + eps)).to(x.dtype)``, saving x and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        input_dtype = x.dtype
+        xf = x.to(torch.float32)
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        rstd = torch.rsqrt(variance + eps)
+        del variance
+        # in place when x was already fp32 would clobber the saved input, so only mutate our own copy
+        normed = xf.mul_(rstd) if xf is not x else xf * rstd
+        del xf
+        out = weight * normed.to(input_dtype)
+        ctx.save_for_backward(x, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, rstd, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        input_dtype = x.dtype
+        hidden = x.shape[-1]
+        x2 = x.reshape(-1, hidden)
+        r2 = rstd.reshape(-1, 1)
+        g2 = grad_out.reshape(-1, hidden)
+        grad_x = torch.empty_like(x2) if need_x else None
+        # fp32 accumulator across tiles; autograd would sum in the output dtype over the whole batch
+        grad_w = torch.zeros(hidden, dtype=torch.float32, device=x.device) if need_w else None
+        step = _rows_per_tile(hidden)
+        for lo in range(0, x2.shape[0], step):
+            hi = min(lo + step, x2.shape[0])
+            xf = x2[lo:hi].to(torch.float32)
+            r = r2[lo:hi]
+            g = g2[lo:hi]
+            if need_w:
+                normed = (xf * r).to(input_dtype)  # bit-equal to the forward's value
+                grad_w += (g * normed).to(torch.float32).sum(0)
+                del normed
+            if need_x:
+                # autograd's chain: mul by weight in the output dtype, cast back to the input dtype
+                # (the .to(input_dtype) node), then to fp32 (the .to(float32) node)
+                gn = (g * weight).to(input_dtype).to(torch.float32)
+                dot = (gn * xf).sum(-1, keepdim=True)
+                # d/dx [x * (mean(x^2)+eps)^-1/2] = r*g - x * r^3 * sum(g*x) / H
+                gx = gn.mul_(r)
+                gx.sub_(xf * (r.pow(3) * dot / hidden))
+                grad_x[lo:hi] = gx.to(input_dtype)
+                del gn, gx, dot
+            del xf
+        if need_x:
+            grad_x = grad_x.reshape(x.shape)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype).reshape(weight.shape)
+        return grad_x, grad_w, None
+
+
+def memory_efficient_rms_norm(x, weight, eps: float):
+    return MemoryEfficientRMSNorm.apply(x, weight, eps)
+
+
+def _src(fn) -> str:
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return ""
+
+
+def _reference_forward_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return _src(LlamaRMSNorm.forward)
+
+
+def is_llama_style_rmsnorm(module) -> bool:
+    """Class name ends in RMSNorm, has weight/variance_epsilon, and its forward is Llama's source.
+
+    The source check matters: several HF norms share the name and attributes but not the formula
+    (``1 + weight``, gated, weight applied in fp32), and swapping those would silently change the model.
+    """
+    cls = type(module)
+    if not cls.__name__.endswith("RMSNorm"):
+        return False
+    if not isinstance(getattr(module, "weight", None), torch.Tensor) or not hasattr(module, "variance_epsilon"):
+        return False
+    if module.weight.dim() != 1:
+        return False
+    ref = _reference_forward_source()
+    return bool(ref) and _src(cls.forward) == ref
+
+
+def _norm_forward(module):
+    def forward(hidden_states):
+        return MemoryEfficientRMSNorm.apply(hidden_states, module.weight, module.variance_epsilon)
+
+    return forward
+
+
+def install_memory_efficient_rmsnorm(model) -> List[torch.nn.Module]:
+    """Patch the forward of every Llama-style RMSNorm *instance* in ``model`` (decoder layers, q/k
+    norms, the final norm); the class stays untouched. Returns the patched modules."""
+    patched = []
+    for m in model.modules():
+        if "forward" in m.__dict__ or not is_llama_style_rmsnorm(m):
+            continue
+        m.forward = _norm_forward(m)
+        patched.append(m)
+    return patched
+
+
+def uninstall_memory_efficient_rmsnorm(modules) -> None:
+    for m in modules:
+        m.__dict__.pop("forward", None)
