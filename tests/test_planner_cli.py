@@ -76,7 +76,8 @@ def test_compare_table_json_and_plot(tmp_path, capsys):
                "--gpu-mem", "80GiB", "--seq-len", "65536", "--compare", "--json", "--plot", str(png)])
     out = json.loads(capsys.readouterr().out)
     labels = [c["label"] for c in out["configs"]]
-    assert labels == ["no SP", "Ulysses", "+checkpointing", "+offload", "+tiled MLP and loss", "+untied attention"]
+    assert labels == ["no SP", "Ulysses", "+checkpointing", "+offload", "+tiled MLP and loss", "+untied attention",
+                      "+memory-efficient RMSNorm"]
     peaks = [c["peak_device_bytes"] for c in out["configs"]]
     assert peaks[2] < peaks[1] and peaks[4] < peaks[3]  # checkpointing and tiling each save memory
     assert rc == 0 and png.stat().st_size > 1000

@@ -33,6 +33,10 @@ def ladder(ds_config: dict, model_config, world_size: int) -> List[Tuple[str, di
         ("+untied attention", sp, {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": hpc},
                                    "activation_checkpointing": {"enabled": True, "offload": "cpu"},
                                    "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}}),
+        ("+memory-efficient RMSNorm", sp, {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": hpc},
+                                           "activation_checkpointing": {"enabled": True, "offload": "cpu"},
+                                           "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True},
+                                           "rms_norm": {"enabled": True}}),
     ]
     out = []
     for label, s, section in steps:
