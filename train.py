@@ -114,7 +114,7 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
         item = dataset[start_index + i]
         batch = shard_batch({k: v.unsqueeze(0) for k, v in item.items()}, sp_rank, sp_size)
         logits = engine(input_ids=batch["input_ids"].to(engine.device),
-                        position_ids=batch["position_ids"].to(engine.device)).logits
+                        position_ids=batch["position_ids"].to(engine.device), use_cache=False).logits
         target = batch["shift_labels"].to(logits.device)
         valid = target != -100
         correct += int((logits.argmax(-1)[valid] == target[valid]).sum())
