@@ -11,6 +11,21 @@ import torch
 import torch.distributed as dist
 
 
+def disable_cpu_shm_allreduce() -> None:
+    """Keep DeepSpeed's CPU backend from building its shared-memory all-reduce op.
+
+    On the CPU accelerator every rank creates a ~64 MiB /dev/shm segment per master port that is
+    never unlinked (a long test session filled 22 GiB of /dev/shm and was OOM-killed), it is
+    JIT-compiled on first use (two ranks compiling at once can abort), and only DeepSpeed's
+    inference all-reduce uses it. Training collectives go through gloo either way.
+    """
+    import deepspeed.comm.torch as ds_torch_comm
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        ds_torch_comm.build_shm_op = lambda: None
+
+
 def initialize_groups(sp_size: int):
     """Create the SP groups (idempotent). Returns the mpu for ``deepspeed.initialize`` or None for SP=1."""
     if sp_size <= 1:

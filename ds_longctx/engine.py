@@ -154,6 +154,7 @@ def init_distributed(ds_config: Optional[dict] = None, distributed_port: int = 2
     from .launch import env_from_slurm
 
     env_from_slurm()  # srun sets only SLURM_*; MPI ranks are discovered by DeepSpeed via mpi4py
+    comm.disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                distributed_port=distributed_port, auto_mpi_discovery=True)
 

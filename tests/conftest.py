@@ -6,13 +6,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+
 def pytest_sessionstart(session):
-    """DeepSpeed JIT-builds its CPU shared-memory comm op at the first init_distributed; two ranks
-    building it at once can abort, so build it once here before any test spawns ranks."""
-    import warnings
+    """DeepSpeed's CPU shared-memory all-reduce op is switched off in every rank we start
+    (ds_longctx.comm.disable_cpu_shm_allreduce): no JIT build race, no leaked /dev/shm segments.
+    Remove segments an older run may have left so they cannot fill /dev/shm."""
+    import glob
+    import os
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from deepspeed.comm.torch import build_shm_op
-
-        build_shm_op()
+    for path in glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -31,6 +31,9 @@ def _worker(rank, world, port, fn, args, out_dir):
     try:
         import deepspeed
 
+        from ds_longctx.comm import disable_cpu_shm_allreduce
+
+        disable_cpu_shm_allreduce()
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         result = ("ok", fn(rank, world, *args))
     except BaseException as e:  # report, don't hang the parent

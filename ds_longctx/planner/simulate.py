@@ -56,6 +56,9 @@ def fake_world(world_size: int):
     import deepspeed.comm as ds_comm
 
     # DeepSpeed's comm wrapper (used by its Ulysses attention) must see a backend; it wraps ours.
+    from ..comm import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()
     ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, dist_init_required=False,
                              verbose=False)
     try:
