@@ -1,11 +1,11 @@
-"""Sequence-parallel groups, the seq<->head all-to-all, and SP loss aggregation.
+"""Sequence-parallel groups and SP loss aggregation (the seq<->head all-to-alls live with their
+only user, attention/untied.py, and DeepSpeed's Ulysses).
 
 Groups come from DeepSpeed's ``parallel_state_sp`` (contiguous rank blocks of size SP; the
 sequence-data-parallel group is every rank), so ZeRO and DeepSpeed's Ulysses see the same groups.
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -19,9 +19,12 @@ def disable_cpu_shm_allreduce() -> None:
     JIT-compiled on first use (two ranks compiling at once can abort), and only DeepSpeed's
     inference all-reduce uses it. Training collectives go through gloo either way.
     """
-    import deepspeed.comm.torch as ds_torch_comm
+    import importlib
+
     from deepspeed.accelerator import get_accelerator
 
+    # `import deepspeed.comm.torch as m` would bind torch itself (deepspeed.comm re-exports `torch`)
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     if get_accelerator().device_name() == "cpu":
         ds_torch_comm.build_shm_op = lambda: None
 
@@ -63,52 +66,6 @@ def dp_world_size_and_rank(sp_size: int):
     if not dist.is_initialized():
         return 1, 0
     return dist.get_world_size() // sp_size, dist.get_rank() // sp_size
-
-
-# ---------------------------------------------------------------------------------------------
-# seq <-> head all-to-all on [batch, seq, heads, head_dim] (no autograd; callers own the backward)
-# ---------------------------------------------------------------------------------------------
-
-
-def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
-    """[b, s_local, h, d] sharded on sequence -> [b, s_local*C, h/C, d] sharded on heads.
-
-    Rank r receives heads [r*h/C, (r+1)*h/C) over the full sequence, in rank (= sequence) order.
-    """
-    c = dist.get_world_size(group) if group is not None else 1
-    if c == 1:
-        return x
-    b, s, h, d = x.shape
-    if h % c != 0:
-        raise ValueError(f"seq_to_head: {h} heads are not divisible by the SP degree {c}")
-    send = x.reshape(b, s, c, h // c, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, c * s, h // c, d)
-
-
-def head_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """[b, S, h_local, d] sharded on heads -> [b, S/C, h_local*C, d] sharded on sequence."""
-    c = dist.get_world_size(group) if group is not None else 1
-    if c == 1:
-        return x
-    b, s_full, hl, d = x.shape
-    if s_full % c != 0:
-        raise ValueError(f"head_to_seq: sequence {s_full} is not divisible by the SP degree {c}")
-    s = s_full // c
-    send = x.reshape(b, c, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s, c * hl, d)
-
-
-def seq_to_head_into(x: torch.Tensor, group, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Like :func:`seq_to_head` but may write into a caller-provided buffer (for stage-to-stage reuse)."""
-    y = seq_to_head(x, group)
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Bad input through ds_longctx.initialize raises the same clear error on every rank, before any
 SP group or DeepSpeed engine is built (so no collective can hang)."""
-import pytest
 
 from dist_utils import run_distributed
 from sp_cases import ds_config

@@ -12,8 +12,8 @@ from tiny_models import build, tiny_config
 from ds_longctx.config import parse
 from ds_longctx.memory import apply_memory_stack
 from ds_longctx.memory import norm as norm_mod
-from ds_longctx.memory.norm import (MemoryEfficientRMSNorm, install_memory_efficient_rmsnorm,
-                                    is_llama_style_rmsnorm, uninstall_memory_efficient_rmsnorm)
+from ds_longctx.memory.norm import (install_memory_efficient_rmsnorm, is_llama_style_rmsnorm,
+                                    uninstall_memory_efficient_rmsnorm)
 from ds_longctx.memory.tracker import LiveBytesTracker
 
 

@@ -1,7 +1,6 @@
 """The planner against real CPU measurements, its extrapolation against full depth, and resolve_auto."""
 import copy
 
-import pytest
 import torch
 
 from dist_utils import run_distributed

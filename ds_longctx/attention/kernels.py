@@ -14,7 +14,7 @@ itself gets k/v expanded here and dk/dv summed back. Nothing here knows about se
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable, Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 

@@ -12,13 +12,12 @@ import copy
 import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional
 
-from ..config import ConfigError, LongContextConfig, check_against, load_ds_config, parse
+from ..config import ConfigError, check_against, load_ds_config, parse
 from . import model_states as ms
-from .simulate import CATEGORIES, StepMemory, simulate_step, text_config, with_layers
+from .simulate import CATEGORIES, simulate_step, text_config
 from .units import fmt_bytes, parse_bytes
 
 logger = logging.getLogger("ds_longctx.planner")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
-from ..config import ConfigError, SECTION
+from ..config import SECTION
 from .simulate import text_config
 from .units import fmt_bytes
 
