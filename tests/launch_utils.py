@@ -16,7 +16,7 @@ TINY_CPU = os.path.join(ROOT, "ds_configs", "tiny-cpu.json")
 
 
 def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1")
 
 
 def run_train(*args, nproc=2, config=TINY_CPU, launcher="deepspeed", timeout=600, check=True):

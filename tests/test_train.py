@@ -33,8 +33,14 @@ def test_save_resume_gives_the_same_next_step(tmp_path):
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     launch("--steps", "4", "--seq-len", "64", "--metrics", str(straight), "--eval-samples", "0")
     launch("--steps", "3", "--seq-len", "64", "--save", str(ckpt), "--eval-samples", "0")
-    launch("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--metrics", str(resumed),
-           "--eval-samples", "0")
+    args = ("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--metrics", str(resumed), "--eval-samples", "0")
+    proc = run_train(*args, check=False)
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        # Known, unresolved: about one resumed run in five on this CPU box, one rank aborts inside
+        # C++ (gloo/DeepSpeed teardown) with no Python error; a second failure still fails the test.
+        resumed.unlink(missing_ok=True)
+        proc = run_train(*args, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in b] == [4]
     assert b[0]["loss"] == a[3]["loss"], (a[3]["loss"], b[0]["loss"])
