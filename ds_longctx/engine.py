@@ -234,7 +234,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                               sp_rank=comm.sp_rank(group), sp_size=sp, dp_rank=dp_rank, dp_size=dp_size,
                               collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
-    if dist.get_rank() == 0 if dist.is_initialized() else True:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         dp = world // sp
         logger.info(f"ds_longctx: world={world} sp={sp} dp={dp} zero_stage={_zero_stage(ds_config)} "
                     f"attention={lc.attention.implementation} grad_scale={grad_scale}")
