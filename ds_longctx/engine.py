@@ -67,9 +67,13 @@ def _install_ulysses(model, group) -> None:
 
 def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
     sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
     sp = comm.sp_world_size(group)
     tiled = lc.tiled_loss
+    if tiled.enabled:
+        from .memory.tiling import tiled_causal_lm_loss_sum
     orig_forward = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
@@ -94,13 +98,9 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
         hidden = out.last_hidden_state
         logits = None
         if tiled.enabled:
-            from .memory.tiling import tiled_causal_lm_loss_sum
-
             loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         return CausalLMOutputWithPast(loss=sp_loss(loss_sum, count), logits=logits)
 
     model.forward = types.MethodType(forward, model)
