@@ -61,7 +61,7 @@ def load_model_config(path):
 
 def build_model(args, ds_config):
     import ds_longctx
-    from ds_longctx.engine import deterministic_init
+    from ds_longctx.weights import deterministic_init
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)

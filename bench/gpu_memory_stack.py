@@ -3,8 +3,8 @@
 step time of one training step for none / +checkpointing / +offload / +tiled MLP / +tiled loss /
 +untied attention, each row adding to the previous one. Same rows as bench/memory_stack.py (CPU).
 
-Single process, no DeepSpeed engine: ``install`` puts on the model what ``ds_longctx.engine.patch_model``
-installs for SP=1, without importing DeepSpeed (absent on the GPU image). bf16 weights, no optimizer; grads are
+Single process, no DeepSpeed engine: ``install`` is ``ds_longctx.patch.patch_model`` for SP=1,
+which imports no DeepSpeed there (absent on the GPU image). bf16 weights, no optimizer; grads are
 allocated before measuring (model state is the same in every row), so peaks are activations,
 logits and transients. A row that fails (OOM, missing kernel) is recorded and the run goes on.
 
@@ -66,39 +66,18 @@ def build(args):
 
 
 def install(model, lc: dict):
-    """What ``engine.patch_model`` installs at SP=1 (attention, memory stack, loss forward), done
-    directly so the bench needs no DeepSpeed on the GPU machine (SP=1 needs no groups)."""
-    import types
-
+    """``ds_longctx.patch.patch_model`` at SP=1 (no process group): exactly what training installs. It
+    imports no DeepSpeed at SP=1, which is absent on the GPU image."""
     from ds_longctx.config import parse
-    from ds_longctx.loss import causal_lm_loss_sum, shift_labels_of
-    from ds_longctx.memory import apply_memory_stack, tiled_causal_lm_loss_sum
+    from ds_longctx.patch import patch_model
 
-    cfg = parse({"long_context": lc})
-    if cfg.attention.implementation == "untied_ulysses":
-        from ds_longctx.attention.hf import install_untied
-
-        install_untied(model, cfg.attention, None)
-    if cfg.activation_checkpointing.enabled or cfg.tiled_mlp.enabled:
-        model._ds_longctx_memory = apply_memory_stack(model, cfg, None)
-
-    def forward(self, input_ids=None, labels=None, **kw):
-        hidden = self.get_decoder()(input_ids=input_ids, use_cache=False, **kw).last_hidden_state
-        shift = shift_labels_of(labels)
-        if cfg.tiled_loss.enabled:
-            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift, cfg.tiled_loss.shards)
-        else:
-            loss_sum, count, _ = causal_lm_loss_sum(hidden, self.lm_head, shift)
-        return types.SimpleNamespace(loss=loss_sum / count.clamp(min=1))
-
-    model.forward = types.MethodType(forward, model)
+    return patch_model(model, parse({"long_context": lc}), group=None, grad_scale=1.0)
 
 
 def run_row(args, name, lc):
     model = build(args)
     model.train()
-    install(model, lc)
-    handle = getattr(model, "_ds_longctx_memory", None)
+    handle = install(model, lc).memory
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     g = torch.Generator().manual_seed(1)

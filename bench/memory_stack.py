@@ -6,7 +6,7 @@ the previous one, all in one run on the same model, weights and batch.
 Peak live bytes come from ``ds_longctx.memory.tracker.LiveBytesTracker`` (every storage created and
 still alive). Offloaded layer inputs are host memory: the CPU offload target copies them outside the
 tracker (as pinned host buffers are outside the CUDA allocator) and they are reported separately.
-The model goes through ``engine.patch_model``, i.e. exactly what ``ds_longctx.initialize`` installs.
+The model goes through ``patch.patch_model``, i.e. exactly what ``ds_longctx.initialize`` installs.
 
     python bench/memory_stack.py [--seq 2048] [--json out.json]
 """
@@ -84,7 +84,7 @@ def _tag_modules(model, tracker):
 
 def run_row(args, name, lc):
     from ds_longctx.config import parse
-    from ds_longctx.engine import patch_model
+    from ds_longctx.patch import patch_model
     from ds_longctx.memory.tracker import LiveBytesTracker
 
     model = build(args)

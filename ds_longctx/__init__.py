@@ -3,21 +3,13 @@
 Public API: ``initialize`` (drop-in for ``deepspeed.initialize``), ``model_init`` (ZeRO-3
 partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner).
 """
-from .config import ConfigError, LongContextConfig
+from .config import LongContextConfig
+from .errors import ConfigError
+# Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
+# the submodule of the same name loaded, keeps `ds_longctx.initialize` the function for good.
+from .initialize import initialize, model_init
 
 __version__ = "0.1.0"
-
-
-def initialize(*args, **kwargs):
-    from .engine import initialize as _initialize
-
-    return _initialize(*args, **kwargs)
-
-
-def model_init(*args, **kwargs):
-    from .engine import model_init as _model_init
-
-    return _model_init(*args, **kwargs)
 
 
 def plan(*args, **kwargs):

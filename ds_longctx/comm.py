@@ -61,13 +61,6 @@ def sp_rank(group=None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def dp_world_size_and_rank(sp_size: int):
-    """Data-parallel replicas: rank r belongs to replica r // sp (SP groups are contiguous blocks)."""
-    if not dist.is_initialized():
-        return 1, 0
-    return dist.get_world_size() // sp_size, dist.get_rank() // sp_size
-
-
 # ---------------------------------------------------------------------------------------------
 # SP loss aggregation
 # ---------------------------------------------------------------------------------------------

@@ -11,18 +11,12 @@ from typing import Any, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
+
 SECTION = "long_context"
 
 ATTENTION_IMPLEMENTATIONS = ("none", "ulysses", "untied_ulysses")
 KERNELS = ("auto", "flash_attention_3", "flash_attention_2", "sdpa")
-
-
-class ConfigError(ValueError):
-    """A bad config or shape. The message names the key path and the fix."""
-
-    def __init__(self, key: str, problem: str, fix: str):
-        self.key, self.problem, self.fix = key, problem, fix
-        super().__init__(f"{key}: {problem}. Fix: {fix}")
 
 
 class _Strict(BaseModel):
@@ -162,10 +156,6 @@ def parse(ds_config: dict) -> LongContextConfig:
     return cfg
 
 
-def _text_config(model_config):
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-
-
 def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1,
                   sequence_length: Optional[int] = None) -> None:
     """Check the section against the model's shape and the world. Pure: same verdict on every rank."""
@@ -180,7 +170,9 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
                           f"use a multiple of {sp}, e.g. {(seq // sp + 1) * sp}")
     if model_config is None:
         return
-    tc = _text_config(model_config)
+    from .models import text_config
+
+    tc = text_config(model_config)
     heads = tc.num_attention_heads
     kv = getattr(tc, "num_key_value_heads", None) or heads
     impl = cfg.attention.implementation

@@ -8,7 +8,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .config import ConfigError
+from .errors import ConfigError
 from .loss import shift_labels_of
 
 # ---------------------------------------------------------------------------------------------

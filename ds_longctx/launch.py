@@ -12,7 +12,9 @@ import subprocess
 import sys
 from typing import Dict
 
-from .config import ConfigError, load_ds_config, parse
+from .config import load_ds_config, parse
+from .errors import ConfigError
+from .layout import Layout
 
 
 def env_from_slurm() -> bool:
@@ -78,7 +80,7 @@ def check_hostfile(path: str, sp: int) -> Dict[str, int]:
 
 
 def layout_line(world: int, sp: int) -> str:
-    dp = world // sp
+    dp = Layout(world=world, sp=sp).dp
     return (f"[ds_longctx] layout: world={world} = sp {sp} x dp {dp}; SP groups are consecutive ranks "
             f"[0..{sp - 1}], [{sp}..{2 * sp - 1}], ...; ZeRO-3 shards over all {world} ranks")
 

@@ -9,7 +9,7 @@ from tiny_models import build, tiny_config
 
 def _weights(rank, world, stage):
     import ds_longctx
-    from ds_longctx.engine import deterministic_init
+    from ds_longctx.weights import deterministic_init
 
     cfg = ds_config(stage, world, optimizer={"type": "SGD", "params": {"lr": 1.0}})
     with ds_longctx.model_init(cfg):
@@ -22,7 +22,7 @@ def _weights(rank, world, stage):
 
 
 def test_same_seed_same_weights_across_layouts():
-    from ds_longctx.engine import deterministic_init
+    from ds_longctx.weights import deterministic_init
 
     ref_model = build(tiny_config(), seed=123)  # a different global RNG state must not matter
     deterministic_init(ref_model, seed=7)

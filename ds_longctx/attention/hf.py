@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError
-from ..models import AttentionFacts, facts_for, rms_norm, rope_bshd
-from .kernels import check_kernel, get_backend
+from ..errors import ConfigError
+from ..models import AttentionFacts, facts_for, rms_norm, rope_bshd, text_config
+from . import kernels, registry
 from .untied import ProjectionSpec, Schedule, untied_attention_fused, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
@@ -42,28 +42,43 @@ class _State:
     facts: Optional[AttentionFacts] = None
 
 
-# attention-function path: modules of installed models -> state (weak: models can be freed)
-_MODULE_STATE: "weakref.WeakKeyDictionary[torch.nn.Module, _State]" = weakref.WeakKeyDictionary()
-_ORIGINAL_FUNCTIONS = {}
+class UntiedInstall:
+    """What :func:`install_untied` changed on one model; ``remove()`` puts it back."""
+
+    def __init__(self):
+        self.fused_modules = []      # (module, its class before) on the fused path
+        self.leaf_class = None       # the attention class marked as a ZeRO-3 leaf, and the model
+        self.model = None
+        self.function_level = None   # registry.Installation on the attention-function path
+
+    def remove(self) -> None:
+        for m, cls in self.fused_modules:
+            m.__class__ = cls
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop("_ds_longctx_untied", None)
+        self.fused_modules = []
+        if self.leaf_class is not None:
+            from deepspeed.utils import unset_z3_leaf_modules
+
+            unset_z3_leaf_modules(self.model, [self.leaf_class], raise_if_not_found=False)
+            self.leaf_class = self.model = None
+        if self.function_level is not None:
+            self.function_level.remove()
+            self.function_level = None
 
 
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def install_untied(model, attn_cfg, group) -> None:
+def install_untied(model, attn_cfg, group) -> UntiedInstall:
     """Patch ``model`` (a built HF PreTrainedModel, possibly ZeRO-3 partitioned) to use untied Ulysses.
 
     attn_cfg: ``config.AttentionConfig``; group: the SP process group or None for SP=1. Runs no
-    collectives (the planner calls it under a fake process group).
+    collectives (the planner calls it under a fake process group). Returns the undo handle.
     """
-    kernel = check_kernel(attn_cfg.kernel)
+    kernel = kernels.check_kernel(attn_cfg.kernel)
     hpc = attn_cfg.heads_per_chunk
     if not isinstance(hpc, int) or isinstance(hpc, bool) or hpc < 1:
         raise ConfigError(HPC_KEY, f"must be a positive integer here, got {hpc!r}", "use 1 for the most memory saving")
     sp = 1 if group is None else dist.get_world_size(group)
-    tc = _text_config(model)
+    tc = text_config(model.config)
     heads = tc.num_attention_heads
     kv = getattr(tc, "num_key_value_heads", None) or heads
     try:
@@ -73,10 +88,12 @@ def install_untied(model, attn_cfg, group) -> None:
                           "sequence_parallel_size", str(e), "pick heads_per_chunk dividing heads/SP and an SP "
                           "degree dividing the heads") from None
     state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel)
+    handle = UntiedInstall()
     if attn_cfg.fuse_projections:
-        _install_fused(model, tc, state)
+        _install_fused(model, tc, state, handle)
     else:
-        _install_function_level(model, state)
+        handle.function_level = _install_function_level(model, state)
+    return handle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,7 +101,7 @@ def install_untied(model, attn_cfg, group) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _install_fused(model, tc, state: _State):
+def _install_fused(model, tc, state: _State, handle: UntiedInstall):
     model_type = getattr(tc, "model_type", None)
     facts = facts_for(model_type)
     if facts is None:
@@ -99,16 +116,18 @@ def _install_fused(model, tc, state: _State):
                           f"set {FUSE_KEY} to false")
     state.facts = facts
     for m in found:
+        handle.fused_modules.append((m, type(m)))
         m._ds_longctx_untied = state
         m.forward = types.MethodType(_fused_forward, m)
         m.__class__ = _positional_call_class(type(m))
     try:
         from deepspeed.utils import set_z3_leaf_modules
-    except ImportError:
+    except ImportError:  # no DeepSpeed, no ZeRO-3 (the single-GPU bench)
         return
     # the stage loop reads q/k/v/o (and q/k-norm) weights directly, not through child modules, so
     # ZeRO-3 must gather the whole attention module at its forward and again for its backward
     set_z3_leaf_modules(model, [cls])
+    handle.leaf_class, handle.model = cls, model
 
 
 _CALL_CLASSES = {}
@@ -130,7 +149,17 @@ def _positional_call_class(cls):
                 args = (kwargs.pop("hidden_states"),)
             return torch.nn.Module.__call__(self, *args, **kwargs)
 
-        _CALL_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+        def extra_repr(self):
+            st = self.__dict__.get("_ds_longctx_untied")
+            base = cls.extra_repr(self)
+            if st is None:
+                return base
+            mine = (f"ds_longctx: fused untied Ulysses (sp={st.sp}, heads_per_chunk={st.heads_per_chunk}, "
+                    f"kernel={st.kernel})")
+            return f"{base}, {mine}" if base else mine
+
+        _CALL_CLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "extra_repr": extra_repr,
+                                                         "__module__": cls.__module__,
                                                          "__qualname__": cls.__qualname__,
                                                          "_ds_longctx_positional": True})
     return _CALL_CLASSES[cls]
@@ -180,7 +209,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         heads=heads, kv_heads=kv_heads, spec=spec, bq=q.bias, bk=k.bias, bv=v.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
         group=state.group, heads_per_chunk=state.heads_per_chunk,
-        backend=get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling)
+        backend=kernels.get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling)
     out = o(out.reshape(b, s, -1))
     return out, None
 
@@ -190,7 +219,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
 # ---------------------------------------------------------------------------------------------
 
 
-def _install_function_level(model, state: _State):
+def _install_function_level(model, state: _State) -> registry.Installation:
     impl = getattr(model.config, "_attn_implementation", None)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -198,22 +227,12 @@ def _install_function_level(model, state: _State):
         raise ConfigError("model.config._attn_implementation",
                           f"{impl!r} does not go through transformers' attention interface",
                           "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
-    for m in model.modules():
-        _MODULE_STATE[m] = state
-    if impl not in _ORIGINAL_FUNCTIONS:
-        original = ALL_ATTENTION_FUNCTIONS[impl]
-        _ORIGINAL_FUNCTIONS[impl] = original
 
-        # process-global by necessity (HF looks the function up by name); modules of models that
-        # were not installed still get the original function
-        def dispatch(module, query, key, value, attention_mask, *args, _original=original, **kwargs):
-            st = _MODULE_STATE.get(module)
-            if st is None:
-                return _original(module, query, key, value, attention_mask, *args, **kwargs)
-            return _function_level_attention(st, module, query, key, value, attention_mask, *args, **kwargs)
+    def untied(module, query, key, value, attention_mask, *args, **kwargs):
+        return _function_level_attention(state, module, query, key, value, attention_mask, *args, **kwargs)
 
-        dispatch._ds_longctx_untied = True
-        ALL_ATTENTION_FUNCTIONS[impl] = dispatch
+    # HF looks the function up by name: the registry routes only this model's modules to it
+    return registry.install(model, impl, untied, "untied Ulysses")
 
 
 def _function_level_attention(state: _State, module, query, key, value, attention_mask, dropout=0.0,
@@ -233,7 +252,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     _check_window(sliding_window, s * state.sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
-                                  backend=get_backend(state.kernel, q.device), causal=True,
+                                  backend=kernels.get_backend(state.kernel, q.device), causal=True,
                                   scale=scaling if scaling is not None else q.shape[-1] ** -0.5)
     return out, None
 

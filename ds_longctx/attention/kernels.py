@@ -13,12 +13,13 @@ itself gets k/v expanded here and dk/dv summed back. Nothing here knows about se
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-from typing import Dict, Tuple
+from typing import Dict, Tuple, Type
 
 import torch
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 KERNEL_KEY = "long_context.attention.kernel"
 aten = torch.ops.aten
@@ -224,21 +225,51 @@ class FlashAttn3(Backend):
         return dq, dk, dv
 
 
-BACKENDS: Dict[str, type] = {
-    "flash_attention_3": FlashAttn3,
-    "flash_attention_2": FlashAttn2,
-    "sdpa_cuda_flash": TorchCUDAFlash,
-    "sdpa_cuda_cudnn": TorchCUDAcuDNN,
-    "sdpa_cpu_flash": TorchCPUFlash,
-}
-_AUTO_ORDER = {"cuda": ("flash_attention_3", "flash_attention_2", "sdpa_cuda_flash"), "cpu": ("sdpa_cpu_flash",)}
-_INSTANCES: Dict[str, Backend] = {}
+# The registration seam: backends by name, the per-device "auto" order, and per-device overrides.
+# Callers change these only through register_backend / overridden (never by assigning module attributes).
+BACKENDS: Dict[str, Type[Backend]] = {}
+_AUTO_ORDER: Dict[str, Tuple[str, ...]] = {}
+_OVERRIDES: Dict[str, Type[Backend]] = {}  # device type -> the backend every kernel name resolves to
+_INSTANCES: Dict[type, Backend] = {}
 
 
-def _instance(name: str) -> Backend:
-    if name not in _INSTANCES:
-        _INSTANCES[name] = BACKENDS[name]()
-    return _INSTANCES[name]
+def register_backend(cls: Type[Backend], auto: bool = False) -> Type[Backend]:
+    """Make ``cls`` selectable as ``long_context.attention.kernel = cls.name``; ``auto=True`` also appends
+    it to the "auto" order of its device type (earlier registrations are preferred)."""
+    BACKENDS[cls.name] = cls
+    if auto:
+        _AUTO_ORDER[cls.device_type] = _AUTO_ORDER.get(cls.device_type, ()) + (cls.name,)
+    return cls
+
+
+@contextlib.contextmanager
+def overridden(device_type: str, cls: Type[Backend]):
+    """Inside the block every kernel name resolves to ``cls`` for tensors on ``device_type`` (the planner's
+    meta stand-in device: a config naming a CUDA kernel means that kernel's memory on the GPU)."""
+    if device_type in _OVERRIDES:
+        raise RuntimeError(f"attention kernels for {device_type!r} are already overridden")
+    _OVERRIDES[device_type] = cls
+    try:
+        yield
+    finally:
+        _OVERRIDES.pop(device_type, None)
+        _INSTANCES.pop(cls, None)
+
+
+for _cls, _auto in ((FlashAttn3, True), (FlashAttn2, True), (TorchCUDAFlash, True), (TorchCUDAcuDNN, False),
+                    (TorchCPUFlash, True)):
+    register_backend(_cls, auto=_auto)
+
+
+def kernel_names() -> Tuple[str, ...]:
+    """Values ``long_context.attention.kernel`` accepts."""
+    return ("auto", "sdpa") + tuple(BACKENDS)
+
+
+def _instance(cls: Type[Backend]) -> Backend:
+    if cls not in _INSTANCES:
+        _INSTANCES[cls] = cls()
+    return _INSTANCES[cls]
 
 
 def available_backends():
@@ -264,10 +295,12 @@ def get_backend(name: str, device: torch.device) -> Backend:
     """The backend for config value ``name`` ('auto' | 'sdpa' | a flash kernel) on ``device``."""
     dev = torch.device(device).type
     check_kernel(name)
+    if dev in _OVERRIDES:
+        return _instance(_OVERRIDES[dev])
     if name == "auto":
         for cand in _AUTO_ORDER.get(dev, ()):
             if BACKENDS[cand].available():
-                return _instance(cand)
+                return _instance(BACKENDS[cand])
         raise ConfigError(KERNEL_KEY, f"no attention kernel with LSE is available for {dev} tensors",
                           "run on CPU or CUDA with torch>=2.3")
     if name == "sdpa":
@@ -275,8 +308,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if cand is None or not BACKENDS[cand].available():
             raise ConfigError(KERNEL_KEY, f"torch's flash SDPA is not available for {dev} tensors",
                               "set it to 'auto' or run on CPU/CUDA")
-        return _instance(cand)
-    backend = _instance(name)
+        return _instance(BACKENDS[cand])
+    backend = _instance(BACKENDS[name])
     if backend.device_type != dev:
         raise ConfigError(KERNEL_KEY, f"{name!r} runs on {backend.device_type}, the tensors are on {dev}",
                           "set it to 'auto' or move the model to the kernel's device")
@@ -298,4 +331,4 @@ def reference_attention(q, k, v, causal: bool, scale: float):
 
 
 __all__ = ["Backend", "BACKENDS", "available_backends", "check_kernel", "get_backend", "reference_attention",
-           "KERNEL_KEY"]
+           "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from .offload import CheckpointInputOffloader
 
 

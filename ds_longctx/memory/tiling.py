@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 IGNORE_INDEX = -100
 

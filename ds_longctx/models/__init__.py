@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ._common import AttentionFacts, rms_norm, rope_bshd, rotate_half
+from ._common import AttentionFacts, rms_norm, rope_bshd, rotate_half, text_config
 from .llama import LLAMA, MISTRAL
 from .qwen import QWEN2, QWEN3
 
@@ -14,4 +14,4 @@ def facts_for(model_type: Optional[str]) -> Optional[AttentionFacts]:
     return FUSED_ARCHITECTURES.get(model_type)
 
 
-__all__ = ["AttentionFacts", "FUSED_ARCHITECTURES", "facts_for", "rms_norm", "rope_bshd", "rotate_half"]
+__all__ = ["AttentionFacts", "FUSED_ARCHITECTURES", "facts_for", "rms_norm", "rope_bshd", "rotate_half", "text_config"]

@@ -7,6 +7,11 @@ from typing import Optional, Tuple
 import torch
 
 
+def text_config(model_config):
+    """The decoder's config (multimodal configs nest it; plain causal-LM configs are it)."""
+    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
 def rotate_half(x):
     x1 = x[..., : x.shape[-1] // 2]
     x2 = x[..., x.shape[-1] // 2:]

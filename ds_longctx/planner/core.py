@@ -17,7 +17,8 @@ from typing import Dict, List, Optional
 
 from ..config import ConfigError, check_against, load_ds_config, parse
 from . import model_states as ms
-from .simulate import CATEGORIES, simulate_step, text_config
+from ..models import text_config
+from .simulate import CATEGORIES, simulate_step
 from .units import fmt_bytes, parse_bytes
 
 logger = logging.getLogger("ds_longctx.planner")

@@ -6,7 +6,7 @@ import logging
 from typing import List, Tuple
 
 from ..config import SECTION
-from .simulate import text_config
+from ..models import text_config
 from .units import fmt_bytes
 
 logger = logging.getLogger("ds_longctx.planner")

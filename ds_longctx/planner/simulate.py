@@ -1,7 +1,7 @@
 """One rank's forward + backward, run for real on fake tensors under a fake process group.
 
 The model is built from its HF config inside ``FakeTensorMode`` (shapes and dtypes, no storage), our
-``engine.patch_model`` installs exactly what training installs (attention, memory stack, SP loss),
+``patch.patch_model`` installs exactly what training installs (attention, memory stack, SP loss),
 and the step runs under :class:`Accountant`, which counts every storage the real code creates and
 frees, split by where it lives (device / host) and by what created it (attention / mlp / loss /
 other). Collectives go to torch's "fake" backend, which returns without moving data: every rank's
@@ -29,6 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from ..models import text_config
 
 CATEGORIES = ("attention", "mlp", "loss", "other")
 _TAG = "ds_longctx_planner_tag"
@@ -66,26 +68,6 @@ def fake_world(world_size: int):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _restored_attention_registry():
-    """patch_model overrides HF's global attention functions (once per training process); the planner
-    runs many configurations in one process, so put them back after each."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    saved = dict(ALL_ATTENTION_FUNCTIONS._global_mapping) if hasattr(ALL_ATTENTION_FUNCTIONS, "_global_mapping") \
-        else None
-    saved_local = dict(getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {}) or {})
-    try:
-        yield
-    finally:
-        if saved is not None:
-            ALL_ATTENTION_FUNCTIONS._global_mapping.clear()
-            ALL_ATTENTION_FUNCTIONS._global_mapping.update(saved)
-        if hasattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping"):
-            ALL_ATTENTION_FUNCTIONS._local_mapping.clear()
-            ALL_ATTENTION_FUNCTIONS._local_mapping.update(saved_local)
 
 
 @contextlib.contextmanager
@@ -381,35 +363,15 @@ def _meta_backend_class():
 
 @contextlib.contextmanager
 def _meta_kernels(device: str):
+    """On the meta stand-in device every configured kernel ("auto", "sdpa", a flash kernel) means that
+    kernel on the GPU: resolve them all to flash-attention-2's memory."""
     if device != "meta":
         yield
         return
-    try:
-        from ..attention import kernels
-    except ImportError:
-        yield
-        return
-    cls = _meta_backend_class()
-    saved_auto = dict(kernels._AUTO_ORDER)
-    kernels.BACKENDS[cls.name] = cls
-    kernels._AUTO_ORDER["meta"] = (cls.name,)
-    # configs that name a CUDA kernel ("flash_attention_2", "sdpa") mean that kernel on the GPU
-    saved_get = kernels.get_backend
+    from ..attention import kernels
 
-    def get_backend(name, dev):
-        if torch.device(dev).type == "meta":
-            return kernels._instance(cls.name)
-        return saved_get(name, dev)
-
-    kernels.get_backend = get_backend
-    try:
+    with kernels.overridden("meta", _meta_backend_class()):
         yield
-    finally:
-        kernels.get_backend = saved_get
-        kernels._AUTO_ORDER.clear()
-        kernels._AUTO_ORDER.update(saved_auto)
-        kernels.BACKENDS.pop(cls.name, None)
-        kernels._INSTANCES.pop(cls.name, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,10 +388,6 @@ class StepMemory:
     num_layers: int
     seconds: float
     notes: List[str] = field(default_factory=list)
-
-
-def text_config(model_config):
-    return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
 
 
 def with_layers(model_config, num_layers: int):
@@ -471,12 +429,13 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..engine import patch_model
+    from ..attention import registry
+    from ..patch import patch_model
 
     sp = lc.sequence_parallel_size
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_world(world_size), _restored_attention_registry(), _contiguous_positions(), \
+    with fake_world(world_size), registry.restored(), _contiguous_positions(), \
             _meta_kernels(device), _flash_sdpa_on_meta(device):
         group = dist.new_group(list(range(sp))) if sp > 1 else None
         model = build_model(with_layers(model_config, num_layers), dtype_of(ds_config), device, mode)
@@ -485,10 +444,10 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
                 # DeepSpeed moves each full grad into its bucket/partition as soon as it is ready;
                 # the partitions are model states, counted by arithmetic.
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        patch_model(model, lc, group, 1.0)
+        patched = patch_model(model, lc, group, 1.0)
         acct = Accountant(device)
         acct.ignore(list(model.parameters()) + list(model.buffers()))
-        handle = getattr(model, "_ds_longctx_memory", None)
+        handle = patched.memory
         if handle is not None and handle.offloader is not None:
             handle.set_offload_target(_SimHostTarget(acct))
         tagger = _Tagger(acct, model)
@@ -508,5 +467,6 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
         res = StepMemory(acct.peak_device, acct.peak_breakdown, acct.host_at_peak, acct.peak_host, num_layers,
                          time.perf_counter() - t0)
         res.memory_stats = handle.stats() if handle is not None else {}
-        del model
+        patched.remove()
+        del model, patched
     return res

@@ -1,0 +1,149 @@
+"""The one writer of transformers' attention table (``ALL_ATTENTION_FUNCTIONS``).
+
+HF models look their attention function up by name (``config._attn_implementation``) in a
+process-global table, so an SP attention has to be installed there. Every install in ds_longctx
+(DeepSpeed's Ulysses and our function-level untied attention) goes through :func:`install`, which
+puts ONE dispatcher per implementation name into the table and routes by module: modules of a
+patched model get that model's function, every other module (a second, unpatched model; a
+reference model in a test) keeps the function the table held before. :func:`uninstall` undoes one
+install and puts the original back when the last one is gone; :func:`restored` undoes everything
+installed inside it (the planner runs many configurations in one process).
+
+Only the public mapping interface of the table is used (``table[name]`` / ``table[name] = fn``).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+import torch
+
+
+def _table():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+@dataclass
+class _Slot:
+    """One implementation name we took over: the function it held before and our dispatcher."""
+    original: Callable
+    dispatcher: Callable
+    # module -> attention function (weak: a freed model leaves no trace)
+    modules: "weakref.WeakKeyDictionary[torch.nn.Module, Callable]" = field(default_factory=weakref.WeakKeyDictionary)
+
+
+_SLOTS: Dict[str, _Slot] = {}
+
+
+@dataclass
+class Installation:
+    """Handle of one :func:`install`: the modules routed to ``fn`` under ``impl``."""
+    impl: str
+    fn: Callable
+    label: str
+    modules: List["weakref.ref"]
+    active: bool = True
+
+    def remove(self) -> None:
+        uninstall(self)
+
+
+def original(impl: str) -> Callable:
+    """The function the table held for ``impl`` before ds_longctx took it over (the core attention an
+    SP wrapper calls on the gathered sequence)."""
+    slot = _SLOTS.get(impl)
+    return slot.original if slot is not None else _table()[impl]
+
+
+def is_installed(module: torch.nn.Module) -> bool:
+    return any(module in slot.modules for slot in _SLOTS.values())
+
+
+def _make_dispatcher(impl: str, original_fn: Callable) -> Callable:
+    def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
+        slot = _SLOTS.get(impl)
+        fn = slot.modules.get(module) if slot is not None else None
+        if fn is None:
+            return original_fn(module, query, key, value, attention_mask, *args, **kwargs)
+        return fn(module, query, key, value, attention_mask, *args, **kwargs)
+
+    dispatch._ds_longctx_dispatcher = impl
+    return dispatch
+
+
+def install(model: torch.nn.Module, impl: str, fn: Callable, label: str) -> Installation:
+    """Route attention calls of every module of ``model`` under implementation name ``impl`` to ``fn``
+    (same signature as transformers' attention functions). ``label`` names the install in errors."""
+    table = _table()
+    if impl not in table:
+        raise KeyError(f"{impl!r} is not in transformers' attention table (known: {sorted(table)})")
+    mods = list(model.modules())
+    for slot_impl, slot in _SLOTS.items():
+        taken = next((m for m in mods if m in slot.modules), None)
+        if taken is not None:
+            raise RuntimeError(f"{label}: the model's attention is already installed under {slot_impl!r}; "
+                               "remove the earlier patch first")
+    slot = _SLOTS.get(impl)
+    if slot is None:
+        prev = table[impl]
+        slot = _Slot(original=prev, dispatcher=_make_dispatcher(impl, prev))
+        _SLOTS[impl] = slot
+        table[impl] = slot.dispatcher
+    for m in mods:
+        slot.modules[m] = fn
+    return Installation(impl=impl, fn=fn, label=label, modules=[weakref.ref(m) for m in mods])
+
+
+def uninstall(inst: Installation) -> None:
+    """Undo one :func:`install` (idempotent). The table gets its original function back once no module
+    is routed any more."""
+    if not inst.active:
+        return
+    inst.active = False
+    slot = _SLOTS.get(inst.impl)
+    if slot is None:
+        return
+    for ref in inst.modules:
+        m = ref()
+        if m is not None and slot.modules.get(m) is inst.fn:
+            del slot.modules[m]
+    if len(slot.modules) == 0:
+        _release(inst.impl)
+
+
+def _release(impl: str) -> None:
+    slot = _SLOTS.pop(impl)
+    table = _table()
+    # someone who wrote the table after us (DeepSpeed's register_with_transformers) keeps their entry
+    if table[impl] is slot.dispatcher:
+        table[impl] = slot.original
+
+
+@contextlib.contextmanager
+def restored():
+    """Everything installed inside the block is undone at its end, and the table holds what it held
+    at the start: for callers that patch many throwaway models in one process (the planner)."""
+    before = {impl: dict(slot.modules) for impl, slot in _SLOTS.items()}
+    try:
+        yield
+    finally:
+        for impl in list(_SLOTS):
+            if impl not in before:
+                _release(impl)
+            else:
+                slot = _SLOTS[impl]
+                slot.modules.clear()
+                slot.modules.update(before[impl])
+
+
+def installed_labels(model: torch.nn.Module) -> List[str]:
+    """Implementation names under which ``model``'s modules are routed (for ``extra_repr``)."""
+    mods = set(map(id, model.modules()))
+    return [impl for impl, slot in _SLOTS.items() if any(id(m) in mods for m in list(slot.modules.keys()))]
+
+
+__all__ = ["install", "uninstall", "restored", "original", "is_installed", "Installation"]

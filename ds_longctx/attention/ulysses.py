@@ -1,0 +1,46 @@
+"""DeepSpeed's own Ulysses attention (``UlyssesSPAttentionHF``) installed on one model.
+
+Built for our SP group instead of through DeepSpeed's ``register_with_transformers``, which also
+creates the groups (we need them earlier, and the planner needs no collectives here) and writes
+transformers' attention table process-wide; we route only this model's modules through the
+attention registry, so other models keep the original function and the install can be undone.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import registry
+
+
+def install_ulysses(model, group) -> registry.Installation:
+    """Route ``model``'s attention through DeepSpeed's Ulysses for ``group`` (SP > 1). No collectives."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    from ..models import text_config
+
+    impl = model.config._attn_implementation
+    tc = text_config(model.config)
+    uattn = UlyssesSPAttentionHF(
+        attn=registry.original(impl), batch_size=1, attn_head_count=tc.num_attention_heads,
+        attn_head_size=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
+        kv_head_count=tc.num_key_value_heads, num_hidden_layers=tc.num_hidden_layers, process_group=group,
+        seq_length_is_variable=True)
+    uattn.core_attn_implementation = impl
+
+    def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        bs = query.shape[0]
+        if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
+            uattn.batch_size = bs
+            for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+                shape = list(getattr(uattn, name))
+                shape[1] = bs
+                setattr(uattn, name, torch.Size(shape))
+        # HF built the mask for the local shard; attention runs causal over the gathered sequence.
+        return uattn(module, query, key, value, None, *args, **kwargs)
+
+    # Same interception as DeepSpeed's register_with_transformers (the core key is overridden, which
+    # keeps every HF branch that tests `_attn_implementation == "flash_attention_2"` etc.), per module.
+    return registry.install(model, impl, ulysses_attention, "DeepSpeed Ulysses")
+
+
+__all__ = ["install_ulysses"]

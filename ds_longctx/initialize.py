@@ -1,0 +1,150 @@
+"""``initialize``: config -> checks -> SP groups -> patch model -> ``deepspeed.initialize`` -> data.
+
+Drop-in for ``deepspeed.initialize``: same arguments, same four return values. Everything extra is
+driven by the ``long_context`` section of the ds_config. The model patching itself lives in
+``patch.py`` (no DeepSpeed engine needed), the rank layout in ``layout.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config import check_against, load_ds_config, parse
+from .data import SPDataLoader
+from .errors import ConfigError
+from .layout import Layout, zero_stage
+from .patch import patch_model
+
+logger = logging.getLogger("ds_longctx")
+
+
+def init_distributed(ds_config: Optional[dict] = None, distributed_port: int = 29500,
+                     dist_init_required: Optional[bool] = None):
+    """Start the process group from whichever launcher started us (env vars, MPI or SLURM)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if dist.is_initialized() or dist_init_required is False:
+        return
+    from .launch import env_from_slurm
+
+    env_from_slurm()  # srun sets only SLURM_*; MPI ranks are discovered by DeepSpeed via mpi4py
+    comm.disable_cpu_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               distributed_port=distributed_port, auto_mpi_discovery=True)
+
+
+def _device_budget_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs: host RAM is the device
+
+
+def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
+    """Replace "auto" values by the planner's fastest fitting choice: computed on rank 0 (the
+    simulation is pure but costs seconds) and broadcast, so every rank builds the same model."""
+    from .planner import resolve_auto
+
+    box = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            box[0] = resolve_auto(ds_config, model_config, world, _device_budget_bytes(), log=logger.info)
+        except ConfigError as e:
+            box[0] = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return box[0]
+
+
+def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None, data_shuffle: bool = False, data_seed: int = 0):
+    """Same arguments and return values as ``deepspeed.initialize``:
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``training_dataloader`` (when ``training_data`` is given) yields this rank's sequence shard of
+    each sample, with ``position_ids`` and ``shift_labels``; feed its batches to ``engine(**batch)``.
+    """
+    import deepspeed
+
+    if model is None:
+        raise ConfigError("model", "is required", "pass the Hugging Face model to ds_longctx.initialize")
+    ds_config = load_ds_config(config if config is not None else config_params, args)
+    lc = parse(ds_config)
+    sp = lc.sequence_parallel_size
+    if mpu is not None:
+        raise ConfigError("mpu", "ds_longctx builds the sequence-parallel groups itself",
+                          "drop mpu= and set sequence_parallel_size in the config")
+    init_distributed(ds_config, distributed_port, dist_init_required)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model_config = getattr(model, "config", None)
+    check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
+
+    if lc.attention.heads_per_chunk == "auto":
+        ds_config = _resolve_auto(ds_config, model_config, world)
+        lc = parse(ds_config)
+        check_against(lc, model_config, world)
+
+    ds_mpu = comm.initialize_groups(sp)
+    group = comm.sp_group() if sp > 1 else None
+    layout = Layout.build(ds_config, sp)
+    patch_model(model, lc, group, layout.grad_scale)
+
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        # deepspeed.initialize refuses a config given both ways; we pass the parsed dict.
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    engine, opt, _, sched = deepspeed.initialize(
+        args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+        distributed_port=distributed_port, mpu=ds_mpu, dist_init_required=dist_init_required, config=ds_config,
+        mesh_param=mesh_param)
+    engine.long_context = lc
+    engine.long_context_layout = layout
+
+    loader = None
+    if training_data is not None:
+        loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                              sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=layout.dp,
+                              collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
+    if layout.rank == 0:
+        logger.info(f"ds_longctx: {layout.describe()} attention={lc.attention.implementation} "
+                    f"grad_scale={layout.grad_scale}")
+    return engine, opt, loader, sched
+
+
+@contextlib.contextmanager
+def model_init(config, args: Any = None):
+    """Build HF models inside this context to have ZeRO-3 partition them as they are created.
+
+    ``AutoModelForCausalLM.from_pretrained/from_config`` see the ds_config through transformers'
+    ``HfDeepSpeedConfig`` and wrap construction in ``deepspeed.zero.Init``, so no rank ever holds
+    the full model (DeepSpeed issue #7458). Without ZeRO-3 this is a no-op.
+    """
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    ds_config = load_ds_config(config, args)
+    parse(ds_config)
+    if zero_stage(ds_config) != 3:
+        yield
+        return
+    init_distributed(ds_config)
+    hf_ds = HfDeepSpeedConfig(ds_config)
+    try:
+        yield hf_ds
+    finally:
+        del hf_ds
+        unset_hf_deepspeed_config()
+
+
+__all__ = ["initialize", "model_init", "init_distributed"]

@@ -1,0 +1,161 @@
+"""``patch_model``: put the configured attention, memory stack and SP loss on a built HF causal LM.
+
+Separate from the DeepSpeed orchestration (``initialize.py``) so that the planner and the benches
+patch a model exactly as training does without importing DeepSpeed's engine; DeepSpeed pieces
+(its Ulysses attention, ZeRO-3 leaf marking) are imported only by the installs that use them.
+Issues no collectives: the planner runs it under a fake process group.
+"""
+from __future__ import annotations
+
+import types
+from typing import List, Optional
+
+import torch.distributed as dist
+
+from . import comm
+from .config import LongContextConfig
+from .errors import ConfigError
+from .loss import causal_lm_loss_sum, shift_labels_of
+
+
+class PatchHandle:
+    """Everything :func:`patch_model` installed on one model; ``remove()`` undoes all of it."""
+
+    def __init__(self, model, lc: LongContextConfig):
+        self.model = model
+        self.lc = lc
+        self.attention = None   # registry.Installation (Ulysses / function-level untied) or UntiedInstall
+        self.memory = None      # memory.MemoryStackHandle
+        self.loss_forward = False
+        self.swapped: List[str] = []  # what was swapped in, for print(model)
+
+    def remove(self) -> None:
+        model = self.model
+        if self.loss_forward:
+            model.__dict__.pop("forward", None)  # the class's forward shows through again
+            self.loss_forward = False
+        if self.memory is not None:
+            self.memory.remove()
+            self.memory = None
+            model.__dict__.pop("_ds_longctx_memory", None)
+        if self.attention is not None:
+            self.attention.remove()
+            self.attention = None
+        model.__dict__.pop("extra_repr", None)
+        model.__dict__.pop("_ds_longctx_patch", None)
+        self.swapped = []
+
+
+def _sp_of(group) -> int:
+    # the group given, not DeepSpeed's registered one: None means SP=1 (and no DeepSpeed import)
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
+    """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
+    sp = _sp_of(group)
+    tiled = lc.tiled_loss
+    if tiled.enabled:
+        from .memory.tiling import tiled_causal_lm_loss_sum
+    orig_forward = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
+                **kwargs):
+        if labels is None and shift_labels is None:
+            return orig_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **kwargs)
+        if shift_labels is None:
+            if sp > 1:
+                raise ConfigError("batch.labels", "unshifted labels on a sequence shard lose the target of the "
+                                  "shard's last token", "feed batches from the loader returned by "
+                                  "ds_longctx.initialize, or shard with ds_longctx.data.shard_batch")
+            shift_labels = shift_labels_of(labels)
+        if sp > 1 and position_ids is None:
+            raise ConfigError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
+                              "feed batches from the loader returned by ds_longctx.initialize, or shard with "
+                              "ds_longctx.data.shard_batch")
+        kwargs.pop("use_cache", None)
+        kwargs.pop("logits_to_keep", None)
+        out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False, **kwargs)
+        hidden = out.last_hidden_state
+        logits = None
+        if tiled.enabled:
+            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group)
+        else:
+            loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
+        return CausalLMOutputWithPast(loss=sp_loss(loss_sum, count), logits=logits)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _show_in_repr(model, handle: PatchHandle) -> None:
+    """``print(model)`` names what ds_longctx swapped in (Liger-Kernel's extra_repr habit)."""
+    cls_repr = type(model).extra_repr
+
+    def extra_repr(self):
+        base = cls_repr(self)
+        mine = "ds_longctx: " + "; ".join(handle.swapped)
+        return f"{base}\n{mine}" if base else mine
+
+    model.extra_repr = types.MethodType(extra_repr, model)
+
+
+def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.0) -> PatchHandle:
+    """Install the configured attention, memory stack and SP loss on a built HF causal LM.
+
+    Returns a :class:`PatchHandle` (also stored as ``model._ds_longctx_patch``) whose ``remove()``
+    undoes every patch. Issues no collectives, so the planner can run it under a fake process group.
+    """
+    if getattr(model, "_ds_longctx_patch", None) is not None:
+        raise RuntimeError("model is already patched by ds_longctx (initialize it once, or call "
+                           "model._ds_longctx_patch.remove() first)")
+    handle = PatchHandle(model, lc)
+    impl = lc.attention.implementation
+    sp = _sp_of(group)
+    try:
+        if impl == "ulysses" and sp > 1:
+            from .attention.ulysses import install_ulysses
+
+            handle.attention = install_ulysses(model, group)
+            handle.swapped.append(f"attention=DeepSpeed Ulysses (sp={sp})")
+        elif impl == "untied_ulysses":
+            from .attention.hf import install_untied
+
+            handle.attention = install_untied(model, lc.attention, group)
+            a = lc.attention
+            path = "fused projections" if a.fuse_projections else "attention-function level"
+            handle.swapped.append(f"attention=untied Ulysses ({path}, sp={sp}, heads_per_chunk={a.heads_per_chunk}, "
+                                  f"kernel={a.kernel})")
+        ac, tm = lc.activation_checkpointing, lc.tiled_mlp
+        if ac.enabled or tm.enabled or lc.rms_norm.enabled:
+            from .memory import apply_memory_stack
+
+            handle.memory = apply_memory_stack(model, lc, group)
+            model._ds_longctx_memory = handle.memory
+            st = handle.memory.stats()
+            handle.swapped.append(f"memory: checkpointed_layers={st['checkpointed_layers']} "
+                                  f"(offload={ac.offload}), tiled_mlps={st['tiled_mlps']}, "
+                                  f"rms_norms={st['rms_norms']}")
+        _install_loss_forward(model, lc, group, grad_scale)
+        handle.loss_forward = True
+        tl = lc.tiled_loss
+        handle.swapped.append(f"loss=SP token mean (grad_scale={grad_scale}, "
+                              f"tiled={'shards=' + str(tl.shards) if tl.enabled else 'off'})")
+    except BaseException:
+        handle.remove()
+        raise
+    _show_in_repr(model, handle)
+    model._ds_longctx_patch = handle
+    return handle
+
+
+def get_patch(model) -> Optional[PatchHandle]:
+    """The handle of a patched model (accepts a DeepSpeed engine too)."""
+    return getattr(getattr(model, "module", model), "_ds_longctx_patch", None)
+
+
+__all__ = ["patch_model", "PatchHandle", "get_patch"]
