@@ -2,6 +2,9 @@
 from dist_utils import run_distributed
 from sp_cases import ds_config, sample
 from tiny_models import build, tiny_config
+import pytest
+
+pytestmark = pytest.mark.distributed  # every test here spawns processes
 
 
 def _auto(rank, world):

@@ -4,6 +4,8 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 
+pytestmark = pytest.mark.distributed  # every test here spawns processes
+
 
 def _allreduce(rank, world):
     t = torch.tensor([float(rank + 1)])

@@ -5,6 +5,9 @@ import torch
 from dist_utils import run_distributed
 from sp_cases import ds_config, full_params
 from tiny_models import build, tiny_config
+import pytest
+
+pytestmark = pytest.mark.distributed  # every test here spawns processes
 
 
 def _weights(rank, world, stage):

@@ -4,6 +4,9 @@ SP group or DeepSpeed engine is built (so no collective can hang)."""
 from dist_utils import run_distributed
 from sp_cases import ds_config
 from tiny_models import build, tiny_config
+import pytest
+
+pytestmark = pytest.mark.distributed  # every test here spawns processes
 
 
 def _bad_initialize(rank, world, case):

@@ -18,6 +18,7 @@ def _losses(tmp_path, name, **kw):
     return [r["loss"] for r in read_metrics(path)]
 
 
+@pytest.mark.distributed
 def test_mpirun_and_slurm_env_match_deepspeed_launcher(tmp_path):
     ref = _losses(tmp_path, "ds")
     assert _losses(tmp_path, "mpi", launcher="mpirun") == ref
@@ -32,6 +33,7 @@ def _config(tmp_path, micro):
     return str(path)
 
 
+@pytest.mark.distributed
 def test_two_dp_replicas_of_sp2_equal_one_sp2_run(tmp_path):
     # replica r reads samples r, r+2, ...: at step k the two replicas see samples {2k, 2k+1}, the same
     # pair that one SP=2 group with micro batch 2 sees; every copy sample scores the same token count,
@@ -42,6 +44,7 @@ def test_two_dp_replicas_of_sp2_equal_one_sp2_run(tmp_path):
     assert dp2[0] != dp2[2]
 
 
+@pytest.mark.distributed
 def test_world_not_divisible_by_sp_fails_on_every_rank(tmp_path):
     proc = run_train(*ARGS, nproc=3, check=False, timeout=300)
     assert proc.returncode != 0

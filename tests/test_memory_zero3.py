@@ -6,6 +6,9 @@ import math
 import torch
 
 from dist_utils import run_distributed
+import pytest
+
+pytestmark = pytest.mark.distributed  # every test here spawns processes
 
 SEQ, VOCAB = 80, 64  # local 40 tokens per rank > hidden 32, so "auto" tiles into 2
 MODEL = dict(heads=4, kv_heads=2, vocab=VOCAB, layers=2)

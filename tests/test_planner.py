@@ -1,4 +1,5 @@
 """The planner against real CPU measurements, its extrapolation against full depth, and resolve_auto."""
+import pytest
 import copy
 
 import torch
@@ -57,6 +58,7 @@ def _measure_worker(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_planner_peak_within_10pct_of_measured_cpu_zero3_sp2():
     from tiny_models import tiny_config
 

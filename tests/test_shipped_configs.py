@@ -24,6 +24,7 @@ def test_every_gpu_config_has_a_target_and_every_config_parses():
             parse(json.load(open(os.path.join(CONFIGS, name))))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_config_fits_its_hardware(name):
     t = TARGETS[name]

@@ -8,6 +8,8 @@ import torch
 from dist_utils import run_distributed
 from sp_cases import reference_step, sample, sp_step
 
+pytestmark = pytest.mark.distributed  # every test here spawns processes
+
 SHAPES = {
     "mha": dict(heads=4, kv_heads=4),
     "gqa": dict(heads=4, kv_heads=2),

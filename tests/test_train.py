@@ -7,6 +7,8 @@ import pytest
 
 from launch_utils import read_metrics, run_train
 
+pytestmark = pytest.mark.distributed  # every test here spawns processes
+
 
 def launch(*args, **kw):
     return run_train(*args, **kw).stdout

@@ -283,6 +283,7 @@ def _results(sp):
 ALL_CASES = [c for sp in (1, 2, 4) for c in cases(sp)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ALL_CASES, ids=[_case_id(c) for c in ALL_CASES])
 def test_untied_matches_tied_and_reference(case):
     sp, label, H, G, u, causal, dtype = case
@@ -314,6 +315,7 @@ FUSED_CASES = [(sp, label, H, G, u, extras) for sp in (1, 2, 4) for label, H, G 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=[f"sp{c[0]}-{c[1]}-H{c[2]}G{c[3]}-u{c[4]}"
                                                    f"{'-bias-qknorm' if c[5] else ''}" for c in FUSED_CASES])
+@pytest.mark.distributed
 def test_fused_matches_tied_and_reference(case):
     sp = case[0]
     for rank, res in enumerate(_results(sp)):

@@ -224,6 +224,7 @@ def _sp2():
     return _SP2["r"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch,fuse,hpc", SP2, ids=[f"{a}-{'fused' if f else 'function'}-u{h}" for a, f, h in SP2])
 def test_sp2_matches_single_process(arch, fuse, hpc):
     ref_loss, ref_grads, _ = _reference(arch, _ids())
@@ -235,6 +236,7 @@ def test_sp2_matches_single_process(arch, fuse, hpc):
             assert _rel(g, ref_grads[n]) <= 1e-6, (rank, n, _rel(g, ref_grads[n]))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch,fuse", ZERO3, ids=[f"{a}-{'fused' if f else 'function'}" for a, f in ZERO3])
 def test_zero3_sp2_initialize_matches_single_process(arch, fuse):
     init = _sp2()[0]["zero3"][(arch, fuse)][2]
