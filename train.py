@@ -14,9 +14,7 @@ import argparse
 import itertools
 import json
 import os
-import resource
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -87,21 +85,6 @@ def build_dataset(args, model_config, seq_len):
     return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(tok), seq_len)
 
 
-def step_flops(model_config, n_params, tokens_per_sample, samples):
-    """6·N per token (fwd+bwd matmuls) + causal attention 6·L·H·d·S² per sample (fwd 2, bwd 4, halved
-    by causality, x2 for QK^T and PV)."""
-    tc = model_config.get_text_config()
-    hd = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
-    attn = 6 * tc.num_hidden_layers * tc.num_attention_heads * hd * tokens_per_sample ** 2
-    return samples * (6 * n_params * tokens_per_sample + attn)
-
-
-def peak_mem_bytes():
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # CPU: process peak RSS
-
-
 @torch.no_grad()
 def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     """Argmax accuracy on scored tokens of held-out samples (the SP group evaluates together)."""
@@ -130,6 +113,7 @@ def main(argv=None):
     import ds_longctx
     from ds_longctx import comm
     from ds_longctx.config import load_ds_config, parse
+    from ds_longctx.measure.profiler import StepProfiler
 
     ds_config = load_ds_config(args.deepspeed_config)
     lc = parse(ds_config)
@@ -139,14 +123,16 @@ def main(argv=None):
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,
                                                  model_parameters=[p for p in model.parameters()
                                                                    if p.requires_grad])
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sp = lc.sequence_parallel_size
+    layout = engine.long_context_layout
+    rank, world, sp, dp = layout.rank, layout.world, layout.sp, layout.dp
     group = comm.sp_group() if sp > 1 else None
-    dp = world // sp
     micro = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-    flops = step_flops(model.config, n_params, seq_len, micro * gas * dp)
+    # time, tokens/s, TFLOPs (the one formula) and peak memory of every step; with long_context.profile
+    # enabled also a torch.profiler trace (+ CUDA memory snapshot) of the chosen steps, into its output_dir
+    profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=rank, model=engine.module,
+                            seq_len=seq_len)
 
     start = 0
     if args.resume:
@@ -169,7 +155,7 @@ def main(argv=None):
               f"zero_stage={engine.zero_optimization_stage()}", flush=True)
     loss_value = float("nan")
     for step in range(start + 1, args.steps + 1):
-        t0 = time.perf_counter()
+        profiler.start_step(step)
         losses = []
         for _ in range(gas):
             batch = {k: v.to(engine.device) for k, v in next(batches).items()}
@@ -182,11 +168,14 @@ def main(argv=None):
             dist.all_reduce(loss_t)
             loss_t /= world
         loss_value = loss_t.item()
-        dt = time.perf_counter() - t0
+        prof = profiler.end_step(step, tokens=seq_len * micro * gas)  # this rank's SP group's tokens
+        dt = prof["step_time_s"]
         tokens = seq_len * micro * gas * dp
         rec = {"step": step, "loss": loss_value, "tokens": tokens, "tokens_per_s": tokens / dt,
-               "tflops": flops / dt / 1e12 / world, "peak_mem_bytes": peak_mem_bytes(),
+               "tflops": prof["tflops_per_gpu"], "peak_mem_bytes": prof["peak_memory_bytes"],
                "lr": engine.get_lr()[0] if engine.get_lr() else None, "step_time_s": dt}
+        if "artifacts" in prof:
+            rec["profile_artifacts"] = prof["artifacts"]
         if metrics:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
@@ -196,6 +185,11 @@ def main(argv=None):
             bar.update(1)
     if bar:
         bar.close()
+    if lc.profile.enabled:
+        path = profiler.write_summary()
+        if rank == 0:
+            print(f"[ds_longctx] profile: per-step records in {path}, traces of steps "
+                  f"{sorted(lc.profile.steps)} in {lc.profile.output_dir}", flush=True)
     if args.save:
         engine.save_checkpoint(args.save, tag=f"step{args.steps}", client_state={"step": args.steps})
     if args.data in ("copy",) and args.eval_samples:

@@ -89,7 +89,7 @@ def _alloc_tracker():
     """
     from torch.utils._pytree import tree_flatten
 
-    from ds_longctx.memory.tracker import LiveBytesTracker
+    from ds_longctx.measure.live_bytes import LiveBytesTracker
 
     class AllocTracker(LiveBytesTracker):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -85,7 +85,7 @@ def _tag_modules(model, tracker):
 def run_row(args, name, lc):
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
-    from ds_longctx.memory.tracker import LiveBytesTracker
+    from ds_longctx.measure.live_bytes import LiveBytesTracker
 
     model = build(args)
     model.train()

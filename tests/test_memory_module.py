@@ -12,7 +12,7 @@ from ds_longctx.config import parse
 from ds_longctx.loss import causal_lm_loss_sum
 from ds_longctx.memory import (HostCopyTarget, apply_memory_stack, auto_shards, resolve_shards,
                                tiled_causal_lm_loss_sum)
-from ds_longctx.memory.tracker import LiveBytesTracker
+from ds_longctx.measure.live_bytes import LiveBytesTracker
 
 
 def _lc(**section):

@@ -14,7 +14,7 @@ from ds_longctx.memory import apply_memory_stack
 from ds_longctx.memory import norm as norm_mod
 from ds_longctx.memory.norm import (install_memory_efficient_rmsnorm, is_llama_style_rmsnorm,
                                     uninstall_memory_efficient_rmsnorm)
-from ds_longctx.memory.tracker import LiveBytesTracker
+from ds_longctx.measure.live_bytes import LiveBytesTracker
 
 
 def _rel(a, b):

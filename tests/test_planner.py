@@ -36,7 +36,7 @@ def _measure_worker(rank, world):
     import ds_longctx
     from ds_longctx.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
-    from ds_longctx.memory.tracker import LiveBytesTracker
+    from ds_longctx.measure.live_bytes import LiveBytesTracker
     from sp_cases import sample
     from tiny_models import build, tiny_config
 

@@ -5,8 +5,8 @@ import os
 import torch
 
 from ds_longctx.config import ProfileConfig
-from ds_longctx.memory.tracker import LiveBytesTracker
-from ds_longctx.profiling import StepProfiler, flops_per_sample
+from ds_longctx.measure.live_bytes import LiveBytesTracker
+from ds_longctx.measure.profiler import StepProfiler, flops_per_sample
 from tiny_models import build, tiny_config
 
 

@@ -47,3 +47,34 @@ def test_save_resume_gives_the_same_next_step(tmp_path):
     assert [r["step"] for r in b] == [4]
     assert b[0]["loss"] == a[3]["loss"], (a[3]["loss"], b[0]["loss"])
     assert a[3]["loss"] != a[2]["loss"]  # the step really trained
+
+
+def test_profile_writes_traces_and_metrics(tmp_path):
+    """long_context.profile through train.py: per-step records on every rank, a torch.profiler trace and
+    a memory timeline for the chosen step only (a CUDA memory snapshot too when on CUDA)."""
+    import json
+    import os
+
+    from launch_utils import TINY_CPU
+
+    out_dir = tmp_path / "prof"
+    cfg = json.load(open(TINY_CPU))
+    cfg["long_context"]["profile"] = {"enabled": True, "steps": [2], "output_dir": str(out_dir)}
+    cfg_path = tmp_path / "ds.json"
+    cfg_path.write_text(json.dumps(cfg))
+    metrics = tmp_path / "m.jsonl"
+    out = launch("--steps", "3", "--seq-len", "64", "--metrics", str(metrics), "--eval-samples", "0",
+                 config=str(cfg_path))
+    assert "profile: per-step records" in out
+    for rank in (0, 1):
+        with open(out_dir / f"trace_rank{rank}_step2.json") as f:
+            assert len(json.load(f)["traceEvents"]) > 10
+        assert (out_dir / f"memory_rank{rank}_step2.csv").read_text().count("\n") > 1
+        steps = json.load(open(out_dir / f"steps_rank{rank}.json"))
+        assert [r["step"] for r in steps] == [1, 2, 3]
+        assert all(r["tflops_per_gpu"] > 0 and r["peak_memory_bytes"] > 0 for r in steps)
+    assert not any("step1" in n or "step3" in n for n in os.listdir(out_dir))  # only the chosen step
+    recs = read_metrics(metrics)
+    assert [("profile_artifacts" in r) for r in recs] == [False, True, False]
+    rank0 = json.load(open(out_dir / "steps_rank0.json"))
+    assert [r["tflops"] for r in recs] == [r["tflops_per_gpu"] for r in rank0]  # one formula

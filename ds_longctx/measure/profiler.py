@@ -11,15 +11,17 @@ the steps listed in ``profile.steps`` also write, under ``profile.output_dir``:
   bytes; CPU: process RSS). The PNG needs matplotlib; without it only the CSV is written.
 
 FLOPs (model FLOPs, i.e. without checkpoint recomputation, the MFU convention), for one sample of S
-tokens on an SP group of C ranks, N = parameters without the input embedding, L layers, h hidden:
+tokens on an SP group of C ranks, N = parameters without the input embedding, L layers, and the
+attention width w = query heads x head_dim (not the hidden size: they differ, e.g. Qwen3, Gemma):
 
     dense     = 6 * N * S                  (forward 2NS + backward 4NS)
-    attention = 6 * L * h * S^2            (QK^T and PV: 4*S^2*h forward per layer, x3 with backward,
+    attention = 6 * L * w * S^2            (QK^T and PV: 4*S^2*w forward per layer, x3 with backward,
                                             halved by the causal mask)
     TFLOPs per GPU = (dense + attention) * samples / C / step_seconds / 1e12
 
-``tokens`` given to ``end_step`` is the global tokens the rank's SP group processed this step
-(sequence length x micro-batch); tokens/s is reported per GPU (divided by C), as UPipe and ALST do.
+This is the one FLOPs formula of the project (train.py reports it). ``tokens`` given to ``end_step``
+is the global tokens the rank's SP group processed this step (sequence length x samples); tokens/s is
+reported per GPU (divided by C), as UPipe and ALST do.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import torch
+
+from ..models import text_config
 
 
 def _cfg_get(cfg, key, default):
@@ -53,9 +57,15 @@ def count_params(model) -> Dict[str, int]:
     return {"total": total, "embedding": emb}
 
 
-def flops_per_sample(seq_len: int, n_params_no_embed: int, num_layers: int, hidden: int) -> Dict[str, float]:
+def attention_width(tc) -> int:
+    """Query heads x head_dim: the width of QK^T and PV (equals hidden_size only when head_dim does)."""
+    heads = tc.num_attention_heads
+    return heads * (getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+
+
+def flops_per_sample(seq_len: int, n_params_no_embed: int, num_layers: int, attn_width: int) -> Dict[str, float]:
     dense = 6.0 * n_params_no_embed * seq_len
-    attn = 6.0 * num_layers * hidden * float(seq_len) ** 2
+    attn = 6.0 * num_layers * attn_width * float(seq_len) ** 2
     return {"dense": dense, "attention": attn, "total": dense + attn}
 
 
@@ -93,16 +103,17 @@ class StepProfiler:
     is reported on CPU instead of RSS."""
 
     def __init__(self, cfg=None, model_config=None, world_size: int = 1, sp_size: int = 1, rank: int = 0,
-                 model=None, tracker=None, device: Optional[str] = None):
+                 model=None, tracker=None, device: Optional[str] = None, seq_len: Optional[int] = None):
         self.enabled = bool(_cfg_get(cfg, "enabled", False))
         self.steps = set(int(s) for s in (_cfg_get(cfg, "steps", []) or []))
         self.output_dir = _cfg_get(cfg, "output_dir", "profiles")
         self.world_size, self.sp, self.rank = world_size, max(1, sp_size), rank
         self.tracker = tracker
         self.cuda = (device == "cuda") if device is not None else torch.cuda.is_available()
-        tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        tc = text_config(model_config) if model_config is not None else None
         self.num_layers = getattr(tc, "num_hidden_layers", 0) if tc is not None else 0
-        self.hidden = getattr(tc, "hidden_size", 0) if tc is not None else 0
+        self.attn_width = attention_width(tc) if tc is not None else 0
+        self.seq_len = seq_len  # tokens per sample; None: every step is one sample
         if model is not None:
             c = count_params(model)
             self.n_params = c["total"] - c["embedding"]
@@ -154,25 +165,22 @@ class StepProfiler:
             return torch.cuda.max_memory_allocated(), "cuda_max_memory_allocated"
         if self.tracker is not None:
             return self.tracker.peak, "live_bytes_tracker"
-        try:
-            import psutil
+        import resource
 
-            return psutil.Process().memory_info().rss, "process_rss"
-        except ImportError:
-            import resource
-
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
+        # CPU without a tracker: the process's peak RSS so far (host RAM is the device there)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process_max_rss"
 
     def end_step(self, step: int, tokens: int) -> Dict[str, Any]:
         if self.cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - (self._t0 if self._t0 is not None else time.perf_counter())
         peak, source = self._peak_memory()
-        seq = tokens  # one sample per micro-batch is the long-context norm; FLOPs scale with S^2 per sample
-        f = flops_per_sample(seq, self.n_params, self.num_layers, self.hidden)
+        seq = self.seq_len or tokens  # FLOPs scale with S^2 per sample, not per step
+        samples = tokens / seq
+        f = flops_per_sample(seq, self.n_params, self.num_layers, self.attn_width)
         rec = {"step": step, "step_time_s": dt, "tokens": tokens,
                "tokens_per_s_per_gpu": tokens / self.sp / dt if dt > 0 else 0.0,
-               "tflops_per_gpu": f["total"] / self.sp / dt / 1e12 if dt > 0 else 0.0,
+               "tflops_per_gpu": f["total"] * samples / self.sp / dt / 1e12 if dt > 0 else 0.0,
                "attention_flops_fraction": f["attention"] / f["total"] if f["total"] else 0.0,
                "peak_memory_bytes": int(peak), "peak_memory_source": source}
         if self._profiled(step):
@@ -234,4 +242,4 @@ class StepProfiler:
         return path
 
 
-__all__ = ["StepProfiler", "flops_per_sample", "count_params"]
+__all__ = ["StepProfiler", "flops_per_sample", "attention_width", "count_params"]
