@@ -9,56 +9,89 @@ import json
 import os
 from typing import Any, List, Literal, Optional, Union
 
+from typing_extensions import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .attention.heads import check_heads_per_chunk, check_sp_heads
+from .attention.kernels import kernel_names
 from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
 
 SECTION = "long_context"
+PositiveInt = Annotated[int, Field(ge=1)]
 
-ATTENTION_IMPLEMENTATIONS = ("none", "ulysses", "untied_ulysses")
-KERNELS = ("auto", "flash_attention_3", "flash_attention_2", "sdpa")
+
+def _fix(text: str) -> dict:
+    # the fix shown in a ConfigError when the value breaks the field's declared bound
+    return {"fix": text}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: "yes" is not a bool and "512" not an int (JSON has real booleans and numbers)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
 class AttentionConfig(_Strict):
-    implementation: Literal["none", "ulysses", "untied_ulysses"] = "ulysses"
-    kernel: Literal["auto", "flash_attention_3", "flash_attention_2", "sdpa"] = "auto"
-    heads_per_chunk: Union[int, Literal["auto"]] = Field(default=1)
-    fuse_projections: bool = True
+    implementation: Literal["none", "ulysses", "untied_ulysses"] = Field(
+        default="ulysses", description="'ulysses': DeepSpeed's Ulysses (all heads at once); 'untied_ulysses': "
+        "all-to-all + kernel per chunk of heads (UPipe), far less attention memory; 'none': plain HF "
+        "attention, SP=1 only.")
+    kernel: Literal[kernel_names()] = Field(
+        default="auto", description="Attention kernel for untied attention (the registered backends of "
+        "attention/kernels.py): 'auto' picks the best available for the device; a named kernel that is "
+        "missing is an error.")
+    heads_per_chunk: Union[PositiveInt, Literal["auto"]] = Field(
+        default=1, description="Query heads per rank per stage of untied attention; must divide "
+        "heads / SP. 1 saves the most memory, larger is faster; 'auto': the planner picks the fastest "
+        "that fits (needs sequence_length).", json_schema_extra=_fix("use 1 for the most memory saving, "
+                                                                     "larger for speed"))
+    fuse_projections: bool = Field(
+        default=True, description="Project q/k/v (+ RoPE, q/k-norm) per head chunk inside the stage loop, "
+        "so full q/k/v never exist (architectures in ds_longctx.models); false: chunk at transformers' "
+        "attention-function level (any model using its attention interface).")
 
 
 class ActivationCheckpointingConfig(_Strict):
-    enabled: bool = False
-    offload: Literal["none", "cpu"] = "none"
-    pin_memory: bool = True
-    use_reentrant: bool = False
-    prefetch: bool = True
+    enabled: bool = Field(default=False, description="Checkpoint every decoder layer (recompute in backward).")
+    offload: Literal["none", "cpu"] = Field(
+        default="none", description="'cpu': keep each checkpointed layer input in host memory until backward "
+        "(needs enabled).")
+    pin_memory: bool = Field(default=True, description="Offload into pinned host memory (async copies on CUDA).")
+    use_reentrant: bool = Field(default=False, description="torch.utils.checkpoint's use_reentrant.")
+    prefetch: bool = Field(default=True, description="Bring the next layer's input back while the current "
+                           "layer's backward runs.")
 
 
 class TiledConfig(_Strict):
-    enabled: bool = False
-    shards: Union[int, Literal["auto"]] = "auto"
+    enabled: bool = Field(default=False, description="Run the MLP / the lm_head + loss over sequence tiles.")
+    shards: Union[PositiveInt, Literal["auto"]] = Field(
+        default="auto", description="Number of sequence tiles; 'auto': ceil(local_seq / hidden), "
+        "MAX-agreed across ranks.", json_schema_extra=_fix("use 'auto' (ceil(local_seq / hidden)) or a "
+                                                           "positive integer"))
 
 
 class RMSNormConfig(_Strict):
-    enabled: bool = False  # memory-efficient RMSNorm: saves the input and 1/rms, recomputes in backward
+    enabled: bool = Field(default=False, description="Memory-efficient RMSNorm: saves the input and the fp32 "
+                          "1/rms, recomputes in backward (Llama-style norms only).")
 
 
 class ProfileConfig(_Strict):
-    enabled: bool = False
-    steps: List[int] = Field(default_factory=lambda: [2, 3])
-    output_dir: str = "profiles"
+    enabled: bool = Field(default=False, description="train.py writes a torch.profiler trace, a memory "
+                          "timeline and (CUDA) a memory snapshot for the chosen steps.")
+    steps: List[int] = Field(default_factory=lambda: [2, 3], description="Steps (1-based) to profile.")
+    output_dir: str = Field(default="profiles", description="Where the traces, snapshots and per-step "
+                            "records go.")
 
 
 class LongContextConfig(_Strict):
-    sequence_length: Optional[int] = None
+    sequence_length: Optional[int] = Field(
+        default=None, ge=1, description="Global tokens per sample (needed for 'auto' values and the planner).",
+        json_schema_extra=_fix("give the global tokens per sample, or leave it out"))
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
-    tiled_mlp: TiledConfig = Field(default_factory=TiledConfig)
-    tiled_loss: TiledConfig = Field(default_factory=TiledConfig)
+    tiled_mlp: TiledConfig = Field(default_factory=TiledConfig, description="Tiled MLP.")
+    tiled_loss: TiledConfig = Field(default_factory=TiledConfig, description="Tiled lm_head + loss: no "
+                                    "[seq, vocab] logits.")
     rms_norm: RMSNormConfig = Field(default_factory=RMSNormConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
@@ -70,27 +103,54 @@ def _key_path(loc) -> str:
     return ".".join([SECTION] + [str(p) for p in loc])
 
 
-def _fields_at(loc) -> List[str]:
+def _model_at(loc):
+    """The config class holding the field at ``loc`` (None when the path leaves the schema)."""
     model = LongContextConfig
     for part in loc[:-1]:
         field = model.model_fields.get(str(part))
         if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
-            return []
+            return None
         model = field.annotation
-    return sorted(k for k in model.model_fields if k != "sequence_parallel_size")
+    return model
+
+
+def _fields_at(loc) -> List[str]:
+    model = _model_at(loc)
+    return [] if model is None else sorted(k for k in model.model_fields if k != "sequence_parallel_size")
+
+
+def _field_fix(loc, default: str) -> str:
+    model = _model_at(loc)
+    field = model.model_fields.get(str(loc[-1])) if model is not None and loc else None
+    extra = getattr(field, "json_schema_extra", None) or {}
+    return extra.get("fix", default) if isinstance(extra, dict) else default
+
+
+_UNION_TAGS = ("int", "str", "bool", "constrained-int")
 
 
 def _from_validation_error(err: ValidationError) -> ConfigError:
-    e = err.errors()[0]
-    loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (p.startswith("literal[") or p in ("int", "str"))))
+    errors = err.errors()
+    e = errors[0]
+    loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and (p.startswith("literal[") or p in _UNION_TAGS)))
     key = _key_path(loc)
+    got = e.get("input")
     if e["type"] == "extra_forbidden":
         return ConfigError(key, "unknown key", f"remove it; the keys allowed here are {_fields_at(loc)}")
     if e["type"] == "model_type" or e["type"] == "dict_type":
-        return ConfigError(key, f"expected an object, got {e.get('input')!r}", "write it as a JSON object {...}")
+        return ConfigError(key, f"expected an object, got {got!r}", "write it as a JSON object {...}")
     if e["type"] == "literal_error":
-        return ConfigError(key, f"{e.get('input')!r} is not allowed", f"use one of {e['ctx']['expected']}")
-    return ConfigError(key, f"{e['msg']} (got {e.get('input')!r})", "set it to a valid value")
+        return ConfigError(key, f"{got!r} is not allowed", f"use one of {e['ctx']['expected']}")
+    if e["type"] == "greater_than_equal":
+        return ConfigError(key, f"must be a positive integer, got {got!r}", _field_fix(loc, "use a positive integer"))
+    if e["type"] == "bool_type":
+        return ConfigError(key, f"expected true or false, got {got!r}", "write a JSON boolean (true/false, no quotes)")
+    if e["type"] == "int_type":
+        alt = [x for x in errors[1:] if x["type"] == "literal_error"]
+        want = "an integer" + (f" or {alt[0]['ctx']['expected']}" if alt else "")
+        return ConfigError(key, f"expected {want}, got {got!r}", "write a JSON number (no quotes)"
+                           + (f" or {alt[0]['ctx']['expected']}" if alt else ""))
+    return ConfigError(key, f"{e['msg']} (got {got!r})", "set it to a valid value")
 
 
 def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None) -> dict:
@@ -129,22 +189,11 @@ def parse(ds_config: dict) -> LongContextConfig:
         raise _from_validation_error(err) from None
     cfg.sequence_parallel_size = sp
 
-    if cfg.sequence_length is not None and cfg.sequence_length < 1:
-        raise ConfigError(f"{SECTION}.sequence_length", f"must be positive, got {cfg.sequence_length}",
-                          "give the global tokens per sample, or leave it out")
     hpc = cfg.attention.heads_per_chunk
     if hpc == "auto" and cfg.sequence_length is None:
         raise ConfigError(f"{SECTION}.attention.heads_per_chunk", "'auto' is resolved by the memory planner for "
                           "a sequence length, and long_context.sequence_length is not set",
                           "set long_context.sequence_length, or give a positive integer (1 saves the most memory)")
-    if isinstance(hpc, int) and hpc < 1:
-        raise ConfigError(f"{SECTION}.attention.heads_per_chunk", f"must be a positive integer, got {hpc}",
-                          "use 1 for the most memory saving, larger for speed")
-    for name in ("tiled_mlp", "tiled_loss"):
-        shards = getattr(cfg, name).shards
-        if isinstance(shards, int) and shards < 1:
-            raise ConfigError(f"{SECTION}.{name}.shards", f"must be a positive integer or 'auto', got {shards}",
-                              "use 'auto' (ceil(local_seq / hidden)) or a positive integer")
     ac = cfg.activation_checkpointing
     if ac.offload != "none" and not ac.enabled:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
@@ -181,18 +230,6 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         if attn_impl is not None and "eager" in str(attn_impl):
             raise ConfigError("model.config._attn_implementation", f"{attn_impl!r} cannot run sequence parallel",
                               "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
-        if heads % sp != 0:
-            raise ConfigError("sequence_parallel_size", f"{sp} does not divide the {heads} attention heads",
-                              f"pick a degree that divides {heads}")
-        if kv % sp != 0 and sp % kv != 0:
-            raise ConfigError("sequence_parallel_size",
-                              f"{sp} neither divides nor is divided by the {kv} key/value heads",
-                              f"pick a degree that divides {kv} or is a multiple of it")
+        check_sp_heads(heads, kv, sp)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
-        hpc = cfg.attention.heads_per_chunk
-        local = heads // sp
-        if local % hpc != 0:
-            valid = [d for d in range(1, local + 1) if local % d == 0]
-            raise ConfigError(f"{SECTION}.attention.heads_per_chunk",
-                              f"{hpc} does not divide the {local} query heads per rank ({heads} heads / SP {sp})",
-                              f"use one of {valid}")
+        check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)

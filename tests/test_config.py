@@ -104,3 +104,48 @@ def test_heads_per_chunk_must_divide_local_heads():
     msg = _err(cfg, tiny_config(heads=8, kv_heads=2))
     assert msg.startswith("long_context.attention.heads_per_chunk: 3 does not divide the 4 query heads per rank")
     assert "[1, 2, 4]" in msg
+
+
+@pytest.mark.parametrize("section, start, fix", [
+    ({"rms_norm": {"enabled": "yes"}}, "long_context.rms_norm.enabled: expected true or false, got 'yes'", "true/false"),
+    ({"sequence_length": "512"}, "long_context.sequence_length: expected an integer, got '512'", "no quotes"),
+    ({"tiled_mlp": {"shards": "4"}}, "long_context.tiled_mlp.shards: expected an integer or 'auto', got '4'", "'auto'"),
+    ({"attention": {"heads_per_chunk": True}}, "long_context.attention.heads_per_chunk: expected an integer", "'auto'"),
+    ({"sequence_length": 0}, "long_context.sequence_length: must be a positive integer, got 0", "tokens per sample"),
+    ({"attention": {"heads_per_chunk": 0}}, "long_context.attention.heads_per_chunk: must be a positive integer",
+     "most memory saving"),
+    ({"tiled_loss": {"shards": -1}}, "long_context.tiled_loss.shards: must be a positive integer, got -1", "'auto'"),
+])
+def test_strict_types_and_bounds(section, start, fix):
+    """No silent coercion ("yes" -> True, "512" -> 512); bounds come from the schema, one message each."""
+    msg = _err({"long_context": section})
+    assert msg.startswith(start) and fix in msg.split("Fix:")[1], msg
+
+
+def test_every_field_is_documented():
+    from pydantic import BaseModel
+
+    from ds_longctx.config import LongContextConfig
+
+    def walk(model):
+        for name, field in model.model_fields.items():
+            if name == "sequence_parallel_size":
+                continue
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                yield from walk(sub)
+            else:
+                yield f"{model.__name__}.{name}", field.description
+
+    undocumented = [name for name, doc in walk(LongContextConfig) if not doc]
+    assert not undocumented
+
+
+def test_kernel_values_come_from_the_kernel_registry():
+    from typing import get_args
+
+    from ds_longctx.attention.kernels import kernel_names
+    from ds_longctx.config import AttentionConfig
+
+    assert get_args(AttentionConfig.model_fields["kernel"].annotation) == kernel_names()
+    assert set(kernel_names()) == {"auto", "flash_attention_3", "flash_attention_2", "sdpa"}

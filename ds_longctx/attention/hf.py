@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..models import AttentionFacts, facts_for, rms_norm, rope_bshd, text_config
+from ..models import FUSED_ARCHITECTURES, AttentionFacts, facts_for, rms_norm, rope_bshd, text_config
 from . import kernels, registry
-from .untied import ProjectionSpec, Schedule, untied_attention_fused, untied_attention_qkv
+from .heads import check_heads_per_chunk
+from .untied import ProjectionSpec, untied_attention_fused, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
-HPC_KEY = "long_context.attention.heads_per_chunk"
 
 
 @dataclass
@@ -75,18 +75,11 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
     """
     kernel = kernels.check_kernel(attn_cfg.kernel)
     hpc = attn_cfg.heads_per_chunk
-    if not isinstance(hpc, int) or isinstance(hpc, bool) or hpc < 1:
-        raise ConfigError(HPC_KEY, f"must be a positive integer here, got {hpc!r}", "use 1 for the most memory saving")
     sp = 1 if group is None else dist.get_world_size(group)
     tc = text_config(model.config)
     heads = tc.num_attention_heads
     kv = getattr(tc, "num_key_value_heads", None) or heads
-    try:
-        Schedule(heads, kv, sp, hpc)
-    except ValueError as e:
-        raise ConfigError(HPC_KEY if (heads % sp == 0 and (kv % sp == 0 or sp % kv == 0)) else
-                          "sequence_parallel_size", str(e), "pick heads_per_chunk dividing heads/SP and an SP "
-                          "degree dividing the heads") from None
+    check_heads_per_chunk(hpc, heads, kv, sp)
     state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel)
     handle = UntiedInstall()
     if attn_cfg.fuse_projections:
@@ -105,8 +98,8 @@ def _install_fused(model, tc, state: _State, handle: UntiedInstall):
     model_type = getattr(tc, "model_type", None)
     facts = facts_for(model_type)
     if facts is None:
-        raise ConfigError(FUSE_KEY, f"architecture {model_type!r} has no fused untied attention (supported: llama, "
-                          "mistral, qwen2, qwen3)", f"set {FUSE_KEY} to false to chunk heads at the attention-"
+        raise ConfigError(FUSE_KEY, f"architecture {model_type!r} has no fused untied attention (supported: "
+                          f"{', '.join(FUSED_ARCHITECTURES)})", f"set {FUSE_KEY} to false to chunk heads at the attention-"
                           "function level, which works for any model using transformers' attention interface")
     mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = getattr(mod, facts.attention_class)

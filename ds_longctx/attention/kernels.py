@@ -231,12 +231,17 @@ BACKENDS: Dict[str, Type[Backend]] = {}
 _AUTO_ORDER: Dict[str, Tuple[str, ...]] = {}
 _OVERRIDES: Dict[str, Type[Backend]] = {}  # device type -> the backend every kernel name resolves to
 _INSTANCES: Dict[type, Backend] = {}
+_CONFIG_NAMES: Tuple[str, ...] = ()  # backends a config may name (the rest are reached via "auto"/"sdpa")
 
 
-def register_backend(cls: Type[Backend], auto: bool = False) -> Type[Backend]:
-    """Make ``cls`` selectable as ``long_context.attention.kernel = cls.name``; ``auto=True`` also appends
-    it to the "auto" order of its device type (earlier registrations are preferred)."""
+def register_backend(cls: Type[Backend], auto: bool = False, config_name: bool = False) -> Type[Backend]:
+    """Register ``cls`` under ``cls.name``. ``auto=True`` appends it to the "auto" order of its device type
+    (earlier registrations are preferred); ``config_name=True`` lets ``long_context.attention.kernel`` name
+    it (config.py takes its allowed values from :func:`kernel_names`, at import)."""
+    global _CONFIG_NAMES
     BACKENDS[cls.name] = cls
+    if config_name and cls.name not in _CONFIG_NAMES:
+        _CONFIG_NAMES += (cls.name,)
     if auto:
         _AUTO_ORDER[cls.device_type] = _AUTO_ORDER.get(cls.device_type, ()) + (cls.name,)
     return cls
@@ -256,14 +261,15 @@ def overridden(device_type: str, cls: Type[Backend]):
         _INSTANCES.pop(cls, None)
 
 
-for _cls, _auto in ((FlashAttn3, True), (FlashAttn2, True), (TorchCUDAFlash, True), (TorchCUDAcuDNN, False),
-                    (TorchCPUFlash, True)):
-    register_backend(_cls, auto=_auto)
+for _cls, _auto, _named in ((FlashAttn3, True, True), (FlashAttn2, True, True), (TorchCUDAFlash, True, False),
+                            (TorchCUDAcuDNN, False, False), (TorchCPUFlash, True, False)):
+    register_backend(_cls, auto=_auto, config_name=_named)
 
 
 def kernel_names() -> Tuple[str, ...]:
-    """Values ``long_context.attention.kernel`` accepts."""
-    return ("auto", "sdpa") + tuple(BACKENDS)
+    """Values ``long_context.attention.kernel`` accepts: "auto", the named backends, and "sdpa" (torch's
+    flash kernel for the tensors' device)."""
+    return ("auto",) + _CONFIG_NAMES + ("sdpa",)
 
 
 def _instance(cls: Type[Backend]) -> Backend:
@@ -281,8 +287,7 @@ def check_kernel(name: str) -> str:
     if name == "auto" or name == "sdpa":
         return name
     if name not in BACKENDS:
-        raise ConfigError(KERNEL_KEY, f"unknown kernel {name!r}", "use one of auto, flash_attention_3, "
-                          "flash_attention_2, sdpa")
+        raise ConfigError(KERNEL_KEY, f"unknown kernel {name!r}", f"use one of {', '.join(kernel_names())}")
     if not BACKENDS[name].available():
         hint = {"flash_attention_2": "pip install flash-attn (needs CUDA)",
                 "flash_attention_3": "install FA3 (flash_attn_interface, Hopper GPU)"}.get(name, "")
