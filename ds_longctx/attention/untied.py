@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -74,12 +74,12 @@ class Schedule:
         return 1 if self.replicated else self.kv_heads // self.sp
 
     @property
-    def group(self) -> int:  # local query heads per local kv head
+    def q_per_kv(self) -> int:  # local query heads per local kv head (not a process group)
         return self.q_local // self.kv_local
 
     @property
     def m(self) -> int:  # kv heads per rank per chunk
-        u, g = self.heads_per_chunk, self.group
+        u, g = self.heads_per_chunk, self.q_per_kv
         return u // math.gcd(u, g)
 
     @property
@@ -88,7 +88,7 @@ class Schedule:
 
     @property
     def stages_per_chunk(self) -> int:
-        return self.m * self.group // self.heads_per_chunk
+        return self.m * self.q_per_kv // self.heads_per_chunk
 
     @property
     def stages(self) -> int:
@@ -96,7 +96,7 @@ class Schedule:
 
     def q_offset(self, j: int, t: int) -> int:
         """First query head of stage (j, t) inside each rank's block of H/C heads."""
-        return j * self.m * self.group + t * self.heads_per_chunk
+        return j * self.m * self.q_per_kv + t * self.heads_per_chunk
 
     def kv_offset(self, j: int) -> int:
         """First kv head of chunk j inside each rank's block of G/C kv heads (0 when replicated)."""
@@ -108,7 +108,7 @@ class Schedule:
 
     def q_heads_of_stage(self, j: int, t: int) -> List[int]:
         u = self.heads_per_chunk
-        return [r * self.q_local + j * self.m * self.group + t * u + i for r in range(self.sp) for i in range(u)]
+        return [r * self.q_local + j * self.m * self.q_per_kv + t * u + i for r in range(self.sp) for i in range(u)]
 
     def stage_kv(self, t: int):
         """How stage t's u local query heads use the chunk's m local kv heads.
@@ -116,7 +116,7 @@ class Schedule:
         Returns ("slice", lo, hi): query heads map onto kv heads [lo, hi) with a uniform group (the
         kernel does GQA itself); or ("index", idx): kv head per query head (expanded, then summed back).
         """
-        u, g = self.heads_per_chunk, self.group
+        u, g = self.heads_per_chunk, self.q_per_kv
         if u % g == 0:
             return ("slice", t * u // g, (t + 1) * u // g)
         if g % u == 0:
@@ -466,54 +466,66 @@ def _sp(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything about a call of the staged Functions that is not a tensor (one typed argument instead
+    of a positional tuple). ``projection`` is set on the fused path only."""
+    schedule: Schedule
+    group: Any                  # the SP process group (None: SP=1)
+    backend: Backend
+    causal: bool
+    scale: float
+    projection: Optional[ProjectionSpec] = None
+
+
 class UntiedQKVAttention(torch.autograd.Function):
     """q [b, s, H, d], k/v [b, s, G, d] sequence-sharded -> out [b, s, H, d] (+ lse, non-differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, heads_per_chunk, backend, causal, scale):
+    def forward(ctx, q, k, v, spec: StageSpec):
         b, s, H, d = q.shape
-        sched = Schedule(H, k.shape[2], _sp(group), heads_per_chunk)
+        sched = spec.schedule
         _check_shapes(q, k, v)
-        out, lse_all = _staged_forward(_QKVSource(q, k, v, sched), sched, group, backend, causal, scale, b, s, d,
-                                       q.dtype, q.device)
+        out, lse_all = _staged_forward(_QKVSource(q, k, v, sched), sched, spec.group, spec.backend, spec.causal,
+                                       spec.scale, b, s, d, q.dtype, q.device)
         ctx.save_for_backward(q, k, v, out, lse_all)
-        ctx.meta = (sched, group, backend, causal, scale)
+        ctx.spec = spec
         ctx.mark_non_differentiable(lse_all)
         return out, lse_all
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_all = ctx.saved_tensors
-        sched, group, backend, causal, scale = ctx.meta
-        dq, dk, dv = _staged_backward(_QKVSource(q, k, v, sched), sched, group, backend, causal, scale, out, dout, lse_all)
-        return dq, dk, dv, None, None, None, None, None
+        sp = ctx.spec
+        dq, dk, dv = _staged_backward(_QKVSource(q, k, v, sp.schedule), sp.schedule, sp.group, sp.backend, sp.causal,
+                                      sp.scale, out, dout, lse_all)
+        return dq, dk, dv, None
 
 
 class UntiedFusedAttention(torch.autograd.Function):
     """x [b, s, D] sequence-sharded + projection weights -> out [b, s, H, d] (+ lse, non-differentiable)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, meta):
-        heads, kv_heads, group, heads_per_chunk, backend, causal, scale, spec = meta
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, stage: StageSpec):
+        spec, sched = stage.projection, stage.schedule
         d = spec.head_dim
-        D = x.shape[-1]
-        _check_weights(x, wq, wk, wv, heads, kv_heads, d)
-        sched = Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
+        _check_weights(x, wq, wk, wv, sched.heads, sched.kv_heads, d)
         b, s = x.shape[0], x.shape[1]
         src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
-        out, lse_all = _staged_forward(src, sched, group, backend, causal, scale, b, s, d, x.dtype, x.device)
+        out, lse_all = _staged_forward(src, sched, stage.group, stage.backend, stage.causal, stage.scale, b, s, d,
+                                       x.dtype, x.device)
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all)
-        ctx.meta = (sched, group, backend, causal, scale, spec)
+        ctx.stage = stage
         ctx.mark_non_differentiable(lse_all)
         return out, lse_all
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all = ctx.saved_tensors
-        sched, group, backend, causal, scale, spec = ctx.meta
-        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
-        dx, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn = _staged_backward(src, sched, group, backend, causal, scale, out,
-                                                                      dout, lse_all)
+        st = ctx.stage
+        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, st.projection, st.schedule)
+        dx, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn = _staged_backward(src, st.schedule, st.group, st.backend,
+                                                                      st.causal, st.scale, out, dout, lse_all)
         return dx, None, None, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn, None
 
 
@@ -547,7 +559,8 @@ def untied_attention_qkv(q, k, v, group=None, heads_per_chunk: int = 1, backend:
 
         backend = get_backend("auto", q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return UntiedQKVAttention.apply(q, k, v, group, heads_per_chunk, backend, causal, scale)
+    sched = Schedule(q.shape[2], k.shape[2], _sp(group), heads_per_chunk)
+    return UntiedQKVAttention.apply(q, k, v, StageSpec(sched, group, backend, causal, scale))
 
 
 def untied_attention_fused(x, cos, sin, wq, wk, wv, *, heads: int, kv_heads: int, spec: ProjectionSpec,
@@ -563,5 +576,5 @@ def untied_attention_fused(x, cos, sin, wq, wk, wv, *, heads: int, kv_heads: int
 
         backend = get_backend("auto", x.device)
     scale = spec.head_dim ** -0.5 if scale is None else scale
-    meta = (heads, kv_heads, group, heads_per_chunk, backend, causal, scale, spec)
-    return UntiedFusedAttention.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, meta)
+    stage = StageSpec(Schedule(heads, kv_heads, _sp(group), heads_per_chunk), group, backend, causal, scale, spec)
+    return UntiedFusedAttention.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stage)
