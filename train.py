@@ -89,6 +89,7 @@ def build_dataset(args, model_config, seq_len):
 def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     """Argmax accuracy on scored tokens of held-out samples (the SP group evaluates together)."""
     from ds_longctx.data import shard_batch
+    from ds_longctx.loss import IGNORE_INDEX
 
     engine.eval()
     correct = total = 0
@@ -98,7 +99,7 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
         logits = engine(input_ids=batch["input_ids"].to(engine.device),
                         position_ids=batch["position_ids"].to(engine.device), use_cache=False).logits
         target = batch["shift_labels"].to(logits.device)
-        valid = target != -100
+        valid = target != IGNORE_INDEX
         correct += int((logits.argmax(-1)[valid] == target[valid]).sum())
         total += int(valid.sum())
     engine.train()

@@ -28,28 +28,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-ROWS = [
-    ("none", {}),
-    ("+checkpointing", {"activation_checkpointing": {"enabled": True}}),
-    ("+offload", {"activation_checkpointing": {"enabled": True, "offload": "cpu"}}),
-    ("+tiled MLP", {"tiled_mlp": {"enabled": True, "shards": "auto"}}),
-    ("+tiled loss", {"tiled_loss": {"enabled": True, "shards": "auto"}}),
-    ("+untied attention", {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1}}),
-]
-
-
-# not cumulative: the tiled-loss row without the tiled MLP, to show the MLP's share once the logits
-# no longer set the peak (in the cumulative order the loss peak masks it)
-EXTRA = [("offload + tiled loss, no tiled MLP", {"activation_checkpointing": {"enabled": True, "offload": "cpu"},
-                                                 "tiled_loss": {"enabled": True, "shards": "auto"}})]
-
-
-def cumulative_rows():
-    acc, out = {}, []
-    for name, add in ROWS:
-        acc = {**acc, **add}
-        out.append((name, json.loads(json.dumps(acc))))
-    return out + EXTRA
+# the same rows as the CPU bench (one definition of the stack ladder for both)
+from memory_stack import cumulative_rows  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def build(args):

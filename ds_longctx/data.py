@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .errors import ConfigError
-from .loss import shift_labels_of
+from .loss import IGNORE_INDEX, shift_labels_of
 
 # ---------------------------------------------------------------------------------------------
 # sharding
@@ -94,7 +94,7 @@ class SPDataLoader:
 # the embedded long-context task
 # ---------------------------------------------------------------------------------------------
 
-PAD, SEP = 0, 1
+SEP = 1
 
 
 class LongRangeCopy(Dataset):
@@ -124,7 +124,7 @@ class LongRangeCopy(Dataset):
         block = torch.randint(2, self.vocab, (half - 1,), generator=g)
         ids = torch.cat([torch.tensor([SEP]), block, torch.tensor([SEP]), block])
         labels = ids.clone()
-        labels[: half + 1] = -100  # score only the copy (its first token is predicted from the SEP)
+        labels[: half + 1] = IGNORE_INDEX  # score only the copy (its first token is predicted from the SEP)
         return {"input_ids": ids, "labels": labels}
 
     @property

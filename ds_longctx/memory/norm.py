@@ -84,10 +84,6 @@ class MemoryEfficientRMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def memory_efficient_rms_norm(x, weight, eps: float):
-    return MemoryEfficientRMSNorm.apply(x, weight, eps)
-
-
 def _src(fn) -> str:
     try:
         return textwrap.dedent(inspect.getsource(fn))

@@ -22,8 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-
-IGNORE_INDEX = -100
+from ..loss import IGNORE_INDEX
 
 # decoder MLPs whose forward is pointwise over tokens (gate/up/down SwiGLU), so row tiling is exact
 SUPPORTED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
