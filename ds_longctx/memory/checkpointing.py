@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
+from ..models import supported_names
 from .offload import CheckpointInputOffloader
 
 
@@ -41,7 +42,7 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
     if not layers:
         raise ConfigError("long_context.activation_checkpointing.enabled",
                           f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to "
-                          "checkpoint", "use a transformers decoder model (Llama, Mistral, Qwen2, Qwen3) or set "
+                          "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
                           "enabled=false")
     fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader)
     for layer in layers:

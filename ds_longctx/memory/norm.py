@@ -12,11 +12,11 @@ module, so ZeRO-3's module hooks gather the weight and see its gradient as usual
 """
 from __future__ import annotations
 
-import inspect
-import textwrap
 from typing import List
 
 import torch
+
+from ..models import is_llama_style_rmsnorm  # noqa: F401  (re-exported: which norms have Llama's formula)
 
 # fp32 elements per backward tile: 128 MiB per fp32 temporary, small next to a layer at 1M+ tokens
 # yet large enough that the per-tile kernel launches are negligible.
@@ -82,36 +82,6 @@ class MemoryEfficientRMSNorm(torch.autograd.Function):
         if need_w:
             grad_w = grad_w.to(weight.dtype).reshape(weight.shape)
         return grad_x, grad_w, None
-
-
-def _src(fn) -> str:
-    try:
-        return textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return ""
-
-
-def _reference_forward_source() -> str:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return _src(LlamaRMSNorm.forward)
-
-
-def is_llama_style_rmsnorm(module) -> bool:
-    """Class name ends in RMSNorm, has weight/variance_epsilon, and its forward is Llama's source.
-
-    The source check matters: several HF norms share the name and attributes but not the formula
-    (``1 + weight``, gated, weight applied in fp32), and swapping those would silently change the model.
-    """
-    cls = type(module)
-    if not cls.__name__.endswith("RMSNorm"):
-        return False
-    if not isinstance(getattr(module, "weight", None), torch.Tensor) or not hasattr(module, "variance_epsilon"):
-        return False
-    if module.weight.dim() != 1:
-        return False
-    ref = _reference_forward_source()
-    return bool(ref) and _src(cls.forward) == ref
 
 
 def _norm_forward(module):

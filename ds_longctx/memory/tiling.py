@@ -23,9 +23,10 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX
+from ..models import mlp_class_names
 
 # decoder MLPs whose forward is pointwise over tokens (gate/up/down SwiGLU), so row tiling is exact
-SUPPORTED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+SUPPORTED_MLPS = mlp_class_names()
 
 
 # ---------------------------------------------------------------------------------------------

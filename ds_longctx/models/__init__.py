@@ -1,17 +1,38 @@
-"""Per-architecture facts for the fused untied-attention path (where q/k/v/o, q/k-norm and RoPE live)."""
+"""Per-architecture knowledge, in one place: where attention keeps q/k/v/o, q/k-norm and its sliding
+window (fused untied attention), which MLP is pointwise over tokens (tiled MLP), which RMSNorms have
+Llama's formula (memory-efficient RMSNorm), what a decoder layer's children are (the planner's tags).
+
+Adding an architecture = one file defining an ``Architecture`` + one line in ``ARCHITECTURES`` + a
+tiny config in tests/tiny_models.py (tests/test_models.py checks that the three agree).
+"""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
-from ._common import AttentionFacts, rms_norm, rope_bshd, rotate_half, text_config
+from ._common import (Architecture, AttentionFacts, is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
+                      rotate_half, text_config)
 from .llama import LLAMA, MISTRAL
 from .qwen import QWEN2, QWEN3
 
-FUSED_ARCHITECTURES: Dict[str, AttentionFacts] = {t: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3) for t in f.model_types}
+# the registry: model_type -> Architecture
+ARCHITECTURES: Dict[str, Architecture] = {t: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3) for t in a.model_types}
+
+FUSED_ARCHITECTURES: Dict[str, AttentionFacts] = {t: a.attention for t, a in ARCHITECTURES.items()}
 
 
 def facts_for(model_type: Optional[str]) -> Optional[AttentionFacts]:
     return FUSED_ARCHITECTURES.get(model_type)
 
 
-__all__ = ["AttentionFacts", "FUSED_ARCHITECTURES", "facts_for", "rms_norm", "rope_bshd", "rotate_half", "text_config"]
+def mlp_class_names() -> Tuple[str, ...]:
+    return tuple(a.mlp_class for a in ARCHITECTURES.values())
+
+
+def supported_names() -> str:
+    """For error messages: 'llama, mistral, qwen2, qwen3'."""
+    return ", ".join(ARCHITECTURES)
+
+
+__all__ = ["Architecture", "ARCHITECTURES", "AttentionFacts", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
+           "supported_names", "layer_role", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
+           "text_config"]

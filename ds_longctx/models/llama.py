@@ -1,8 +1,8 @@
 """Llama and Mistral: q/k/v/o projections (optional biases for Llama via attention_bias), RoPE from
-the model-level rotary embedding (passed as position_embeddings), no q/k-norm."""
-from ._common import AttentionFacts
+the model-level rotary embedding (passed as position_embeddings), no q/k-norm, SwiGLU MLP."""
+from ._common import Architecture, AttentionFacts
 
-LLAMA = AttentionFacts(model_types=("llama",), attention_class="LlamaAttention")
+LLAMA = Architecture(AttentionFacts(model_types=("llama",), attention_class="LlamaAttention"), mlp_class="LlamaMLP")
 # Mistral reads config.sliding_window inside attention; a window shorter than the sequence is not causal-only
-MISTRAL = AttentionFacts(model_types=("mistral",), attention_class="MistralAttention",
-                         sliding_window_attr="config.sliding_window")
+MISTRAL = Architecture(AttentionFacts(model_types=("mistral",), attention_class="MistralAttention",
+                                      sliding_window_attr="config.sliding_window"), mlp_class="MistralMLP")

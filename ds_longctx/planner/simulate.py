@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..models import text_config
+from ..models import layer_role, text_config
 
 CATEGORIES = ("attention", "mlp", "loss", "other")
 _TAG = "ds_longctx_planner_tag"
@@ -238,13 +238,9 @@ class _Tagger:
         decoder = model.get_decoder()
         for layer in decoder.layers:
             for name, child in layer.named_children():
-                low = name.lower()
-                if "norm" in low:  # post_attention_layernorm is a norm, not attention
-                    continue
-                if low.endswith("attn") or low.endswith("attention"):
-                    self._hook(child, "attention", push=True)
-                elif low in ("mlp", "feed_forward", "ffn", "block_sparse_moe") or low.endswith("mlp"):
-                    self._hook(child, "mlp", push=True)
+                role = layer_role(name)
+                if role is not None:
+                    self._hook(child, role, push=True)
             # pushes too, so that a layer recomputed in backward (checkpointing) is charged to its
             # own ops, not to the node whose backward triggered the recompute
             self._hook(layer, "other", push=True)
