@@ -25,6 +25,7 @@ def _py(code, **env):
                           env=dict(os.environ, PYTHONPATH=ROOT, **env))
 
 
+@pytest.mark.distributed  # starts processes
 def test_shutdown_runs_atexit_and_exits_with_the_code():
     code = "import atexit, ds_longctx; atexit.register(print, 'atexit ran'); print('x', end=''); ds_longctx.shutdown({})"
     ok = _py(code.format(0))
@@ -33,6 +34,7 @@ def test_shutdown_runs_atexit_and_exits_with_the_code():
     assert bad.returncode == 3 and bad.stdout == "x", bad
 
 
+@pytest.mark.distributed  # starts processes
 def test_main_guard_prints_the_rank_and_exits_nonzero():
     p = _py("import ds_longctx\nwith ds_longctx.main_guard():\n    raise ValueError('boom')\nprint('not reached')",
             RANK="5")
