@@ -122,7 +122,8 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
 _OWN_TOP_LEVEL_KEYS = (SECTION, "sequence_parallel_size", "seq_parallel_communication_data_type")
 # real DeepSpeed keys that resemble the ones above (never reported)
 _KNOWN_SIMILAR_KEYS = frozenset({"communication_data_type", "pipeline_parallel_size"})
-_NEAR_MISS_CUTOFF = 0.8  # difflib ratio: catches one-letter slips and long_ctx, not communication_data_type (0.78)
+# difflib ratio: catches one-letter slips and long_ctx, not communication_data_type (0.78)
+_NEAR_MISS_CUTOFF = 0.8
 
 
 def check_top_level_keys(ds_config: dict) -> None:

@@ -27,7 +27,8 @@ def _py(code, **env):
 
 @pytest.mark.distributed  # starts processes
 def test_shutdown_runs_atexit_and_exits_with_the_code():
-    code = "import atexit, ds_longctx; atexit.register(print, 'atexit ran'); print('x', end=''); ds_longctx.shutdown({})"
+    code = ("import atexit, ds_longctx; atexit.register(print, 'atexit ran'); print('x', end=''); "
+            "ds_longctx.shutdown({})")
     ok = _py(code.format(0))
     assert ok.returncode == 0 and ok.stdout == "xatexit ran\n", ok
     bad = _py(code.format(3))  # an error exit ends now: no atexit handler (it could wait on a dead peer)
@@ -66,8 +67,8 @@ def test_near_miss_top_level_keys(key, intended):
 
 
 def test_real_deepspeed_keys_are_not_near_misses():
-    parse(dict(_tiny(), communication_data_type="fp32", pipeline_parallel_size=1, seq_parallel_communication_data_type="fp32",
-               checkpoint={}, data_types={}, train_batch_size=4, gradient_accumulation_steps="auto"))
+    parse(dict(_tiny(), communication_data_type="fp32", pipeline_parallel_size=1, checkpoint={}, data_types={},
+               seq_parallel_communication_data_type="fp32", train_batch_size=4, gradient_accumulation_steps="auto"))
 
 
 @pytest.mark.parametrize("key,value", [("train_micro_batch_size_per_gpu", 0), ("gradient_accumulation_steps", -1),
