@@ -44,12 +44,141 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _config_error(key, problem, fix):
+    from ds_longctx.errors import ConfigError
+
+    return ConfigError(key, problem, fix)
+
+
+def _check_writable_file(flag, path):
+    """``path`` can be created or overwritten by this process."""
+    if os.path.isdir(path):
+        raise _config_error(flag, f"{path!r} is a directory", "give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise _config_error(flag, f"directory {parent!r} does not exist", f"create it (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise _config_error(flag, f"{path!r} is not writable", "give a path this user can write")
+
+
+def _model_config_path(path):
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def validate_args(args, lc):
+    """Every CLI value, checked on every rank before any collective (a rank that raised alone would
+    leave the others waiting). Returns the sequence length."""
+    from ds_longctx.data import TASKS
+
+    sp = lc.sequence_parallel_size
+    if args.steps < 1:
+        raise _config_error("--steps", f"must be >= 1, got {args.steps}", "give the number of optimizer steps")
+    if args.seed < 0:
+        raise _config_error("--seed", f"must be >= 0, got {args.seed}", "give a non-negative seed")
+    if args.eval_samples < 0:
+        raise _config_error("--eval-samples", f"must be >= 0, got {args.eval_samples}", "use 0 to skip the eval")
+    seq_len = args.seq_len if args.seq_len is not None else (lc.sequence_length or 512)
+    flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
+    if seq_len < 1:
+        raise _config_error(flag, f"must be >= 1, got {seq_len}", "give the global tokens per sample")
+    if seq_len % sp:
+        raise _config_error(flag, f"{seq_len} is not divisible by sequence_parallel_size={sp}",
+                            f"use a multiple of {sp}, e.g. {(seq_len // sp + 1) * sp}")
+    if args.data in TASKS:
+        if args.data == "copy" and (seq_len < 4 or seq_len % 2):
+            raise _config_error(flag, f"the copy task needs an even length >= 4, got {seq_len}",
+                                "use an even sequence length")
+    else:
+        if not os.path.isfile(args.data):
+            raise _config_error("--data", f"{args.data!r} is neither a task ({sorted(TASKS)}) nor an existing file",
+                                "give a task name or the path of a .txt/.jsonl file")
+        if not args.data.endswith((".txt", ".jsonl")):
+            raise _config_error("--data", f"unsupported file type {args.data!r}", "use a .txt or .jsonl file")
+        if not (args.tokenizer or args.model):
+            raise _config_error("--data", "a file needs a tokenizer", "pass --tokenizer (or --model)")
+    if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
+        raise _config_error("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
+                            "give the path of a HF config.json (or a directory holding one)")
+    if args.metrics:
+        _check_writable_file("--metrics", args.metrics)
+    if args.save:
+        if os.path.exists(args.save) and not os.path.isdir(args.save):
+            raise _config_error("--save", f"{args.save!r} exists and is not a directory", "give a directory")
+        existing = os.path.abspath(args.save)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise _config_error("--save", f"{existing!r} is not writable", "give a directory this user can write")
+    if args.resume:
+        read_checkpoint_layout(args.resume)  # raises when there is no readable checkpoint
+    return seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# the checkpoint's layout: a resume must run the same layout (same data order, same partitions)
+# ---------------------------------------------------------------------------------------------
+
+LAYOUT_FILE = "ds_longctx_layout.json"
+# what must match for a resume to continue the same run (data position is where to continue)
+LAYOUT_KEYS = ("world_size", "sequence_parallel_size", "data_parallel_size", "seq_len", "micro_batch",
+               "gradient_accumulation_steps", "seed", "data", "batches_per_epoch")
+LAYOUT_FLAGS = {"world_size": "the number of processes", "sequence_parallel_size": "sequence_parallel_size",
+                "data_parallel_size": "world / sequence_parallel_size", "seq_len": "--seq-len",
+                "micro_batch": "train_micro_batch_size_per_gpu", "gradient_accumulation_steps":
+                "gradient_accumulation_steps", "seed": "--seed", "data": "--data",
+                "batches_per_epoch": "--data (the dataset's size)"}
+
+
+def read_checkpoint_layout(path):
+    """The layout record of the checkpoint DeepSpeed would load from ``path`` (its ``latest`` tag)."""
+    latest = os.path.join(path, "latest")
+    if not os.path.isfile(latest):
+        raise _config_error("--resume", f"{path!r} holds no checkpoint (no 'latest' file)",
+                            "give the directory passed to --save")
+    with open(latest) as f:
+        tag = f.read().strip()
+    rec = os.path.join(path, tag, LAYOUT_FILE)
+    if not os.path.isfile(rec):
+        raise _config_error("--resume", f"checkpoint {os.path.join(path, tag)!r} has no {LAYOUT_FILE} (not saved "
+                            "by this train.py)", "resume a checkpoint saved by train.py --save")
+    with open(rec) as f:
+        return json.load(f)
+
+
+def check_resume_layout(saved, current, path):
+    diffs = [k for k in LAYOUT_KEYS if saved.get(k) != current[k]]
+    if diffs:
+        what = ", ".join(f"{k} {saved.get(k)!r} in the checkpoint vs {current[k]!r} now" for k in diffs)
+        fix = ", ".join(f"{LAYOUT_FLAGS[k]} = {saved.get(k)!r}" for k in diffs)
+        raise _config_error("--resume", f"{path} was saved with a different layout: {what} (a resumed run must "
+                            "see the same samples in the same order and the same ZeRO partitions)",
+                            f"resume with {fix}, or start a new run without --resume")
+
+
+def micro_batches(loader, start):
+    """Micro batches from position ``start`` (micro batches this rank consumed before), epoch after
+    epoch (``loader.set_epoch``). Nothing is kept: ``itertools.cycle`` held every batch it yielded."""
+    n = len(loader)
+    epoch, skip = divmod(start, n)
+    while True:
+        loader.set_epoch(epoch)
+        yield from itertools.islice(iter(loader), skip, None)
+        skip, epoch = 0, epoch + 1
+
+
+def host_rss_bytes():
+    """Current (not peak) resident set size of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
 def load_model_config(path):
     from transformers import CONFIG_MAPPING
 
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path) as f:
+    with open(_model_config_path(path)) as f:
         d = json.load(f)
     attn = d.pop("attn_implementation", "sdpa")
     cfg = CONFIG_MAPPING[d.pop("model_type")](**d)
@@ -79,10 +208,16 @@ def build_dataset(args, model_config, seq_len):
         return TASKS[args.data](seq_len=seq_len, vocab_size=model_config.vocab_size, seed=args.seed)
     from transformers import AutoTokenizer
 
-    tok = args.tokenizer or args.model
-    if tok is None:
-        raise SystemExit("--data FILE needs --tokenizer or --model (a local tokenizer)")
-    return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(tok), seq_len)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    dataset = TokenFileDataset(args.data, tokenizer, seq_len)
+    # checked before the engine starts: an id past the embedding is an IndexError deep in the forward
+    top = int(dataset.data.max())
+    vocab = model_config.get_text_config().vocab_size
+    if top >= vocab:
+        raise _config_error("--tokenizer", f"{args.tokenizer or args.model!r} has {len(tokenizer)} tokens and "
+                            f"produced id {top} from {args.data}, but the model's vocab_size is {vocab}",
+                            "use the model's own tokenizer, or a model whose vocab_size covers the tokenizer")
+    return dataset
 
 
 @torch.no_grad()
@@ -118,7 +253,7 @@ def main(argv=None):
 
     ds_config = load_ds_config(args.deepspeed_config)
     lc = parse(ds_config)
-    seq_len = args.seq_len or lc.sequence_length or 512
+    seq_len = validate_args(args, lc)  # every rank, before the first collective
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,
@@ -135,13 +270,25 @@ def main(argv=None):
     profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=rank, model=engine.module,
                             seq_len=seq_len)
 
+    if len(loader) == 0:
+        raise _config_error("--data", f"{len(dataset)} samples give no micro batch of {micro} per data-parallel "
+                            f"replica (dp={dp})", "use more data or a smaller train_micro_batch_size_per_gpu")
+    run_layout = {"world_size": world, "sequence_parallel_size": sp, "data_parallel_size": dp,
+                  "seq_len": seq_len, "micro_batch": micro, "gradient_accumulation_steps": gas, "seed": args.seed,
+                  "data": args.data, "batches_per_epoch": len(loader)}
     start = 0
     if args.resume:
+        saved = read_checkpoint_layout(args.resume)
+        check_resume_layout(saved, run_layout, args.resume)  # before load_checkpoint: same verdict on every rank
         _, client = engine.load_checkpoint(args.resume)
         if client is None:
-            raise SystemExit(f"--resume {args.resume}: no checkpoint found there")
+            raise _config_error("--resume", f"DeepSpeed found no checkpoint in {args.resume!r}",
+                                "give the directory passed to --save")
         start = int(client["step"])
-    batches = itertools.islice(itertools.cycle(loader) if len(loader) else iter(()), start * gas, None)
+        if start >= args.steps:
+            raise _config_error("--steps", f"{args.steps} is not past the checkpoint's step {start}",
+                                f"give --steps > {start}")
+    batches = micro_batches(loader, start * gas)
 
     metrics = open(args.metrics, "a" if args.resume else "w") if args.metrics and rank == 0 else None
     bar = None
@@ -174,7 +321,8 @@ def main(argv=None):
         tokens = seq_len * micro * gas * dp
         rec = {"step": step, "loss": loss_value, "tokens": tokens, "tokens_per_s": tokens / dt,
                "tflops": prof["tflops_per_gpu"], "peak_mem_bytes": prof["peak_memory_bytes"],
-               "lr": engine.get_lr()[0] if engine.get_lr() else None, "step_time_s": dt}
+               "host_rss_bytes": host_rss_bytes(), "lr": engine.get_lr()[0] if engine.get_lr() else None,
+               "step_time_s": dt}
         if "artifacts" in prof:
             rec["profile_artifacts"] = prof["artifacts"]
         if metrics:
@@ -192,7 +340,13 @@ def main(argv=None):
             print(f"[ds_longctx] profile: per-step records in {path}, traces of steps "
                   f"{sorted(lc.profile.steps)} in {lc.profile.output_dir}", flush=True)
     if args.save:
-        engine.save_checkpoint(args.save, tag=f"step{args.steps}", client_state={"step": args.steps})
+        tag = f"step{args.steps}"
+        record = dict(run_layout, step=args.steps, micro_batches_consumed=args.steps * gas)
+        engine.save_checkpoint(args.save, tag=tag, client_state={"step": args.steps, "ds_longctx_layout": record})
+        if rank == 0:  # read back before load_checkpoint on resume (client_state only comes with the load)
+            with open(os.path.join(args.save, tag, LAYOUT_FILE), "w") as f:
+                json.dump(record, f, indent=1)
+        dist.barrier()
     if args.data in ("copy",) and args.eval_samples:
         acc = copy_accuracy(engine, dataset, args.eval_samples, comm.sp_rank(group), sp, group,
                             start_index=len(dataset) - args.eval_samples)
@@ -202,12 +356,12 @@ def main(argv=None):
                   f"{dataset.chance_loss:.4f}); copy accuracy {acc:.3f} (chance {chance:.3f})", flush=True)
     if metrics:
         metrics.close()
-    # tear gloo down before interpreter exit: a rank exiting with the group alive aborted
-    # ("terminate called without an active exception") about one run in three
-    dist.barrier()
-    dist.destroy_process_group()
     return loss_value
 
 
 if __name__ == "__main__":
-    main()
+    # an error on any rank ends the whole job; every rank ends without interpreter finalization
+    # (the exit-time gloo abort): see ds_longctx/runtime.py
+    from ds_longctx.runtime import run
+
+    run(main)

@@ -1,13 +1,15 @@
 """ds_longctx: multi-million-token training for DeepSpeed + Hugging Face causal LMs.
 
 Public API: ``initialize`` (drop-in for ``deepspeed.initialize``), ``model_init`` (ZeRO-3
-partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner).
+partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner); ``shutdown`` (end every
+rank's script with it), ``main_guard``/``run`` (an error on any rank ends the whole job).
 """
 from .config import LongContextConfig
 from .errors import ConfigError
 # Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
 # the submodule of the same name loaded, keeps `ds_longctx.initialize` the function for good.
 from .initialize import initialize, model_init
+from .runtime import main_guard, run, shutdown
 
 __version__ = "0.1.0"
 
@@ -18,4 +20,5 @@ def plan(*args, **kwargs):
     return _plan(*args, **kwargs)
 
 
-__all__ = ["initialize", "model_init", "plan", "LongContextConfig", "ConfigError", "__version__"]
+__all__ = ["initialize", "model_init", "plan", "shutdown", "main_guard", "run", "LongContextConfig", "ConfigError",
+           "__version__"]

@@ -172,8 +172,50 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
             raise ConfigError("config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
 
 
+# the top-level keys ds_longctx reads from the ds_config: its own section and DeepSpeed's SP keys
+_OWN_TOP_LEVEL_KEYS = (SECTION, "sequence_parallel_size", "seq_parallel_communication_data_type")
+# real DeepSpeed keys that resemble the ones above (never reported)
+_KNOWN_SIMILAR_KEYS = frozenset({"communication_data_type", "pipeline_parallel_size"})
+# difflib ratio: catches one-letter slips and long_ctx, not communication_data_type (0.78)
+_NEAR_MISS_CUTOFF = 0.8
+
+
+def check_top_level_keys(ds_config: dict) -> None:
+    """Reject a top-level key that is a near miss of a key ds_longctx reads.
+
+    DeepSpeed ignores unknown top-level keys, so ``"long_contex"`` would silently run with every
+    feature off and ``"sequence_paralel_size"`` as SP=1."""
+    import difflib
+
+    for key in ds_config:
+        if not isinstance(key, str) or key in _OWN_TOP_LEVEL_KEYS or key in _KNOWN_SIMILAR_KEYS:
+            continue
+        match = difflib.get_close_matches(key.lower().replace("-", "_"), _OWN_TOP_LEVEL_KEYS, n=1,
+                                          cutoff=_NEAR_MISS_CUTOFF)
+        if match:
+            raise ConfigError(key, f"unknown top-level key, a near miss of {match[0]!r} (DeepSpeed would "
+                              "ignore it silently)", f"rename it to {match[0]!r}")
+
+
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def check_batch_sizes(ds_config: dict) -> None:
+    """DeepSpeed's batch keys, when given as numbers, must be positive integers (DeepSpeed itself
+    fails later with a bare assertion)."""
+    for key in _BATCH_KEYS:
+        value = ds_config.get(key)
+        if value is None or value == "auto":  # "auto": filled in by the HF integration
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value!r}",
+                              f"set {key} to 1 or more (or leave it out)")
+
+
 def parse(ds_config: dict) -> LongContextConfig:
     """Parse and check the section on its own (no model, no world)."""
+    check_top_level_keys(ds_config)
+    check_batch_sizes(ds_config)
     sp = ds_config.get("sequence_parallel_size", 1)
     if not isinstance(sp, int) or isinstance(sp, bool) or sp < 1:
         raise ConfigError("sequence_parallel_size", f"must be a positive integer, got {sp!r}",

@@ -51,9 +51,11 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
         pos = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(bsz, seq)
     chunk = seq // sp_size
     sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-    out["input_ids"] = input_ids[:, sl].contiguous()
-    out["position_ids"] = pos[:, sl].contiguous()
-    out["shift_labels"] = shift[:, sl].contiguous()
+    # clone, not .contiguous(): with one sample (or SP=1) the slice is already contiguous and
+    # .contiguous() returns a view that keeps the whole sample's storage alive
+    out["input_ids"] = input_ids[:, sl].clone(memory_format=torch.contiguous_format)
+    out["position_ids"] = pos[:, sl].clone(memory_format=torch.contiguous_format)
+    out["shift_labels"] = shift[:, sl].clone(memory_format=torch.contiguous_format)
     for k, v in batch.items():  # pass through anything else (e.g. per-sample metadata)
         if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask"):
             out[k] = v
@@ -134,6 +136,25 @@ class LongRangeCopy(Dataset):
         return math.log(self.vocab - 2)
 
 
+def _jsonl_texts(path: str):
+    texts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--data {path} line {n}", f"is not valid JSON ({e})", "write one JSON object "
+                                  'per line, {"text": ...}') from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
+                raise ConfigError(f"--data {path} line {n}", f'has no string "text" field (got {keys})',
+                                  'give every line a "text" string, e.g. {"text": "..."}')
+            texts.append(rec["text"])
+    return texts
+
+
 class TokenFileDataset(Dataset):
     """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file."""
 
@@ -141,8 +162,7 @@ class TokenFileDataset(Dataset):
         if not os.path.exists(path):
             raise ConfigError("--data", f"file {path!r} does not exist", "give a .txt/.jsonl path or a task name")
         if path.endswith(".jsonl"):
-            with open(path) as f:
-                texts = [json.loads(line)["text"] for line in f if line.strip()]
+            texts = _jsonl_texts(path)
         elif path.endswith(".txt"):
             with open(path) as f:
                 texts = [f.read()]

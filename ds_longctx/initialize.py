@@ -19,13 +19,14 @@ from . import comm
 from .config import check_against, load_ds_config, parse
 from .data import SPDataLoader
 from .errors import ConfigError
+from .launch import master_port
 from .layout import Layout, zero_stage
 from .patch import patch_model
 
 logger = logging.getLogger("ds_longctx")
 
 
-def init_distributed(ds_config: Optional[dict] = None, distributed_port: int = 29500,
+def init_distributed(ds_config: Optional[dict] = None, distributed_port: Optional[int] = None,
                      dist_init_required: Optional[bool] = None):
     """Start the process group from whichever launcher started us (env vars, MPI or SLURM)."""
     import deepspeed
@@ -37,8 +38,9 @@ def init_distributed(ds_config: Optional[dict] = None, distributed_port: int = 2
 
     env_from_slurm()  # srun sets only SLURM_*; MPI ranks are discovered by DeepSpeed via mpi4py
     comm.disable_cpu_shm_allreduce()
+    # DeepSpeed's MPI discovery overwrites MASTER_PORT with distributed_port: pass the one in force
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               distributed_port=distributed_port, auto_mpi_discovery=True)
+                               distributed_port=master_port(distributed_port), auto_mpi_discovery=True)
 
 
 def _device_budget_bytes() -> int:
@@ -66,7 +68,7 @@ def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               training_data=None, lr_scheduler=None, distributed_port: Optional[int] = None, mpu=None,
                dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
                config_params=None, data_shuffle: bool = False, data_seed: int = 0):
     """Same arguments and return values as ``deepspeed.initialize``:
@@ -106,8 +108,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         args.deepspeed_config = None
     engine, opt, _, sched = deepspeed.initialize(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-        distributed_port=distributed_port, mpu=ds_mpu, dist_init_required=dist_init_required, config=ds_config,
-        mesh_param=mesh_param)
+        distributed_port=master_port(distributed_port), mpu=ds_mpu, dist_init_required=dist_init_required,
+        config=ds_config, mesh_param=mesh_param)
     engine.long_context = lc
     engine.long_context_layout = layout
 

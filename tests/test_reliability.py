@@ -1,0 +1,135 @@
+"""Reliability under every launcher: no exit-time abort, an error on any rank ends the whole job with
+its message, MASTER_PORT honoured under mpirun, bad inputs rejected on every rank, host memory flat."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import free_port
+from launch_utils import ROOT, TINY_CPU, _env, launch, mpirun_command, read_metrics, run_train
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = os.path.join(ROOT, "tests", "launch_script.py")
+ABORT = "terminate called"  # the exit-time gloo abort (SIGABRT)
+
+
+def _out(proc):
+    return proc.stdout + proc.stderr
+
+
+def test_repeated_launches_never_abort():
+    # 5 x (mpirun, deepspeed launcher) of a 2-step ZeRO-3 job; before ds_longctx.shutdown() about one
+    # launch in twenty died with SIGABRT after training finished
+    for i in range(5):
+        for launcher in ("mpirun", "deepspeed"):
+            proc = launch([SCRIPT, "ok"], launcher=launcher, timeout=300)
+            out = _out(proc)
+            assert proc.returncode == 0 and ABORT not in out, (launcher, i, out[-4000:])
+            assert "rank 0 done" in out and "rank 1 done" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "slurm-env", "deepspeed"])
+def test_one_failing_rank_ends_the_job(launcher):
+    # rank 1 raises while rank 0 waits in a barrier: before, mpirun hung until gloo's 30-minute timeout
+    proc = launch([SCRIPT, "fail", "1"], launcher=launcher, timeout=120)
+    out = _out(proc)
+    assert proc.returncode != 0, out[-3000:]
+    assert "[rank 1] RuntimeError: rank 1 fails on purpose" in out, out[-3000:]
+    assert proc.wall_s < 60, proc.wall_s
+    assert "the barrier returned" not in out
+
+
+def test_two_mpirun_jobs_on_different_master_ports():
+    # before, DeepSpeed's MPI discovery set MASTER_PORT=29500 for both: one job failed, the other hung
+    ports = [free_port(), free_port()]
+    procs = [subprocess.Popen(mpirun_command(2, [SCRIPT, "ok"]), cwd=ROOT, env=dict(_env(), MASTER_PORT=str(p)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for p in ports]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    for p, port, out in zip(procs, ports, outs):
+        assert p.returncode == 0, out[-3000:]
+        assert f"rank 0 MASTER_PORT={port}" in out and f"rank 1 MASTER_PORT={port}" in out, out[-3000:]
+
+
+def _config(tmp_path, name, **changes):
+    cfg = json.load(open(TINY_CPU))
+    cfg.update(changes)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _tokenizer(tmp_path, n):
+    """A local word-level tokenizer with ``n`` tokens w0..w{n-1} (eos w1)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / f"tok{n}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1").save_pretrained(str(path))
+    return str(path)
+
+
+def _jsonl(tmp_path, name, records):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_bad_inputs_end_every_rank_with_their_error(tmp_path):
+    """Each bad input under mpirun (where a lone failing rank used to hang the job): non-zero exit, the
+    error by message with its rank prefix, no hang. The MPI_Abort of the first rank to fail may end the
+    other before it prints, so one prefixed message is required."""
+    words = " ".join(f"w{i % 100}" for i in range(400))
+    cases = [
+        (("--steps", "-5"), TINY_CPU, "--steps: must be >= 1, got -5"),
+        (("--seq-len", "0"), TINY_CPU, "--seq-len: must be >= 1, got 0"),
+        (("--seq-len", "63"), TINY_CPU, "--seq-len: 63 is not divisible by sequence_parallel_size=2"),
+        (("--seq-len", "7"), _config(tmp_path, "sp1b", sequence_parallel_size=1, long_context={}),
+         "--seq-len: the copy task needs an even length >= 4, got 7"),
+        (("--metrics", str(tmp_path / "missing" / "m.jsonl")), TINY_CPU,
+         f"--metrics: directory {str(tmp_path / 'missing')!r} does not exist"),
+        (("--model-config", str(tmp_path / "nope.json")), TINY_CPU,
+         f"--model-config: {str(tmp_path / 'nope.json')!r} does not exist"),
+        (("--resume", str(tmp_path)), TINY_CPU, "holds no checkpoint (no 'latest' file)"),
+        ((), _config(tmp_path, "typo1", long_contex={}),
+         "long_contex: unknown top-level key, a near miss of 'long_context'"),
+        ((), _config(tmp_path, "typo2", sequence_paralel_size=2),
+         "sequence_paralel_size: unknown top-level key, a near miss of 'sequence_parallel_size'"),
+        ((), _config(tmp_path, "micro0", train_micro_batch_size_per_gpu=0),
+         "train_micro_batch_size_per_gpu: must be a positive integer, got 0"),
+        (("--data", _jsonl(tmp_path, "notext.jsonl", [{"text": words}, {"content": words}]),
+          "--tokenizer", _tokenizer(tmp_path, 60)), TINY_CPU,
+         "line 2: has no string \"text\" field (got ['content'])"),
+        (("--data", _jsonl(tmp_path, "big.jsonl", [{"text": words}]), "--tokenizer", _tokenizer(tmp_path, 100)),
+         TINY_CPU, "has 100 tokens and produced id 99 from"),
+    ]
+    for args, config, msg in cases:
+        proc = run_train("--steps", "1", "--seq-len", "64", "--eval-samples", "0", *args, config=config,
+                         launcher="mpirun", check=False, timeout=180)
+        out = _out(proc)
+        assert proc.returncode != 0, (args, out[-3000:])
+        assert msg in out, (args, msg, out[-3000:])
+        assert any(f"[rank {r}] ds_longctx: error: " in out for r in (0, 1)), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]  # a ConfigError prints as one line, not a traceback
+        assert ABORT not in out
+
+
+def test_host_memory_flat_over_200_steps(tmp_path):
+    # itertools.cycle kept every batch it yielded; now nothing is kept between steps
+    metrics = tmp_path / "m.jsonl"
+    run_train("--steps", "200", "--seq-len", "64", "--eval-samples", "0", "--metrics", str(metrics), timeout=900)
+    rss = [r["host_rss_bytes"] for r in read_metrics(metrics)]
+    assert len(rss) == 200 and all(isinstance(b, int) and b > 0 for b in rss)
+    growth = max(rss[19:]) - rss[19]  # after warm-up (allocator, lazy imports)
+    assert growth < 8 * 2**20, [round(b / 2**20, 1) for b in rss[19::20]]
