@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, compat
 from .config import ConfigError, LongContextConfig, check_against, load_ds_config, parse
 from .data import SPDataLoader
 from .loss import causal_lm_loss_sum, shift_labels_of
@@ -67,8 +67,6 @@ def _install_ulysses(model, group) -> None:
 
 def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
     sp = comm.sp_world_size(group)
     tiled = lc.tiled_loss
@@ -101,7 +99,7 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
             loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
-        return CausalLMOutputWithPast(loss=sp_loss(loss_sum, count), logits=logits)
+        return compat.causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled)
 
     model.forward = types.MethodType(forward, model)
 
@@ -198,11 +196,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if model is None:
         raise ConfigError("model", "is required", "pass the Hugging Face model to ds_longctx.initialize")
     ds_config = load_ds_config(config if config is not None else config_params, args)
+    ds_config = compat.resolve_sp_with_mpu(ds_config, mpu)  # accept DeepSpeed's / Accelerate's mpu
     lc = parse(ds_config)
     sp = lc.sequence_parallel_size
-    if mpu is not None:
-        raise ConfigError("mpu", "ds_longctx builds the sequence-parallel groups itself",
-                          "drop mpu= and set sequence_parallel_size in the config")
     init_distributed(ds_config, distributed_port, dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
@@ -214,7 +210,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         check_against(lc, model_config, world)
 
     ds_mpu = comm.initialize_groups(sp)
+    compat.check_mpu(mpu, sp)
     group = comm.sp_group() if sp > 1 else None
+    compat.replace_deepspeed_ulysses_registration()  # register_with_transformers ran first: don't wrap twice
     grad_scale = comm.sp_grad_scale(_zero_stage(ds_config), _reduce_scatter(ds_config), sp)
     patch_model(model, lc, group, grad_scale)
 
@@ -234,10 +232,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                               sp_rank=comm.sp_rank(group), sp_size=sp, dp_rank=dp_rank, dp_size=dp_size,
                               collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        dp = world // sp
-        logger.info(f"ds_longctx: world={world} sp={sp} dp={dp} zero_stage={_zero_stage(ds_config)} "
-                    f"attention={lc.attention.implementation} grad_scale={grad_scale}")
+    compat.log_active_stack(lc, model, world, _zero_stage(ds_config), grad_scale)
     return engine, opt, loader, sched
 
 
