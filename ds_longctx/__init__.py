@@ -24,14 +24,14 @@ def model_init(*args, **kwargs):
 def enable() -> None:
     """Route every later ``deepspeed.initialize`` whose config has a ``long_context`` section through
     ds_longctx (HF Trainer, TRL, Accelerate, plain scripts). Idempotent; undo with ``disable()``."""
-    from .enable import enable as _enable
+    from .integration import enable as _enable
 
     _enable()
 
 
 def disable() -> None:
     """Undo ``enable()``."""
-    from .enable import disable as _disable
+    from .integration import disable as _disable
 
     _disable()
 

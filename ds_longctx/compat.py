@@ -92,7 +92,9 @@ def deepspeed_ulysses_registrations() -> dict:
 
     found = {}
     for key in list(ALL_ATTENTION_FUNCTIONS.keys()):
-        core = _deepspeed_wrapper_core(ALL_ATTENTION_FUNCTIONS[key])
+        fn, core = ALL_ATTENTION_FUNCTIONS[key], None
+        while (inner := _deepspeed_wrapper_core(fn)) is not None:  # registered more than once: unwrap all
+            fn = core = inner
         if core is not None:
             found[key] = core
     return found

@@ -1,5 +1,8 @@
 """``ds_longctx.enable()``: one line for existing projects (HF Trainer, TRL, Accelerate, plain scripts).
 
+(Named integration.py, not enable.py: a submodule named like the package function would replace
+``ds_longctx.enable`` by the module on first import.)
+
 After ``enable()``, every ``deepspeed.initialize(...)`` whose config carries a ``long_context``
 section goes through :func:`ds_longctx.initialize`; other configs reach DeepSpeed untouched.
 Accelerate (and so the Trainer and TRL) looks ``deepspeed.initialize`` up on the module at call
@@ -147,6 +150,25 @@ def _sp_compute_loss(accelerator, model, inputs, return_outputs, pc, *args, **kw
         return _ORIGINALS["sp_loss"](accelerator, model, inputs, return_outputs, pc, *args, **kwargs)
     # UlyssesSPDataLoaderAdapter feeds shift_labels (no labels); our forward reads them directly and
     # returns the SP-global token-mean loss: nothing to aggregate here.
+    inputs = dict(inputs)
+    fused = inputs.pop("fused_lm_head", False)  # TRL's SFTTrainer asks its own fused LM head for metrics
     outputs = model(**inputs)
     loss = outputs.loss
+    if fused:
+        outputs = _trl_metrics_output(loss, inputs)
     return (loss, outputs) if return_outputs else loss
+
+
+def _trl_metrics_output(loss, inputs):
+    """What TRL's SFTTrainer reads after the loss (label_mask, entropy, is_top1). ds_longctx computes
+    the loss without per-token log-probabilities, so entropy and token accuracy are NaN (not computed)
+    rather than invented; the loss and training are unaffected."""
+    import types
+
+    import torch
+
+    labels = inputs.get("shift_labels")
+    mask = labels != -100
+    nan = torch.full(mask.shape, float("nan"), device=mask.device)
+    return types.SimpleNamespace(loss=loss, label_mask=mask, entropy=nan, is_top1=nan, log_probs=None,
+                                 aux_loss=None)
