@@ -220,3 +220,33 @@ def log_active_stack(lc, model=None, world: int = 1, zero_stage: Optional[int] =
                 log.setLevel(logging.INFO)
         log.info(line)
     return line
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py: a config far beyond the chosen model
+# ---------------------------------------------------------------------------------------------
+
+
+def check_model_scale(lc, model_config, seq_len: int, model_flag: Optional[str] = None) -> None:
+    """Refuse a config sized for a much larger model than the one train.py is about to build (e.g. the
+    8B 5M-token config with the tiny default preset), before any model or group is built.
+
+    ``model_flag``: how the model was chosen ("--model-config PATH"), None for the default preset."""
+    tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = tc.num_attention_heads
+    max_pos = getattr(tc, "max_position_embeddings", None)
+    sp = lc.sequence_parallel_size
+    which = model_flag or "the tiny default preset (ds_configs/models/tiny-llama.json)"
+    problems = []
+    # beyond max_position_embeddings is the point of long-context training for a chosen model (RoPE
+    # scaling); for the 64K-position tiny preset it means the config was made for another model
+    if model_flag is None and max_pos is not None and seq_len > max_pos:
+        problems.append(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    if sp > heads:
+        problems.append(f"sequence_parallel_size {sp} exceeds the model's {heads} attention heads")
+    if problems:
+        raise ConfigError("--model", f"this config is sized for a larger model than {which}: "
+                          + "; ".join(problems),
+                          "pass the model the config was made for: --model <HF id or local path> (pretrained) or "
+                          "--model-config <config.json> (random init), e.g. --model-config "
+                          "ds_configs/models/llama3-8b.json")
