@@ -105,4 +105,5 @@ def test_train_refuses_an_8b_config_with_the_tiny_preset():
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))), cfg, 512)
     big = train.load_model_config(os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json"))
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))), big,
-                             parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))).sequence_length)
+                             parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))).sequence_length,
+                             "--model-config ds_configs/models/llama3-8b.json")

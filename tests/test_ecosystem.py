@@ -37,9 +37,20 @@ def _assert_same_training(ref, got, what, rel=1e-5):
 
 def _reference(rank, world):
     import hf_trainer
+    import trl_sft
 
-    return hf_trainer.train(sp=1, use_ds_longctx=False, record_params=True, steps=STEPS,
-                            output_dir="/tmp/ds_longctx_test_ref")
+    state = ProcessState()
+    out = {"trainer": hf_trainer.train(sp=1, use_ds_longctx=False, record_params=True, steps=STEPS,
+                                       output_dir="/tmp/ds_longctx_test_ref")}
+    state.reset()
+    out["trl"] = trl_sft.train(sp=1, use_ds_longctx=False, packing=False, steps=STEPS,
+                               output_dir="/tmp/ds_longctx_test_trl_ref")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed(_reference, 1)[0]
 
 
 def _trainer_sp2(rank, world):
@@ -85,8 +96,8 @@ def _trainer_sp2(rank, world):
 
 
 @pytest.mark.distributed
-def test_trainer_with_parallelism_config_equals_single_process():
-    ref = run_distributed(_reference, 1)[0]
+def test_trainer_with_parallelism_config_equals_single_process(reference):
+    ref = reference["trainer"]
     res = run_distributed(_trainer_sp2, 2)
     failures = []
     for r in res:
@@ -105,3 +116,55 @@ def test_trainer_with_parallelism_config_equals_single_process():
         assert worst > 0.1, worst
         assert r["no_pc"] is not None and "ParallelismConfig(sp_backend='deepspeed', sp_size=2)" in r["no_pc"], \
             r["no_pc"]
+
+
+def _alst_trl_mpu(rank, world):
+    import alst_tutorial
+    import trl_sft
+
+    from ds_longctx.config import ConfigError
+
+    state = ProcessState()
+    out = {"alst_deepspeed": alst_tutorial.run(use_ds_longctx=False)}
+    state.reset()
+    out["alst_swap"] = alst_tutorial.run(use_ds_longctx=True)  # register_with_transformers + mpu kept
+    state.reset()
+    out["alst_swap_tiled"] = alst_tutorial.run(use_ds_longctx=True, tiled_loss=True)  # outputs.loss
+    state.reset()
+    kw = dict(sp=2, packing=False, steps=STEPS, output_dir=f"/tmp/ds_longctx_test_trl{rank}")
+    out["trl_hf"] = trl_sft.train(use_ds_longctx=False, **kw)
+    state.reset()
+    out["trl"] = trl_sft.train(use_ds_longctx=True, **kw)
+    state.reset()
+    # an mpu whose SP degree contradicts the config
+    import ds_longctx
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+    from tiny_models import build, tiny_config
+
+    pss.initialize_sequence_parallel(2)
+    try:
+        ds_longctx.initialize(model=build(tiny_config()), mpu=pss, config={
+            "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 1, "long_context": {}})
+        out["mpu_mismatch"] = None
+    except ConfigError as e:
+        out["mpu_mismatch"] = str(e)
+    state.reset()
+    return out
+
+
+@pytest.mark.distributed
+def test_alst_tutorial_swap_trl_and_mpu_errors(reference):
+    res = run_distributed(_alst_trl_mpu, 2)
+    for r in res:
+        ds = r["alst_deepspeed"]
+        assert len(ds) == 4 and ds[0] != ds[1]  # 2 samples x 2 SP turns, trained in between
+        for key in ("alst_swap", "alst_swap_tiled"):
+            for a, b in zip(r[key], ds):
+                assert math.isclose(a, b, rel_tol=1e-5), (key, r[key], ds)
+        # TRL SFTTrainer (fixed-length samples) under SP: ds_longctx equals TRL on HF's own ALST path;
+        # step 1 equals the single-process TRL run (later steps: see examples/trl_sft.py, upstream)
+        for a, b in zip(r["trl"]["losses"], r["trl_hf"]["losses"]):
+            assert math.isclose(a, b, rel_tol=1e-5), (r["trl"], r["trl_hf"])
+        assert math.isclose(r["trl"]["losses"][0], reference["trl"]["losses"][0], rel_tol=1e-5)
+        assert r["mpu_mismatch"] and "config says 1" in r["mpu_mismatch"] and "size 2" in r["mpu_mismatch"], \
+            r["mpu_mismatch"]
