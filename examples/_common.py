@@ -43,7 +43,7 @@ class RandomTokens(torch.utils.data.Dataset):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         ids = torch.randint(0, self.vocab, (self.seq_len,), generator=g)
         labels = ids.clone()
-        labels[:2] = -100  # a few ignored targets, as a prompt would have
+        labels[:5] = -100  # ignored targets, as a prompt would have (uneven valid tokens per SP shard)
         return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(self.seq_len)}
 
 
