@@ -59,11 +59,14 @@ def run(use_ds_longctx: bool = False, tiled_loss: bool = False, samples: int = 2
 
     import ds_longctx
 
-    sequence_parallel_size = dist.get_world_size() if dist.is_initialized() else 2
     micro_batch_size = 1
-    config_dict = config(sequence_parallel_size, use_ds_longctx, tiled_loss)
-    if not dist.is_initialized():
+    if not dist.is_initialized():  # as a script (the tests start the group themselves)
+        from ds_longctx.comm import disable_cpu_shm_allreduce
+
+        disable_cpu_shm_allreduce()  # CPU: no JIT build of DeepSpeed's shm all-reduce (see ds_longctx.comm)
         dist.init_distributed(dist_backend="gloo", dist_init_required=True)
+    sequence_parallel_size = dist.get_world_size()
+    config_dict = config(sequence_parallel_size, use_ds_longctx, tiled_loss)
 
     model = tiny_model(seed=seed)
     # Ulysses injection into HF Transformers (kept as published)

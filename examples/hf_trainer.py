@@ -116,6 +116,9 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
+    from ds_longctx.comm import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps, seq_len=a.seq_len)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -96,6 +96,9 @@ def main(argv=None):
     p.add_argument("--no-packing", action="store_true")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
+    from ds_longctx.comm import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
     res = train(sp=a.sp, attention=a.attention, packing=not a.no_packing)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(res))
