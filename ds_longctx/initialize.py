@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, compat
 from .config import check_against, load_ds_config, parse
 from .data import SPDataLoader
 from .errors import ConfigError
@@ -82,11 +82,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     if model is None:
         raise ConfigError("model", "is required", "pass the Hugging Face model to ds_longctx.initialize")
     ds_config = load_ds_config(config if config is not None else config_params, args)
+    ds_config = compat.resolve_sp_with_mpu(ds_config, mpu)  # accept DeepSpeed's / Accelerate's mpu
     lc = parse(ds_config)
     sp = lc.sequence_parallel_size
-    if mpu is not None:
-        raise ConfigError("mpu", "ds_longctx builds the sequence-parallel groups itself",
-                          "drop mpu= and set sequence_parallel_size in the config")
     init_distributed(ds_config, distributed_port, dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
@@ -98,7 +96,10 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         check_against(lc, model_config, world)
 
     ds_mpu = comm.initialize_groups(sp)
+    compat.check_mpu(mpu, sp)
     group = comm.sp_group() if sp > 1 else None
+    # register_with_transformers ran first: don't wrap twice (through the registry, undone with our install)
+    compat.replace_deepspeed_ulysses_registration()
     layout = Layout.build(ds_config, sp)
     patch_model(model, lc, group, layout.grad_scale)
 
@@ -118,9 +119,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                               sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=layout.dp,
                               collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
-    if layout.rank == 0:
-        logger.info(f"ds_longctx: {layout.describe()} attention={lc.attention.implementation} "
-                    f"grad_scale={layout.grad_scale}")
+    compat.log_active_stack(lc, model, layout.world, layout.zero_stage, layout.grad_scale)  # rank 0
     return engine, opt, loader, sched
 
 

@@ -53,7 +53,7 @@ def _sp_of(group) -> int:
 
 def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from .compat import causal_lm_output
 
     sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
     sp = _sp_of(group)
@@ -87,7 +87,7 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
             loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
-        return CausalLMOutputWithPast(loss=sp_loss(loss_sum, count), logits=logits)
+        return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled)
 
     model.forward = types.MethodType(forward, model)
 

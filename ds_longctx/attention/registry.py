@@ -7,7 +7,9 @@ puts ONE dispatcher per implementation name into the table and routes by module:
 patched model get that model's function, every other module (a second, unpatched model; a
 reference model in a test) keeps the function the table held before. :func:`uninstall` undoes one
 install and puts the original back when the last one is gone; :func:`restored` undoes everything
-installed inside it (the planner runs many configurations in one process).
+installed inside it (the planner runs many configurations in one process). :func:`displace` takes a
+foreign SP wrapper (DeepSpeed's ``register_with_transformers``) out of the table while ds_longctx
+owns the name, and puts it back when ds_longctx releases it.
 
 Only the public mapping interface of the table is used (``table[name]`` / ``table[name] = fn``).
 """
@@ -37,6 +39,9 @@ class _Slot:
 
 
 _SLOTS: Dict[str, _Slot] = {}
+# impl -> a foreign wrapper :func:`displace` took out (DeepSpeed's register_with_transformers); it goes
+# back into the table when ds_longctx releases that name
+_DISPLACED: Dict[str, Callable] = {}
 
 
 @dataclass
@@ -67,8 +72,9 @@ def _make_dispatcher(impl: str, original_fn: Callable) -> Callable:
     def dispatch(module, query, key, value, attention_mask, *args, **kwargs):
         slot = _SLOTS.get(impl)
         fn = slot.modules.get(module) if slot is not None else None
-        if fn is None:
-            return original_fn(module, query, key, value, attention_mask, *args, **kwargs)
+        if fn is None:  # the slot's original, which displace() may have replaced by the core it wrapped
+            orig = slot.original if slot is not None else original_fn
+            return orig(module, query, key, value, attention_mask, *args, **kwargs)
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
     dispatch._ds_longctx_dispatcher = impl
@@ -120,7 +126,33 @@ def _release(impl: str) -> None:
     table = _table()
     # someone who wrote the table after us (DeepSpeed's register_with_transformers) keeps their entry
     if table[impl] is slot.dispatcher:
-        table[impl] = slot.original
+        table[impl] = _DISPLACED.pop(impl, slot.original)
+
+
+def displace(impl: str, core: Callable) -> None:
+    """Put ``core`` where a foreign wrapper around it sits under ``impl`` (DeepSpeed's
+    ``register_with_transformers`` wrapper: our SP attention on top of it would all-to-all twice).
+    The wrapper is kept and goes back into the table when ds_longctx releases ``impl`` (the last
+    install under it is removed, or :func:`undisplace`), so the table ends as the user left it."""
+    slot = _SLOTS.get(impl)
+    if slot is not None:  # the wrapper is what our dispatcher falls back to: fall back to its core
+        _DISPLACED.setdefault(impl, slot.original)
+        slot.original = core
+        return
+    table = _table()
+    _DISPLACED.setdefault(impl, table[impl])
+    table[impl] = core
+
+
+def undisplace(impl: str) -> None:
+    """Undo :func:`displace` for ``impl`` now (no-op when nothing is displaced)."""
+    if impl not in _DISPLACED:
+        return
+    slot = _SLOTS.get(impl)
+    if slot is not None:
+        slot.original = _DISPLACED.pop(impl)
+    else:
+        _table()[impl] = _DISPLACED.pop(impl)
 
 
 @contextlib.contextmanager
@@ -128,9 +160,12 @@ def restored():
     """Everything installed inside the block is undone at its end, and the table holds what it held
     at the start: for callers that patch many throwaway models in one process (the planner)."""
     before = {impl: dict(slot.modules) for impl, slot in _SLOTS.items()}
+    displaced_before = set(_DISPLACED)
     try:
         yield
     finally:
+        for impl in set(_DISPLACED) - displaced_before:
+            undisplace(impl)
         for impl in list(_SLOTS):
             if impl not in before:
                 _release(impl)
@@ -146,4 +181,4 @@ def installed_labels(model: torch.nn.Module) -> List[str]:
     return [impl for impl, slot in _SLOTS.items() if any(id(m) in mods for m in list(slot.modules.keys()))]
 
 
-__all__ = ["install", "uninstall", "restored", "original", "is_installed", "Installation"]
+__all__ = ["install", "uninstall", "restored", "original", "is_installed", "Installation", "displace", "undisplace"]

@@ -1,0 +1,256 @@
+"""What the ecosystem hands to ``ds_longctx.initialize``: DeepSpeed's ``mpu``, a prior DeepSpeed Ulysses
+registration (``UlyssesSPAttentionHF.register_with_transformers``), batches from DeepSpeed's
+``UlyssesSPDataLoaderAdapter``, and user code that asks for logits the tiled loss never built.
+
+Pure helpers with no collectives (except :func:`check_mpu`, which only reads group membership).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+_DS_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+
+
+# ---------------------------------------------------------------------------------------------
+# mpu
+# ---------------------------------------------------------------------------------------------
+
+
+def mpu_sp_size(mpu) -> int:
+    """The SP degree of a Megatron-style mpu (DeepSpeed's ``parallel_state_sp`` or lookalike)."""
+    get = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if get is None:
+        raise ConfigError("mpu", f"{type(mpu).__name__} has no get_sequence_parallel_world_size(); ds_longctx "
+                          "accepts only a sequence-parallel mpu (DeepSpeed's parallel_state_sp, as returned by "
+                          "UlyssesSPAttentionHF.register_with_transformers)",
+                          "drop mpu= and set sequence_parallel_size in the config")
+    return int(get())
+
+
+def resolve_sp_with_mpu(ds_config: dict, mpu) -> dict:
+    """Reconcile the config's ``sequence_parallel_size`` with an mpu's SP degree.
+
+    Absent from the config: the mpu's degree is adopted (Accelerate's ParallelismConfig path passes
+    the degree only through the mpu). Present and different: ConfigError naming both.
+    """
+    if mpu is None:
+        return ds_config
+    size = mpu_sp_size(mpu)
+    if "sequence_parallel_size" not in ds_config:
+        return dict(ds_config, sequence_parallel_size=size)
+    sp = ds_config["sequence_parallel_size"]
+    if sp != size:
+        raise ConfigError("sequence_parallel_size", f"the config says {sp} but the mpu passed to initialize has "
+                          f"sequence-parallel size {size} (e.g. ParallelismConfig(sp_size={size}) or "
+                          f"register_with_transformers(sequence_parallel_size={size}))",
+                          "make them the same (or drop sequence_parallel_size from the config to take the mpu's)")
+    return ds_config
+
+
+def check_mpu(mpu, sp: int) -> None:
+    """An mpu other than DeepSpeed's ``parallel_state_sp`` must describe the same SP groups we build
+    (contiguous rank blocks of size SP); we run on ours, so a different layout would be silently wrong."""
+    if mpu is None or sp <= 1:
+        return
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+
+    if mpu is pss or not dist.is_initialized():
+        return
+    get_group = getattr(mpu, "get_sequence_parallel_group", None)
+    if get_group is None:
+        return
+    ranks = dist.get_process_group_ranks(get_group())
+    start = (dist.get_rank() // sp) * sp
+    if sorted(ranks) != list(range(start, start + sp)):
+        raise ConfigError("mpu", f"its sequence-parallel group on rank {dist.get_rank()} is ranks {sorted(ranks)}; "
+                          f"ds_longctx uses contiguous blocks ({list(range(start, start + sp))})",
+                          "pass DeepSpeed's parallel_state_sp (register_with_transformers returns it) or drop mpu=")
+
+
+# ---------------------------------------------------------------------------------------------
+# a prior DeepSpeed Ulysses registration
+# ---------------------------------------------------------------------------------------------
+
+
+def _deepspeed_wrapper_core(fn):
+    """If ``fn`` is the wrapper ``register_with_transformers`` installed, the core attention it wraps."""
+    if getattr(fn, "__module__", None) != _DS_ULYSSES_MODULE or getattr(fn, "__name__", "") != "uattn_wrapper":
+        return None
+    names = fn.__code__.co_freevars
+    cells = dict(zip(names, (c.cell_contents for c in fn.__closure__ or ())))
+    uattn = cells.get("uattn")
+    return getattr(uattn, "attn", None)
+
+
+def deepspeed_ulysses_registrations() -> dict:
+    """``{attn_implementation: core function}`` for every key DeepSpeed's Ulysses wrapped (looked up
+    behind our own dispatcher too: a wrapper registered before our first install is its fallback)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from .attention import registry
+
+    found = {}
+    for key in list(ALL_ATTENTION_FUNCTIONS.keys()):
+        fn, core = registry.original(key), None
+        while (inner := _deepspeed_wrapper_core(fn)) is not None:  # registered more than once: unwrap all
+            fn = core = inner
+        if core is not None:
+            found[key] = core
+    return found
+
+
+def replace_deepspeed_ulysses_registration() -> list:
+    """Put back the core attention under every key ``register_with_transformers`` wrapped, so our
+    attention is installed once over the plain kernel instead of on top of DeepSpeed's Ulysses
+    (which would all-to-all twice: "query input tensor does not match the required shape").
+    Written through the attention registry (the table's one writer), which puts DeepSpeed's wrapper
+    back when ds_longctx releases the key. Returns the keys replaced."""
+    from .attention import registry
+
+    restored = []
+    for key, core in deepspeed_ulysses_registrations().items():
+        registry.displace(key, core)
+        restored.append(key)
+    return restored
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs without logits
+# ---------------------------------------------------------------------------------------------
+
+
+class LogitsNotComputed(AttributeError):
+    """Raised by ``outputs.logits`` when long_context.tiled_loss computed the loss without logits.
+
+    An AttributeError, so ``getattr(out, "logits", None)`` and ``hasattr`` keep working for code that
+    probes; ``out.logits.float()`` fails here with the reason instead of on None."""
+
+
+_NO_LOGITS = ("outputs.logits is not available: long_context.tiled_loss is enabled, so the loss is computed "
+              "from hidden states in sequence tiles and the [batch, seq, vocab] logits are never built (that is "
+              "the memory it saves). Use outputs.loss (already the SP-global token mean), or set "
+              "long_context.tiled_loss.enabled=false, or call the model without labels/shift_labels to get logits")
+
+
+def causal_lm_output(loss, logits, tiled_loss: bool):
+    """The forward's output: a ``CausalLMOutputWithPast``; with the tiled loss, one whose ``.logits``
+    raises :class:`LogitsNotComputed` naming the key instead of returning None."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    if not tiled_loss or logits is not None:
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+    return _tiled_output_class()(loss=loss)
+
+
+_TILED_CLS = []
+
+
+def _tiled_output_class():
+    if not _TILED_CLS:
+        from dataclasses import dataclass
+
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        @dataclass
+        class TiledLossCausalLMOutput(CausalLMOutputWithPast):
+            def __getattribute__(self, name):
+                if name == "logits" and object.__getattribute__(self, "__dict__").get("_sealed"):
+                    raise LogitsNotComputed(_NO_LOGITS)
+                return object.__getattribute__(self, name)
+
+            def __post_init__(self):
+                super().__post_init__()
+                self.__dict__["_sealed"] = True
+
+        _TILED_CLS.append(TiledLossCausalLMOutput)
+    return _TILED_CLS[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# rank-0 summary line
+# ---------------------------------------------------------------------------------------------
+
+
+def active_stack_line(lc, model=None, world: int = 1, zero_stage: Optional[int] = None, grad_scale=None) -> str:
+    """One line stating what initialize switched on, so a user sees the keys took effect."""
+    sp = lc.sequence_parallel_size
+    att = lc.attention
+    parts = [f"SP {sp} x DP {max(world // sp, 1)} (world {world})"]
+    attn = att.implementation
+    if attn == "untied_ulysses":
+        attn += f"(heads_per_chunk={att.heads_per_chunk}, fuse_projections={att.fuse_projections})"
+    core = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    parts.append(f"attention={attn} kernel={att.kernel}" + (f" core={core}" if core else ""))
+    ac = lc.activation_checkpointing
+    if ac.enabled:
+        parts.append(f"checkpointing=on offload={ac.offload}" + (" pinned" if ac.offload != "none" and ac.pin_memory
+                                                                  else ""))
+    else:
+        parts.append("checkpointing=off")
+    for name in ("tiled_mlp", "tiled_loss"):
+        t = getattr(lc, name)
+        parts.append(f"{name}=" + (f"on(shards={t.shards})" if t.enabled else "off"))
+    parts.append("rms_norm=" + ("memory-efficient" if lc.rms_norm.enabled else "hf"))
+    if zero_stage is not None:
+        parts.append(f"zero_stage={zero_stage}")
+    if grad_scale is not None:
+        parts.append(f"grad_scale={grad_scale:g}")
+    if lc.sequence_length is not None:
+        parts.append(f"sequence_length={lc.sequence_length}")
+    return "ds_longctx active: " + ", ".join(parts)
+
+
+def log_active_stack(lc, model=None, world: int = 1, zero_stage: Optional[int] = None, grad_scale=None) -> str:
+    """Log :func:`active_stack_line` once, on rank 0, on the ``ds_longctx`` logger at INFO.
+
+    The logger gets a stderr handler of its own when it has none (like DeepSpeed's), so the line shows
+    under every launcher without logging setup; frameworks that lower DeepSpeed's or the root
+    logger's verbosity (the HF Trainer does on replicas) don't hide it."""
+    import logging
+
+    line = active_stack_line(lc, model, world, zero_stage, grad_scale)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log = logging.getLogger("ds_longctx")
+        if not log.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("[ds_longctx] %(message)s"))
+            log.addHandler(handler)
+            log.propagate = False
+            if log.level == logging.NOTSET:
+                log.setLevel(logging.INFO)
+        log.info(line)
+    return line
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py: a config far beyond the chosen model
+# ---------------------------------------------------------------------------------------------
+
+
+def check_model_scale(lc, model_config, seq_len: int, model_flag: Optional[str] = None) -> None:
+    """Refuse a config sized for a much larger model than the one train.py is about to build (e.g. the
+    8B 5M-token config with the tiny default preset), before any model or group is built.
+
+    ``model_flag``: how the model was chosen ("--model-config PATH"), None for the default preset."""
+    tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    heads = tc.num_attention_heads
+    max_pos = getattr(tc, "max_position_embeddings", None)
+    sp = lc.sequence_parallel_size
+    which = model_flag or "the tiny default preset (ds_configs/models/tiny-llama.json)"
+    problems = []
+    # beyond max_position_embeddings is the point of long-context training for a chosen model (RoPE
+    # scaling); for the 64K-position tiny preset it means the config was made for another model
+    if model_flag is None and max_pos is not None and seq_len > max_pos:
+        problems.append(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    if sp > heads:
+        problems.append(f"sequence_parallel_size {sp} exceeds the model's {heads} attention heads")
+    if problems:
+        raise ConfigError("--model", f"this config is sized for a larger model than {which}: "
+                          + "; ".join(problems),
+                          "pass the model the config was made for: --model <HF id or local path> (pretrained) or "
+                          "--model-config <config.json> (random init), e.g. --model-config "
+                          "ds_configs/models/llama3-8b.json")

@@ -1,0 +1,177 @@
+"""``ds_longctx.enable()``: one line for existing projects (HF Trainer, TRL, Accelerate, plain scripts).
+
+(Named integration.py, not enable.py: a submodule named like the package function would replace
+``ds_longctx.enable`` by the module on first import.)
+
+After ``enable()``, every ``deepspeed.initialize(...)`` whose config carries a ``long_context``
+section goes through :func:`ds_longctx.initialize`; other configs reach DeepSpeed untouched.
+Accelerate (and so the Trainer and TRL) looks ``deepspeed.initialize`` up on the module at call
+time (``accelerate.Accelerator._prepare_deepspeed``: ``import deepspeed; deepspeed.initialize``),
+so replacing the module attribute is enough, and the patch is a single attribute we put back.
+
+The Trainer's SP loss (``transformers.trainer.deepspeed_sp_compute_loss``) all-gathers every SP
+rank's ``outputs.loss`` and re-weights it by token counts. ds_longctx's loss is already the
+SP-global token mean with the gradient scale DeepSpeed's reduction needs, so aggregating it again
+would scale its gradient by SP. While enabled, that name (which ``Trainer.compute_loss`` looks up
+in ``transformers.trainer``'s globals) returns ds_longctx's loss as is for ds_longctx models and
+calls the original for any other model.
+
+Both patches are process-global; this module is their one owner. ``disable()`` undoes them.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+
+from .config import SECTION, load_ds_config
+from .errors import ConfigError
+
+_ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss
+_inside = threading.local()  # ds_longctx.initialize calls deepspeed.initialize: that call is DeepSpeed's
+
+
+def is_enabled() -> bool:
+    return "initialize" in _ORIGINALS
+
+
+def enable() -> None:
+    """Route later ``deepspeed.initialize`` calls with a ``long_context`` section through ds_longctx.
+
+    Idempotent; undo with :func:`disable`. Call it before ``Trainer(...)``/``accelerator.prepare``
+    (any time before DeepSpeed is initialized)."""
+    if is_enabled():
+        return
+    import deepspeed
+
+    _ORIGINALS["initialize"] = deepspeed.initialize
+    deepspeed.initialize = _routed_initialize
+    try:
+        import transformers.trainer as hf_trainer
+    except ImportError:  # no transformers Trainer in this environment: nothing to patch there
+        return
+    if hasattr(hf_trainer, "deepspeed_sp_compute_loss"):
+        _ORIGINALS["sp_loss"] = hf_trainer.deepspeed_sp_compute_loss
+        hf_trainer.deepspeed_sp_compute_loss = _sp_compute_loss
+
+
+def disable() -> None:
+    """Undo :func:`enable` (no-op when not enabled). Engines already built stay as they are."""
+    if not is_enabled():
+        return
+    import deepspeed
+
+    deepspeed.initialize = _ORIGINALS.pop("initialize")
+    if "sp_loss" in _ORIGINALS:
+        import transformers.trainer as hf_trainer
+
+        hf_trainer.deepspeed_sp_compute_loss = _ORIGINALS.pop("sp_loss")
+
+
+# ---------------------------------------------------------------------------------------------
+# deepspeed.initialize
+# ---------------------------------------------------------------------------------------------
+
+
+def _bound(fn, args, kwargs) -> dict:
+    try:
+        return inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        return dict(kwargs)
+
+
+def _called_from_accelerate() -> bool:
+    f = sys._getframe(2)
+    for _ in range(4):
+        if f is None:
+            return False
+        if f.f_globals.get("__name__", "").startswith("accelerate.") and f.f_code.co_name == "_prepare_deepspeed":
+            return True
+        f = f.f_back
+    return False
+
+
+def check_sp_wiring(ds_config: dict, mpu, from_accelerate: bool) -> None:
+    """Refuse the layouts that would silently train plain data parallelism on full sequences."""
+    sp = ds_config.get("sequence_parallel_size", 1)
+    if not isinstance(sp, int) or sp <= 1 or mpu is not None:
+        return
+    if from_accelerate:
+        raise ConfigError("sequence_parallel_size", f"is {sp} but Accelerate (HF Trainer / TRL) was given no "
+                          "sequence-parallel setup, so its data loader would feed every rank full sequences "
+                          "(plain data parallelism)",
+                          f"pass parallelism_config=ParallelismConfig(sp_backend='deepspeed', sp_size={sp}) to "
+                          "TrainingArguments (or to Accelerator), or set sequence_parallel_size to 1")
+    if SECTION not in ds_config:
+        raise ConfigError("sequence_parallel_size", f"is {sp} but the config has no '{SECTION}' section and no mpu "
+                          "was passed, so nothing shards sequences (DeepSpeed would run plain data parallelism)",
+                          f"add a '{SECTION}' section (ds_longctx then builds the SP groups and the data loader), "
+                          "or pass DeepSpeed's mpu, or set sequence_parallel_size to 1")
+
+
+def _routed_initialize(*args, **kwargs):
+    original = _ORIGINALS.get("initialize")
+    if original is None:  # disabled while a reference to us was kept somewhere
+        import deepspeed
+
+        original = deepspeed.initialize
+    if getattr(_inside, "depth", 0):
+        return original(*args, **kwargs)
+    bound = _bound(original, args, kwargs)
+    config = bound.get("config")
+    if config is None:
+        config = bound.get("config_params")
+    try:
+        ds_config = load_ds_config(config, bound.get("args"))
+    except ConfigError:
+        return original(*args, **kwargs)  # DeepSpeed reports its own config problems
+    check_sp_wiring(ds_config, bound.get("mpu"), _called_from_accelerate())
+    if SECTION not in ds_config:
+        return original(*args, **kwargs)
+    from .initialize import initialize
+
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        return initialize(*args, **kwargs)
+    finally:
+        _inside.depth -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' Trainer SP loss
+# ---------------------------------------------------------------------------------------------
+
+
+def is_ds_longctx_model(model) -> bool:
+    from .patch import get_patch
+
+    return get_patch(model) is not None
+
+
+def _sp_compute_loss(accelerator, model, inputs, return_outputs, pc, *args, **kwargs):
+    if not is_ds_longctx_model(model):
+        return _ORIGINALS["sp_loss"](accelerator, model, inputs, return_outputs, pc, *args, **kwargs)
+    # UlyssesSPDataLoaderAdapter feeds shift_labels (no labels); our forward reads them directly and
+    # returns the SP-global token-mean loss: nothing to aggregate here.
+    inputs = dict(inputs)
+    fused = inputs.pop("fused_lm_head", False)  # TRL's SFTTrainer asks its own fused LM head for metrics
+    outputs = model(**inputs)
+    loss = outputs.loss
+    if fused:
+        outputs = _trl_metrics_output(loss, inputs)
+    return (loss, outputs) if return_outputs else loss
+
+
+def _trl_metrics_output(loss, inputs):
+    """What TRL's SFTTrainer reads after the loss (label_mask, entropy, is_top1). ds_longctx computes
+    the loss without per-token log-probabilities, so entropy and token accuracy are NaN (not computed)
+    rather than invented; the loss and training are unaffected."""
+    import types
+
+    import torch
+
+    labels = inputs.get("shift_labels")
+    mask = labels != -100
+    nan = torch.full(mask.shape, float("nan"), device=mask.device)
+    return types.SimpleNamespace(loss=loss, label_mask=mask, entropy=nan, is_top1=nan, log_probs=None,
+                                 aux_loss=None)

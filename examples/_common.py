@@ -1,0 +1,56 @@
+"""Shared bits of the examples: a local tiny model (no download) and fixed-length samples.
+
+Every sample carries ``position_ids``: DeepSpeed's ``UlyssesSPDataLoaderAdapter`` (what the HF
+Trainer / Accelerate use under ``ParallelismConfig(sp_backend="deepspeed")``) requires them so that
+each sequence shard keeps its global positions.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TINY_LLAMA = os.path.join(ROOT, "ds_configs", "models", "tiny-llama.json")
+
+
+def tiny_model(path: str = TINY_LLAMA, seed: int = 0, **overrides):
+    """A randomly initialised HF causal LM from a local config.json (same weights on every rank)."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    with open(path) as f:
+        d = json.load(f)
+    d.pop("architectures", None)
+    attn = d.pop("attn_implementation", "sdpa")
+    d.update(overrides)
+    cfg = CONFIG_MAPPING[d.pop("model_type")](**d)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """``n`` samples of ``seq_len`` random tokens; sample i depends only on (seed, i)."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, seed: int = 0):
+        self.n, self.seq_len, self.vocab, self.seed = n, seq_len, vocab, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=g)
+        labels = ids.clone()
+        labels[:5] = -100  # ignored targets, as a prompt would have (uneven valid tokens per SP shard)
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(self.seq_len)}
+
+
+def full_params(module) -> dict:
+    """Gathered fp32 copies of every parameter (ZeRO-3 safe), by name."""
+    import deepspeed
+
+    params = list(module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+        return {n: p.detach().float().clone() for n, p in params}

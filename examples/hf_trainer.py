@@ -1,0 +1,129 @@
+"""HF Trainer + ds_longctx: the full long-context stack by adding keys and one line.
+
+    deepspeed --num_gpus 2 examples/hf_trainer.py                     # untied attention + memory stack
+    deepspeed --num_gpus 2 examples/hf_trainer.py --attention ulysses
+    deepspeed --num_gpus 2 examples/hf_trainer.py --hf-alst          # HF's own ALST path, for comparison
+    python examples/hf_trainer.py --sp 1 --hf-alst                   # the single-process reference
+
+(on a CPU box: ``deepspeed --num_gpus 2`` works too, or ``torchrun --nproc_per_node 2``.)
+
+What a Trainer user adds to an existing script:
+
+1. ``ds_longctx.enable()`` before building the ``Trainer``;
+2. a ``long_context`` section in the DeepSpeed config (plus ``sequence_parallel_size``);
+3. ``parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=N)`` in ``TrainingArguments``
+   (this is what makes the Trainer shard each sample's sequence over the SP ranks; it is also HF's own
+   ALST switch), and samples carrying ``position_ids``.
+
+The model is the local tiny Llama (ds_configs/models/tiny-llama.json, random init): no download.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RandomTokens, full_params, tiny_model  # noqa: E402
+
+
+def ds_config(sp: int, attention: str = "untied_ulysses", memory_stack: bool = True, long_context: bool = True,
+              stage: int = 3) -> dict:
+    """What goes into the user's ds_config.json ("auto" values are filled in by the Trainer)."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if sp > 1:
+        cfg["sequence_parallel_size"] = sp
+    if long_context:
+        lc = {"attention": {"implementation": attention}}
+        if attention == "untied_ulysses":
+            lc["attention"]["heads_per_chunk"] = 1
+        if memory_stack:
+            lc.update({"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+                       "tiled_mlp": {"enabled": True, "shards": 2}, "tiled_loss": {"enabled": True, "shards": 2},
+                       "rms_norm": {"enabled": True}})
+        cfg["long_context"] = lc
+    return cfg
+
+
+class StepLossTrainer:
+    """Mixin recording each optimizer step's loss at full precision (the Trainer's log rounds to 4 digits)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)
+        loss = out[0] if return_outputs else out
+        if model.training:
+            self.step_losses.append(float(loss.detach().float()))
+        return out
+
+
+def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = True, use_ds_longctx: bool = True,
+          steps: int = 3, seq_len: int = 32, samples: int = 8, lr: float = 0.05, seed: int = 0, max_grad_norm=0.0,
+          output_dir: str = "/tmp/ds_longctx_hf_trainer", micro_batch: int = 1, record_params: bool = False,
+          parallelism_config: bool = True, config: dict | None = None, data_seed: int | None = 0):
+    """Train ``steps`` SGD steps; returns {"losses": [...], "before"/"after": params (if asked)}."""
+    from transformers import Trainer, TrainingArguments
+
+    import ds_longctx
+
+    if use_ds_longctx:
+        ds_longctx.enable()  # <- the one line
+    model = tiny_model(seed=seed)  # same weights on every rank (built before ZeRO-3 partitions it)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()} if record_params else None
+    kw = {}
+    if sp > 1 and parallelism_config:
+        from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+
+        kw["parallelism_config"] = ParallelismConfig(
+            sp_backend="deepspeed", sp_size=sp,
+            sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=model.config._attn_implementation))
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=lr,
+        lr_scheduler_type="constant", max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
+        report_to=[], seed=seed, data_seed=data_seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        deepspeed=config if config is not None else ds_config(sp, attention, memory_stack, use_ds_longctx), **kw)
+    data = RandomTokens(samples, seq_len, model.config.vocab_size, seed=seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    trainer_cls = type("Trainer", (StepLossTrainer, Trainer), {})
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
+    trainer.step_losses = []
+    trainer.train()
+    out = {"losses": trainer.step_losses}
+    if record_params:
+        out["before"], out["after"] = before, full_params(trainer.model_wrapped.module)
+    if use_ds_longctx:
+        ds_longctx.disable()
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
+    p.add_argument("--attention", default="untied_ulysses", choices=["ulysses", "untied_ulysses"])
+    p.add_argument("--no-memory-stack", action="store_true")
+    p.add_argument("--hf-alst", action="store_true", help="HF's own ALST path (no ds_longctx)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
+    a = p.parse_args(argv)
+    from ds_longctx.comm import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
+    res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
+                steps=a.steps, seq_len=a.seq_len)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"losses": res["losses"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Helpers for the ecosystem tests (importable by spawned workers): several Trainer / ALST runs in one
+spawned world, with the once-per-process state they leave behind put back in between."""
+from __future__ import annotations
+
+import os
+import sys
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)
+
+
+class ProcessState:
+    """Snapshot of the process-global state an SP run changes; ``reset()`` restores it so the next
+    Trainer / engine in the same process starts as in a fresh one (test-only: saves a spawn per run)."""
+
+    def __init__(self):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from ds_longctx.attention import registry
+
+        self.attention = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+        # our installs are undone through the registry (its slots must agree with the table)
+        self._restored = registry.restored()
+        self._restored.__enter__()
+
+    def reset(self):
+        from accelerate.state import AcceleratorState
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        import ds_longctx
+
+        ds_longctx.disable()
+        self._restored.__exit__(None, None, None)
+        self._restored.__enter__()
+        pss._SEQUENCE_PARALLEL_GROUP = None
+        pss._SEQUENCE_DATA_PARALLEL_GROUP = None
+        # DeepSpeed's register_with_transformers (the HF ALST reference) writes the table itself
+        ALL_ATTENTION_FUNCTIONS._local_mapping.clear()  # __setitem__ writes the instance's local mapping
+        ALL_ATTENTION_FUNCTIONS._local_mapping.update(self.attention)
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def deltas(result):
+    return {n: result["after"][n] - result["before"][n] for n in result["after"]}

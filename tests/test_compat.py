@@ -1,0 +1,109 @@
+"""Unit tests (no processes spawned) for what the ecosystem hands ds_longctx: the mpu, logits-free
+outputs, enable()/disable(), the SP-wiring refusals, the rank-0 summary, and train.py's model-scale check."""
+import json
+import os
+
+import pytest
+import torch
+
+import ds_longctx
+from ds_longctx import compat, integration
+from ds_longctx.config import ConfigError, parse
+from tiny_models import build, tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class SPMpu:  # a Megatron-style mpu as DeepSpeed/Accelerate pass it (only the size is read here)
+    def __init__(self, size):
+        self.size = size
+
+    def get_sequence_parallel_world_size(self):
+        return self.size
+
+
+def test_mpu_size_is_adopted_or_must_match():
+    assert compat.resolve_sp_with_mpu({"train_batch_size": 1}, SPMpu(2))["sequence_parallel_size"] == 2
+    assert compat.resolve_sp_with_mpu({"sequence_parallel_size": 2}, SPMpu(2)) == {"sequence_parallel_size": 2}
+    with pytest.raises(ConfigError, match=r"config says 4 but the mpu .* has sequence-parallel size 2"):
+        compat.resolve_sp_with_mpu({"sequence_parallel_size": 4}, SPMpu(2))
+    with pytest.raises(ConfigError, match="get_sequence_parallel_world_size"):
+        compat.resolve_sp_with_mpu({}, object())
+
+
+def test_tiled_loss_output_names_the_key_when_logits_are_asked_for():
+    from ds_longctx.patch import patch_model
+
+    model = build(tiny_config(), seed=0)
+    lc = parse({"long_context": {"attention": {"implementation": "none"}, "tiled_loss": {"enabled": True,
+                                                                                         "shards": 2}}})
+    patch_model(model, lc)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids)
+    assert torch.isfinite(out.loss)
+    with pytest.raises(compat.LogitsNotComputed, match="long_context.tiled_loss"):
+        out.logits.float()
+    assert getattr(out, "logits", None) is None and out["loss"] is out.loss
+    # untiled: logits are there as usual
+    model2 = build(tiny_config(), seed=0)
+    patch_model(model2, parse({"long_context": {"attention": {"implementation": "none"}}}))
+    out2 = model2(input_ids=ids, labels=ids)
+    assert out2.logits.shape == (1, 16, 64)
+    torch.testing.assert_close(out2.loss, out.loss, rtol=1e-6, atol=0)
+
+
+def test_enable_is_idempotent_and_undone_by_disable():
+    import deepspeed
+    import transformers.trainer as hf_trainer
+
+    orig_init, orig_loss = deepspeed.initialize, hf_trainer.deepspeed_sp_compute_loss
+    try:
+        ds_longctx.enable()
+        ds_longctx.enable()
+        assert deepspeed.initialize is integration._routed_initialize
+        assert hf_trainer.deepspeed_sp_compute_loss is integration._sp_compute_loss
+        assert integration._ORIGINALS["initialize"] is orig_init  # not wrapped twice
+    finally:
+        ds_longctx.disable()
+    assert deepspeed.initialize is orig_init and hf_trainer.deepspeed_sp_compute_loss is orig_loss
+    ds_longctx.disable()  # no-op
+
+
+def test_sp_without_wiring_is_refused():
+    lc_cfg = {"sequence_parallel_size": 2, "long_context": {}}
+    with pytest.raises(ConfigError, match=r"ParallelismConfig\(sp_backend='deepspeed', sp_size=2\)"):
+        integration.check_sp_wiring(lc_cfg, None, from_accelerate=True)
+    integration.check_sp_wiring(lc_cfg, None, from_accelerate=False)  # ds_longctx shards (its loader)
+    integration.check_sp_wiring(lc_cfg, SPMpu(2), from_accelerate=True)  # Accelerate's ALST wiring
+    with pytest.raises(ConfigError, match="no 'long_context' section and no mpu"):
+        integration.check_sp_wiring({"sequence_parallel_size": 2}, None, from_accelerate=False)
+    integration.check_sp_wiring({"sequence_parallel_size": 1}, None, from_accelerate=True)
+
+
+def test_active_stack_line_names_every_piece():
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))
+    line = compat.active_stack_line(parse(cfg), world=4, zero_stage=3, grad_scale=2.0)
+    for part in ("SP 2 x DP 2", "attention=untied_ulysses(heads_per_chunk=1", "kernel=auto",
+                 "checkpointing=on offload=cpu", "tiled_mlp=on(shards=auto)", "tiled_loss=on(shards=auto)",
+                 "rms_norm=memory-efficient", "zero_stage=3"):
+        assert part in line, (part, line)
+
+
+def test_5m_config_is_the_design_card_alias():
+    a = json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))
+    assert a == json.load(open(os.path.join(ROOT, "ds_configs", "llama3-8b-5m.json")))
+    assert a["long_context"]["sequence_length"] >= 5_000_000
+
+
+def test_train_refuses_an_8b_config_with_the_tiny_preset():
+    import train
+
+    with pytest.raises(ConfigError, match=r"--model .*--model-config") as e:
+        train.main(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "5m.json")])
+    assert "max_position_embeddings" in str(e.value) and "tiny default preset" in str(e.value)
+    cfg = train.load_model_config(train.DEFAULT_MODEL_CONFIG)
+    compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))), cfg, 512)
+    big = train.load_model_config(os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json"))
+    compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))), big,
+                             parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))).sequence_length,
+                             "--model-config ds_configs/models/llama3-8b.json")
