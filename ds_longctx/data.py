@@ -22,7 +22,14 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     Labels are shifted *before* cutting (``shift_labels``), so the target of a shard's last token is
     the first token of the next shard, and the sample's last position is ignored (-100).
     ``position_ids`` are global positions, so RoPE is right on every shard.
+
+    Packed documents (position_ids restarting per document, or ``doc_lens``) and right padding
+    (``attention_mask`` zeros at the end; the tail becomes a document whose targets are ignored) are
+    described for the WHOLE sample in ``doc_cu_seqlens`` [batch, n+1], which every rank receives:
+    a rank cannot tell a document boundary on a shard edge from its own position_ids.
     """
+    from .attention.documents import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
+
     if "input_ids" not in batch:
         raise ConfigError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")
     input_ids = batch["input_ids"]
@@ -34,28 +41,27 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
         raise ConfigError("batch.input_ids", f"sequence length {seq} is not divisible by "
                           f"sequence_parallel_size={sp_size}",
                           f"pad or cut samples to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size})")
+    if BATCH_KEY in batch:
+        raise ConfigError(f"batch.{BATCH_KEY}", "is already set: this batch was sharded before",
+                          "shard each full batch once")
     out: Dict[str, torch.Tensor] = {}
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ConfigError("batch.attention_mask", "contains padding (zeros); sequence-parallel attention is causal "
-                          "over the whole sample", "pack samples to full length instead of padding, and drop "
-                          "attention_mask")
     if "shift_labels" in batch:
         shift = batch["shift_labels"]
     elif "labels" in batch:
         shift = shift_labels_of(batch["labels"])
     else:
         shift = shift_labels_of(input_ids)
-    pos = batch.get("position_ids")
-    if pos is None:
-        pos = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(bsz, seq)
+    cu, pos, n_real = document_structure(input_ids, batch.get("position_ids"), batch.get("attention_mask"),
+                                         batch.get(LENS_KEY))
+    shift = mask_padding_targets(shift, n_real)
     chunk = seq // sp_size
     sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
     out["input_ids"] = input_ids[:, sl].contiguous()
-    out["position_ids"] = pos[:, sl].contiguous()
+    out["position_ids"] = pos[:, sl].contiguous().to(input_ids.device)
     out["shift_labels"] = shift[:, sl].contiguous()
+    out[BATCH_KEY] = cu
     for k, v in batch.items():  # pass through anything else (e.g. per-sample metadata)
-        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask"):
+        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", LENS_KEY):
             out[k] = v
     return out
 

@@ -42,8 +42,10 @@ def _install_ulysses(model, group) -> None:
     impl = model.config._attn_implementation
     core = _ORIGINAL_ATTENTION.setdefault(impl, ALL_ATTENTION_FUNCTIONS[impl])
     tc = model.config.get_text_config()
+    from .attention.documents import document_core
+
     uattn = UlyssesSPAttentionHF(
-        attn=core, batch_size=1, attn_head_count=tc.num_attention_heads,
+        attn=document_core(core, impl), batch_size=1, attn_head_count=tc.num_attention_heads,
         attn_head_size=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         kv_head_count=tc.num_key_value_heads, num_hidden_layers=tc.num_hidden_layers, process_group=group,
         seq_length_is_variable=True)
@@ -127,6 +129,9 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
 
         model._ds_longctx_memory = apply_memory_stack(model, lc, group)
     _install_loss_forward(model, lc, group, grad_scale)
+    from .attention.documents import install_document_forward
+
+    install_document_forward(model, group)  # packed documents / padding -> per-document attention
     model._ds_longctx_patched = True
 
 

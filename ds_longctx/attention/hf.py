@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from ..models import AttentionFacts, facts_for, rms_norm, rope_bshd
+from .documents import DOCS_KWARG
 from .kernels import check_kernel, get_backend
 from .untied import ProjectionSpec, Schedule, untied_attention_fused, untied_attention_qkv
 
@@ -158,7 +159,9 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     if position_embeddings is None:
         raise ValueError("untied attention needs position_embeddings (cos, sin) from the model's rotary embedding")
     b, s, _ = hidden_states.shape
-    _check_mask(attention_mask, s)
+    docs = kwargs.get(DOCS_KWARG)
+    if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
+        _check_mask(attention_mask, s)
     _check_window(_sliding_window(self, facts), s * state.sp)
     if self.training and getattr(self, "attention_dropout", 0.0):
         raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 "
@@ -180,7 +183,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         heads=heads, kv_heads=kv_heads, spec=spec, bq=q.bias, bk=k.bias, bv=v.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
         group=state.group, heads_per_chunk=state.heads_per_chunk,
-        backend=get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling)
+        backend=get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling, docs=docs)
     out = o(out.reshape(b, s, -1))
     return out, None
 
@@ -229,12 +232,14 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     if key.shape[2] != s:
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
-    _check_mask(attention_mask, s)
+    docs = kwargs.get(DOCS_KWARG)
+    if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
+        _check_mask(attention_mask, s)
     _check_window(sliding_window, s * state.sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
                                   backend=get_backend(state.kernel, q.device), causal=True,
-                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5)
+                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs)
     return out, None
 
 
