@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="copy", help="built-in task name ('copy') or a .jsonl/.txt file")
+    p.add_argument("--concat-documents", action="store_true", help="--data FILE: plain concatenation, attention "
+                   "across documents (default: packed, position_ids restart per document, document-masked attention)")
     p.add_argument("--metrics", help="write one JSON object per step to this file (rank 0)")
     p.add_argument("--save", help="save a checkpoint here at the end")
     p.add_argument("--resume", help="resume from a checkpoint saved with --save")
@@ -84,7 +86,8 @@ def build_dataset(args, model_config, seq_len):
     tok = args.tokenizer or args.model
     if tok is None:
         raise SystemExit("--data FILE needs --tokenizer or --model (a local tokenizer)")
-    return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(tok), seq_len)
+    return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(tok), seq_len,
+                            documents=not args.concat_documents, vocab_size=model_config.vocab_size)
 
 
 def step_flops(model_config, n_params, tokens_per_sample, samples):

@@ -140,12 +140,31 @@ class LongRangeCopy(Dataset):
         return math.log(self.vocab - 2)
 
 
-class TokenFileDataset(Dataset):
-    """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file."""
+def check_tokenizer_vocab(tokenizer, vocab_size: int) -> None:
+    """A tokenizer whose ids reach past the model's embedding is an error (before the engine starts)."""
+    n = len(tokenizer)
+    if n > vocab_size:
+        raise ConfigError("--tokenizer", f"has {n} tokens but the model's vocab_size is {vocab_size}: ids >= "
+                          f"{vocab_size} would index past the embedding", "use the model's own tokenizer or a model "
+                          f"with vocab_size >= {n}")
 
-    def __init__(self, path: str, tokenizer, seq_len: int):
+
+class TokenFileDataset(Dataset):
+    """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file.
+
+    Documents (jsonl lines; a .txt file is one document) are tokenized, each followed by EOS, and
+    the stream is cut into samples of ``seq_len``. With ``documents=True`` (default) every sample
+    carries ``position_ids`` restarting at 0 at each document start (and at the sample start), so
+    attention stays inside documents (HF's packed convention; shard_batch turns it into the
+    document structure). ``documents=False``: plain concatenation, positions 0..seq_len-1 and
+    attention across documents (pretraining style).
+    """
+
+    def __init__(self, path: str, tokenizer, seq_len: int, documents: bool = True, vocab_size: Optional[int] = None):
         if not os.path.exists(path):
             raise ConfigError("--data", f"file {path!r} does not exist", "give a .txt/.jsonl path or a task name")
+        if vocab_size is not None:
+            check_tokenizer_vocab(tokenizer, vocab_size)
         if path.endswith(".jsonl"):
             with open(path) as f:
                 texts = [json.loads(line)["text"] for line in f if line.strip()]
@@ -154,9 +173,10 @@ class TokenFileDataset(Dataset):
                 texts = [f.read()]
         else:
             raise ConfigError("--data", f"unsupported file type {path!r}", "use a .txt or .jsonl file")
-        ids = []
+        ids, starts = [], []
         eos = tokenizer.eos_token_id
         for t in texts:
+            starts.append(len(ids))
             ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
             if eos is not None:
                 ids.append(eos)
@@ -165,13 +185,26 @@ class TokenFileDataset(Dataset):
             raise ConfigError("--data", f"{path} has {len(ids)} tokens, fewer than one sample of {seq_len}",
                               "use a larger file or a smaller --seq-len")
         self.data = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        self.positions = None
+        if documents:
+            # position of each token inside its document piece: restarts at document and sample starts
+            is_start = torch.zeros(n * seq_len, dtype=torch.bool)
+            is_start[[s for s in starts if s < n * seq_len]] = True
+            is_start = is_start.view(n, seq_len)
+            is_start[:, 0] = True
+            idx = torch.arange(seq_len).expand(n, seq_len)
+            last_start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(1).values
+            self.positions = idx - last_start
 
     def __len__(self):
         return self.data.shape[0]
 
     def __getitem__(self, i):
         ids = self.data[i]
-        return {"input_ids": ids, "labels": ids.clone()}
+        item = {"input_ids": ids, "labels": ids.clone()}
+        if self.positions is not None:
+            item["position_ids"] = self.positions[i]
+        return item
 
 
 TASKS = {"copy": LongRangeCopy}
