@@ -9,9 +9,11 @@ Two ways in, picked by ``long_context.attention.fuse_projections``:
   computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
 
 The model sees per-rank local position_ids (the loader shards input_ids and position_ids), so HF's
-rotary embedding yields local cos/sin; attention is causal over the gathered sequence. A causal
-mask built by HF for the local shard is ignored; any other mask (padding, packed documents) is an
-error, because causal-over-the-full-sequence would silently be wrong for it.
+rotary embedding yields local cos/sin; attention is causal over the gathered sequence, or within
+each document when the engine forward passes the batch's documents (``documents.DOCS_KWARG``;
+HF's packed mask is then redundant and ignored). Without documents a causal mask built by HF for
+the local shard is ignored; any other mask (padding, packed documents) is an error, because
+causal-over-the-full-sequence would silently be wrong for it.
 """
 from __future__ import annotations
 
@@ -282,8 +284,9 @@ def _check_mask(mask, s_local):
 
 
 _BAD_MASK = ("untied attention got an attention mask that is not plain causal (padding or packed sequences); "
-             "it computes causal attention over the whole gathered sequence, so pass unpadded sequences with "
-             "attention_mask=None and contiguous position_ids")
+             "it computes causal attention over the whole gathered sequence unless given the documents: call the "
+             "model patched by ds_longctx.initialize (engine(**batch)) with batches from ds_longctx.data.shard_batch, "
+             "which turns packed position_ids and right padding into per-document attention")
 
 
 __all__ = ["install_untied"]
