@@ -90,7 +90,7 @@ def test_train_py_packed_documents(tmp_path):
     for flag in ([], ["--concat-documents"]):
         metrics = tmp_path / f"m{len(flag)}.jsonl"
         run_train("--data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--steps", "2",
-                  "--seq-len", "32", "--metrics", str(metrics), "--eval-samples", "0")
+                  "--seq-len", "32", "--metrics", str(metrics), "--eval-samples", "0", *flag)
         recs = read_metrics(metrics)
         assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
         losses[len(flag)] = recs[0]["loss"]
