@@ -131,7 +131,8 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
     _install_loss_forward(model, lc, group, grad_scale)
     from .attention.documents import install_document_forward
 
-    install_document_forward(model, group)  # packed documents / padding -> per-document attention
+    # packed documents / padding -> per-document attention (ours reads them; "none" is HF's packed path)
+    install_document_forward(model, group, own_attention=impl == "untied_ulysses" or (impl == "ulysses" and sp > 1))
     model._ds_longctx_patched = True
 
 

@@ -266,3 +266,33 @@ def test_packed_training_equals_hf_packed_reference(sp):
     cases = SP_CASES[sp]
     results = run_distributed(_worker, sp, cases)
     _compare(results, cases)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_our_attention_gets_documents_and_no_hf_packed_mask(own, monkeypatch):
+    """SP=1, function level: with our attention HF builds no [b, 1, S, S] packed mask (quadratic, unused);
+    with "none" (own=False) HF's packed mask is the attention. Logits equal HF's packed path either way."""
+    from ds_longctx.attention import hf
+    from ds_longctx.attention.documents import install_document_forward
+    from ds_longctx.config import AttentionConfig
+
+    model = build(tiny_config(vocab=VOCAB), seed=0)
+    hf.install_untied(model, AttentionConfig(implementation="untied_ulysses", heads_per_chunk=1,
+                                             fuse_projections=False, kernel="auto"), None)
+    seen, orig = [], hf._function_level_attention
+
+    def spy(state, module, q, k, v, mask, *a, **kw):
+        seen.append((None if mask is None else tuple(mask.shape), kw.get("ds_longctx_documents") is not None))
+        return orig(state, module, q, k, v, mask, *a, **kw)
+
+    monkeypatch.setattr(hf, "_function_level_attention", spy)
+    inner = model.forward
+    model.forward = lambda input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None, \
+        **kw: inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
+    install_document_forward(model, None, own_attention=own)
+    b = packed_batch()
+    out = model.forward(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
+    ref = build(tiny_config(vocab=VOCAB), seed=0)(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                                                   use_cache=False).logits
+    assert seen[0] == ((None, True) if own else ((3, 1, SEQ, SEQ), True))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -177,8 +177,13 @@ def mask_padding_targets(shift_labels: torch.Tensor, n_real: List[int]) -> torch
 # ---------------------------------------------------------------------------------------------
 
 
-def install_document_forward(model, group) -> None:
+def install_document_forward(model, group, own_attention: bool) -> None:
     """Wrap ``model.forward`` (already ds_longctx's loss forward) so packed batches attend per document.
+
+    ``own_attention``: attention is ours (Ulysses at SP>1, untied), which reads the documents; then
+    HF is given an all-ones padding mask so it does not build its packed [b, 1, s, s] mask from the
+    restarting position_ids (quadratic memory, and ignored by our attention). With "none" HF's own
+    packed mask is the attention.
 
     * batch with ``doc_cu_seqlens`` (from shard_batch): used as is; a padding mask next to it is an error.
     * SP=1 without it: derived from this (full) batch's position_ids / doc_lens / right padding.
@@ -227,6 +232,8 @@ def install_document_forward(model, group) -> None:
                                   "builds a KV cache, so attention would cross documents", "call with use_cache=False")
             kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
             kwargs[DOCS_KWARG] = docs
+            if own_attention and input_ids is not None:
+                attention_mask = torch.ones_like(input_ids)
         return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                      shift_labels=shift_labels, **kwargs)
 
@@ -241,10 +248,10 @@ def _check_contiguous_shards(position_ids, attention_mask, group) -> None:
                                                                                       device=p.device)
     if attention_mask is not None:
         local_ok &= (attention_mask == 1).all(1)
-    mine = torch.stack([p[:, 0], p[:, -1], local_ok.long()], 1).cpu()
+    mine = torch.stack([p[:, 0], p[:, -1], local_ok.long()], 1)  # on the batch's device (NCCL needs CUDA)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)  # gloo/nccl: tiny [b, 3] per rank
-    allp = torch.stack(parts)  # [C, b, 3]
+    dist.all_gather(parts, mine, group=group)  # tiny: [b, 3] per rank
+    allp = torch.stack(parts).cpu()  # [C, b, 3]
     ok = bool(allp[:, :, 2].all()) and bool((allp[1:, :, 0] == allp[:-1, :, 1] + 1).all())
     if not ok:
         raise ConfigError("batch", "this sequence shard's sample is packed (position_ids restart) or padded, but "
