@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default="copy", help="built-in task name ('copy') or a .jsonl/.txt file")
+    p.add_argument("--concat-documents", action="store_true", help="--data FILE: plain concatenation, attention "
+                   "across documents (default: packed, position_ids restart per document, document-masked attention)")
     p.add_argument("--metrics", help="write one JSON object per step to this file (rank 0)")
     p.add_argument("--save", help="save a checkpoint here at the end")
     p.add_argument("--resume", help="resume from a checkpoint saved with --save")
@@ -121,11 +123,13 @@ def validate_args(args, lc):
 LAYOUT_FILE = "ds_longctx_layout.json"
 # what must match for a resume to continue the same run (data position is where to continue)
 LAYOUT_KEYS = ("world_size", "sequence_parallel_size", "data_parallel_size", "seq_len", "micro_batch",
-               "gradient_accumulation_steps", "seed", "data", "batches_per_epoch")
+               "gradient_accumulation_steps", "seed", "data", "concat_documents", "batches_per_epoch")
+LAYOUT_DEFAULTS = {"concat_documents": False}
 LAYOUT_FLAGS = {"world_size": "the number of processes", "sequence_parallel_size": "sequence_parallel_size",
                 "data_parallel_size": "world / sequence_parallel_size", "seq_len": "--seq-len",
                 "micro_batch": "train_micro_batch_size_per_gpu", "gradient_accumulation_steps":
                 "gradient_accumulation_steps", "seed": "--seed", "data": "--data",
+                "concat_documents": "--concat-documents (given or not)",
                 "batches_per_epoch": "--data (the dataset's size)"}
 
 
@@ -146,10 +150,12 @@ def read_checkpoint_layout(path):
 
 
 def check_resume_layout(saved, current, path):
-    diffs = [k for k in LAYOUT_KEYS if saved.get(k) != current[k]]
+    # a key missing from an older record means its default (concat_documents: False)
+    saved = {k: saved.get(k, LAYOUT_DEFAULTS.get(k)) for k in LAYOUT_KEYS}
+    diffs = [k for k in LAYOUT_KEYS if k in current and saved[k] != current[k]]
     if diffs:
-        what = ", ".join(f"{k} {saved.get(k)!r} in the checkpoint vs {current[k]!r} now" for k in diffs)
-        fix = ", ".join(f"{LAYOUT_FLAGS[k]} = {saved.get(k)!r}" for k in diffs)
+        what = ", ".join(f"{k} {saved[k]!r} in the checkpoint vs {current[k]!r} now" for k in diffs)
+        fix = ", ".join(f"{LAYOUT_FLAGS[k]} = {saved[k]!r}" for k in diffs)
         raise _config_error("--resume", f"{path} was saved with a different layout: {what} (a resumed run must "
                             "see the same samples in the same order and the same ZeRO partitions)",
                             f"resume with {fix}, or start a new run without --resume")
@@ -208,16 +214,14 @@ def build_dataset(args, model_config, seq_len):
         return TASKS[args.data](seq_len=seq_len, vocab_size=model_config.vocab_size, seed=args.seed)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    dataset = TokenFileDataset(args.data, tokenizer, seq_len)
-    # checked before the engine starts: an id past the embedding is an IndexError deep in the forward
-    top = int(dataset.data.max())
-    vocab = model_config.get_text_config().vocab_size
-    if top >= vocab:
-        raise _config_error("--tokenizer", f"{args.tokenizer or args.model!r} has {len(tokenizer)} tokens and "
-                            f"produced id {top} from {args.data}, but the model's vocab_size is {vocab}",
-                            "use the model's own tokenizer, or a model whose vocab_size covers the tokenizer")
-    return dataset
+    from ds_longctx.models import text_config
+
+    name = args.tokenizer or args.model
+    # the tokenizer is checked against the embedding before the engine starts (an id past it is an
+    # IndexError deep in the forward); the error names the largest id it produced from the file
+    return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(name), seq_len,
+                            documents=not args.concat_documents, vocab_size=text_config(model_config).vocab_size,
+                            tokenizer_name=name)
 
 
 @torch.no_grad()
@@ -280,7 +284,7 @@ def main(argv=None):
                             f"replica (dp={dp})", "use more data or a smaller train_micro_batch_size_per_gpu")
     run_layout = {"world_size": world, "sequence_parallel_size": sp, "data_parallel_size": dp,
                   "seq_len": seq_len, "micro_batch": micro, "gradient_accumulation_steps": gas, "seed": args.seed,
-                  "data": args.data, "batches_per_epoch": len(loader)}
+                  "data": args.data, "concat_documents": args.concat_documents, "batches_per_epoch": len(loader)}
     start = 0
     if args.resume:
         saved = read_checkpoint_layout(args.resume)

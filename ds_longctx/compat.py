@@ -87,19 +87,22 @@ def _deepspeed_wrapper_core(fn):
 
 
 def deepspeed_ulysses_registrations() -> dict:
-    """``{attn_implementation: core function}`` for every key DeepSpeed's Ulysses wrapped (looked up
-    behind our own dispatcher too: a wrapper registered before our first install is its fallback)."""
+    """``{attn_implementation: core function}`` for every key DeepSpeed's Ulysses wrapped (in the table,
+    or behind our own dispatcher: a wrapper registered before our first install is its fallback)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from .attention import registry
 
     found = {}
     for key in list(ALL_ATTENTION_FUNCTIONS.keys()):
-        fn, core = registry.original(key), None
-        while (inner := _deepspeed_wrapper_core(fn)) is not None:  # registered more than once: unwrap all
-            fn = core = inner
-        if core is not None:
-            found[key] = core
+        # in the table (also when written over our dispatcher), else behind our dispatcher
+        for fn in (ALL_ATTENTION_FUNCTIONS[key], registry.original(key)):
+            core = None
+            while (inner := _deepspeed_wrapper_core(fn)) is not None:  # registered more than once: unwrap all
+                fn = core = inner
+            if core is not None:
+                found[key] = core
+                break
     return found
 
 

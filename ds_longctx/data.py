@@ -22,7 +22,14 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     Labels are shifted *before* cutting (``shift_labels``), so the target of a shard's last token is
     the first token of the next shard, and the sample's last position is ignored (-100).
     ``position_ids`` are global positions, so RoPE is right on every shard.
+
+    Packed documents (position_ids restarting per document, or ``doc_lens``) and right padding
+    (``attention_mask`` zeros at the end; the tail becomes a document whose targets are ignored) are
+    described for the WHOLE sample in ``doc_cu_seqlens`` [batch, n+1], which every rank receives:
+    a rank cannot tell a document boundary on a shard edge from its own position_ids.
     """
+    from .attention.documents import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
+
     if "input_ids" not in batch:
         raise ConfigError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")
     input_ids = batch["input_ids"]
@@ -34,30 +41,29 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
         raise ConfigError("batch.input_ids", f"sequence length {seq} is not divisible by "
                           f"sequence_parallel_size={sp_size}",
                           f"pad or cut samples to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size})")
+    if BATCH_KEY in batch:
+        raise ConfigError(f"batch.{BATCH_KEY}", "is already set: this batch was sharded before",
+                          "shard each full batch once")
     out: Dict[str, torch.Tensor] = {}
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool((mask == 1).all()):
-        raise ConfigError("batch.attention_mask", "contains padding (zeros); sequence-parallel attention is causal "
-                          "over the whole sample", "pack samples to full length instead of padding, and drop "
-                          "attention_mask")
     if "shift_labels" in batch:
         shift = batch["shift_labels"]
     elif "labels" in batch:
         shift = shift_labels_of(batch["labels"])
     else:
         shift = shift_labels_of(input_ids)
-    pos = batch.get("position_ids")
-    if pos is None:
-        pos = torch.arange(seq, dtype=torch.long).unsqueeze(0).expand(bsz, seq)
+    cu, pos, n_real = document_structure(input_ids, batch.get("position_ids"), batch.get("attention_mask"),
+                                         batch.get(LENS_KEY))
+    shift = mask_padding_targets(shift, n_real)
     chunk = seq // sp_size
     sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
     # clone, not .contiguous(): with one sample (or SP=1) the slice is already contiguous and
     # .contiguous() returns a view that keeps the whole sample's storage alive
     out["input_ids"] = input_ids[:, sl].clone(memory_format=torch.contiguous_format)
-    out["position_ids"] = pos[:, sl].clone(memory_format=torch.contiguous_format)
+    out["position_ids"] = pos[:, sl].clone(memory_format=torch.contiguous_format).to(input_ids.device)
     out["shift_labels"] = shift[:, sl].clone(memory_format=torch.contiguous_format)
+    out[BATCH_KEY] = cu
     for k, v in batch.items():  # pass through anything else (e.g. per-sample metadata)
-        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask"):
+        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", LENS_KEY):
             out[k] = v
     return out
 
@@ -155,10 +161,38 @@ def _jsonl_texts(path: str):
     return texts
 
 
-class TokenFileDataset(Dataset):
-    """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file."""
+def check_tokenizer_vocab(tokenizer, vocab_size: int, top: Optional[int] = None, source: Optional[str] = None,
+                          name: Optional[str] = None) -> None:
+    """A tokenizer whose ids reach past the model's embedding is an error (before the engine starts:
+    otherwise an IndexError deep in the forward). ``top``: the largest id it produced from ``source``."""
+    n = len(tokenizer)
+    past = top is not None and top >= vocab_size
+    if n <= vocab_size and not past:
+        return
+    who = f"{name!r} " if name else "it "
+    produced = f"{who}has {n} tokens and produced id {top} from {source}" if past else ""
+    if n > vocab_size:
+        problem = (f"has {n} tokens but the model's vocab_size is {vocab_size}: ids >= {vocab_size} would index "
+                   "past the embedding" + (f" ({produced})" if past else ""))
+    else:
+        problem = f"{produced}, but the model's vocab_size is {vocab_size}"
+    raise ConfigError("--tokenizer", problem, "use the model's own tokenizer or a model with vocab_size >= "
+                      f"{max(n, (top or 0) + 1)}")
 
-    def __init__(self, path: str, tokenizer, seq_len: int):
+
+class TokenFileDataset(Dataset):
+    """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file.
+
+    Documents (jsonl lines; a .txt file is one document) are tokenized, each followed by EOS, and
+    the stream is cut into samples of ``seq_len``. With ``documents=True`` (default) every sample
+    carries ``position_ids`` restarting at 0 at each document start (and at the sample start), so
+    attention stays inside documents (HF's packed convention; shard_batch turns it into the
+    document structure). ``documents=False``: plain concatenation, positions 0..seq_len-1 and
+    attention across documents (pretraining style).
+    """
+
+    def __init__(self, path: str, tokenizer, seq_len: int, documents: bool = True, vocab_size: Optional[int] = None,
+                 tokenizer_name: Optional[str] = None):
         if not os.path.exists(path):
             raise ConfigError("--data", f"file {path!r} does not exist", "give a .txt/.jsonl path or a task name")
         if path.endswith(".jsonl"):
@@ -168,24 +202,40 @@ class TokenFileDataset(Dataset):
                 texts = [f.read()]
         else:
             raise ConfigError("--data", f"unsupported file type {path!r}", "use a .txt or .jsonl file")
-        ids = []
+        ids, starts = [], []
         eos = tokenizer.eos_token_id
         for t in texts:
+            starts.append(len(ids))
             ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
             if eos is not None:
                 ids.append(eos)
+        if vocab_size is not None:  # checked on the ids produced, so the error can name the largest
+            check_tokenizer_vocab(tokenizer, vocab_size, top=max(ids, default=None), source=path, name=tokenizer_name)
         n = len(ids) // seq_len
         if n == 0:
             raise ConfigError("--data", f"{path} has {len(ids)} tokens, fewer than one sample of {seq_len}",
                               "use a larger file or a smaller --seq-len")
         self.data = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+        self.positions = None
+        if documents:
+            # position of each token inside its document piece: restarts at document and sample starts
+            is_start = torch.zeros(n * seq_len, dtype=torch.bool)
+            is_start[[s for s in starts if s < n * seq_len]] = True
+            is_start = is_start.view(n, seq_len)
+            is_start[:, 0] = True
+            idx = torch.arange(seq_len).expand(n, seq_len)
+            last_start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(1).values
+            self.positions = idx - last_start
 
     def __len__(self):
         return self.data.shape[0]
 
     def __getitem__(self, i):
         ids = self.data[i]
-        return {"input_ids": ids, "labels": ids.clone()}
+        item = {"input_ids": ids, "labels": ids.clone()}
+        if self.positions is not None:
+            item["position_ids"] = self.positions[i]
+        return item
 
 
 TASKS = {"copy": LongRangeCopy}

@@ -27,13 +27,16 @@ class PatchHandle:
         self.attention = None   # registry.Installation (Ulysses / function-level untied) or UntiedInstall
         self.memory = None      # memory.MemoryStackHandle
         self.loss_forward = False
+        self.document_forward = False  # the packed-documents wrapper around the loss forward
         self.swapped: List[str] = []  # what was swapped in, for print(model)
 
     def remove(self) -> None:
         model = self.model
-        if self.loss_forward:
-            model.__dict__.pop("forward", None)  # the class's forward shows through again
-            self.loss_forward = False
+        if self.loss_forward or self.document_forward:
+            # both are instance attributes (the document wrapper around the loss forward): popping
+            # it lets the class's forward show through again
+            model.__dict__.pop("forward", None)
+            self.loss_forward = self.document_forward = False
         if self.memory is not None:
             self.memory.remove()
             self.memory = None
@@ -142,6 +145,13 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
                                   f"rms_norms={st['rms_norms']}")
         _install_loss_forward(model, lc, group, grad_scale)
         handle.loss_forward = True
+        from .attention.documents import install_document_forward
+
+        # packed documents / padding -> per-document attention (ours reads them; "none" is HF's packed path)
+        own = impl == "untied_ulysses" or (impl == "ulysses" and sp > 1)
+        install_document_forward(model, group, own_attention=own)
+        handle.document_forward = True
+        handle.swapped.append("documents=" + ("per-document attention" if own else "HF's packed path"))
         tl = lc.tiled_loss
         handle.swapped.append(f"loss=SP token mean (grad_scale={grad_scale}, "
                               f"tiled={'shards=' + str(tl.shards) if tl.enabled else 'off'})")

@@ -34,11 +34,13 @@ def test_indivisible_sequence_is_rejected():
         shard_batch({"input_ids": torch.zeros(1, 7, dtype=torch.long)}, 0, 2)
 
 
-def test_padding_mask_is_rejected():
+def test_right_padding_is_an_ignored_document_and_left_padding_is_rejected():
     mask = torch.ones(1, 4)
     mask[0, -1] = 0
-    with pytest.raises(ConfigError, match="batch.attention_mask: contains padding"):
-        shard_batch({"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": mask}, 0, 2)
+    s = shard_batch({"input_ids": torch.arange(4).view(1, 4), "attention_mask": mask}, 1, 2)
+    assert s["doc_cu_seqlens"].tolist() == [[0, 3, 4]] and s["shift_labels"].tolist() == [[-100, -100]]
+    with pytest.raises(ConfigError, match="batch.attention_mask: sample 0 is not right-padded"):
+        shard_batch({"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": mask.flip(1)}, 0, 2)
 
 
 def test_loader_gives_each_sp_rank_the_same_sample_and_replicas_different_ones():

@@ -114,18 +114,25 @@ def test_registry_restored_undoes_installs_inside_it():
 def test_displaced_foreign_wrapper_is_put_back():
     """registry.displace (how a prior DeepSpeed register_with_transformers wrapper is taken out so our SP
     attention does not run on top of it): while ds_longctx owns the name neither the patched model nor
-    the dispatcher's fallback calls the wrapper; releasing the name puts the wrapper back. Both orders:
-    wrapper in the table before our first install, and wrapper already behind our dispatcher."""
+    another model calls the wrapper; releasing the name puts the wrapper back. Both orders: wrapper
+    written before our install, and wrapper already behind our dispatcher when it is displaced."""
+    import gc
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ds_longctx.attention import registry
 
-    core = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    gc.collect()  # models of earlier tests are gone; their (empty) slot is released for a clean start
+    slot = registry._SLOTS.get("sdpa")
+    assert slot is None or len(slot.modules) == 0, "an earlier test left a patched model alive"
+    if slot is not None:
+        registry._release("sdpa")
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     wrapped = []
 
     def foreign(module, *args, **kwargs):  # stands in for a library's process-global SP wrapper
         wrapped.append(module)
-        return core(module, *args, **kwargs)
+        return sdpa(module, *args, **kwargs)
 
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     other = build(tiny_config(), seed=1)
@@ -134,27 +141,28 @@ def test_displaced_foreign_wrapper_is_put_back():
             ALL_ATTENTION_FUNCTIONS["sdpa"] = foreign  # the foreign library writes the table itself
             model = build(tiny_config(), seed=0)
             if behind_dispatcher:
-                inst = registry.install(model, "sdpa", core, "test")
+                inst = registry.install(model, "sdpa", sdpa, "test")
                 assert registry.original("sdpa") is foreign
-                registry.displace("sdpa", core)
+                registry.displace("sdpa", sdpa)
             else:
-                registry.displace("sdpa", core)
-                assert ALL_ATTENTION_FUNCTIONS["sdpa"] is core
-                inst = registry.install(model, "sdpa", core, "test")
-            assert registry.original("sdpa") is core
+                registry.displace("sdpa", sdpa)
+                assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
+                inst = registry.install(model, "sdpa", sdpa, "test")
+            assert registry.original("sdpa") is sdpa
             wrapped.clear()
             _logits(model, ids)
             _logits(other, ids)
             assert not wrapped  # neither the patched model nor the fallback runs the wrapper
             inst.remove()
-            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is foreign and not registry._DISPLACED
+            assert ALL_ATTENTION_FUNCTIONS["sdpa"] is foreign and "sdpa" not in registry._DISPLACED
             _logits(other, ids)
             assert len(wrapped) == tiny_config().num_hidden_layers  # the wrapper is in force again
-        registry.displace("sdpa", core)  # no install follows: undisplace puts it back
+        registry.displace("sdpa", sdpa)  # no install follows: undisplace puts it back
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
         registry.undisplace("sdpa")
         assert ALL_ATTENTION_FUNCTIONS["sdpa"] is foreign
     finally:
-        ALL_ATTENTION_FUNCTIONS["sdpa"] = core
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
 
 
 def test_print_model_shows_swaps():

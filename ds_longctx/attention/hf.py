@@ -9,9 +9,11 @@ Two ways in, picked by ``long_context.attention.fuse_projections``:
   computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
 
 The model sees per-rank local position_ids (the loader shards input_ids and position_ids), so HF's
-rotary embedding yields local cos/sin; attention is causal over the gathered sequence. A causal
-mask built by HF for the local shard is ignored; any other mask (padding, packed documents) is an
-error, because causal-over-the-full-sequence would silently be wrong for it.
+rotary embedding yields local cos/sin; attention is causal over the gathered sequence, or within
+each document when the forward patch_model installs passes the batch's documents
+(``documents.DOCS_KWARG``; HF's packed mask is then redundant and ignored). Without documents a
+causal mask built by HF for the local shard is ignored; any other mask (padding, packed documents)
+is an error, because causal-over-the-full-sequence would silently be wrong for it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..models import FUSED_ARCHITECTURES, AttentionFacts, facts_for, rms_norm, rope_bshd, text_config
 from . import kernels, registry
+from .documents import DOCS_KWARG
 from .heads import check_heads_per_chunk
 from .untied import ProjectionSpec, untied_attention_fused, untied_attention_qkv
 
@@ -180,7 +183,9 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     if position_embeddings is None:
         raise ValueError("untied attention needs position_embeddings (cos, sin) from the model's rotary embedding")
     b, s, _ = hidden_states.shape
-    _check_mask(attention_mask, s)
+    docs = kwargs.get(DOCS_KWARG)
+    if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
+        _check_mask(attention_mask, s)
     _check_window(_sliding_window(self, facts), s * state.sp)
     if self.training and getattr(self, "attention_dropout", 0.0):
         raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 "
@@ -202,7 +207,8 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         heads=heads, kv_heads=kv_heads, spec=spec, bq=q.bias, bk=k.bias, bv=v.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
         group=state.group, heads_per_chunk=state.heads_per_chunk,
-        backend=kernels.get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling)
+        backend=kernels.get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling,
+        docs=docs)
     out = o(out.reshape(b, s, -1))
     return out, None
 
@@ -241,12 +247,14 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     if key.shape[2] != s:
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
-    _check_mask(attention_mask, s)
+    docs = kwargs.get(DOCS_KWARG)
+    if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
+        _check_mask(attention_mask, s)
     _check_window(sliding_window, s * state.sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
                                   backend=kernels.get_backend(state.kernel, q.device), causal=True,
-                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5)
+                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs)
     return out, None
 
 
@@ -289,8 +297,9 @@ def _check_mask(mask, s_local):
 
 
 _BAD_MASK = ("untied attention got an attention mask that is not plain causal (padding or packed sequences); "
-             "it computes causal attention over the whole gathered sequence, so pass unpadded sequences with "
-             "attention_mask=None and contiguous position_ids")
+             "it computes causal attention over the whole gathered sequence unless given the documents: call the "
+             "model patched by ds_longctx.initialize (engine(**batch)) with batches from ds_longctx.data.shard_batch, "
+             "which turns packed position_ids and right padding into per-document attention")
 
 
 __all__ = ["install_untied"]

@@ -134,12 +134,14 @@ def displace(impl: str, core: Callable) -> None:
     ``register_with_transformers`` wrapper: our SP attention on top of it would all-to-all twice).
     The wrapper is kept and goes back into the table when ds_longctx releases ``impl`` (the last
     install under it is removed, or :func:`undisplace`), so the table ends as the user left it."""
+    table = _table()
     slot = _SLOTS.get(impl)
-    if slot is not None:  # the wrapper is what our dispatcher falls back to: fall back to its core
+    if slot is not None and table[impl] is slot.dispatcher:
+        # registered before our first install: the wrapper is what our dispatcher falls back to
         _DISPLACED.setdefault(impl, slot.original)
         slot.original = core
         return
-    table = _table()
+    # in the table itself (no slot yet, or written over our dispatcher: then ``core`` is the dispatcher)
     _DISPLACED.setdefault(impl, table[impl])
     table[impl] = core
 
@@ -148,11 +150,13 @@ def undisplace(impl: str) -> None:
     """Undo :func:`displace` for ``impl`` now (no-op when nothing is displaced)."""
     if impl not in _DISPLACED:
         return
+    wrapper = _DISPLACED.pop(impl)
+    table = _table()
     slot = _SLOTS.get(impl)
-    if slot is not None:
-        slot.original = _DISPLACED.pop(impl)
+    if slot is not None and table[impl] is slot.dispatcher and wrapper is not slot.dispatcher:
+        slot.original = wrapper
     else:
-        _table()[impl] = _DISPLACED.pop(impl)
+        table[impl] = wrapper
 
 
 @contextlib.contextmanager

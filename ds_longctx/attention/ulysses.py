@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
+from .documents import document_core
 
 
 def install_ulysses(model, group) -> registry.Installation:
@@ -20,8 +21,9 @@ def install_ulysses(model, group) -> registry.Installation:
 
     impl = model.config._attn_implementation
     tc = text_config(model.config)
+    # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     uattn = UlyssesSPAttentionHF(
-        attn=registry.original(impl), batch_size=1, attn_head_count=tc.num_attention_heads,
+        attn=document_core(registry.original(impl), impl), batch_size=1, attn_head_count=tc.num_attention_heads,
         attn_head_size=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
         kv_head_count=tc.num_key_value_heads, num_hidden_layers=tc.num_hidden_layers, process_group=group,
         seq_length_is_variable=True)

@@ -1,0 +1,105 @@
+"""Untied attention over packed documents vs one dense sample of the same total length (CPU).
+
+The stage: ds_longctx.attention.untied.untied_attention_fused (q/k/v projection + RoPE + attention,
+forward and backward), single process, one sample of --seq tokens. Dense: one document. Packed:
+the same tokens split into documents (docs=Documents(...)): the kernel runs per document (on CPU a
+loop over the dense kernel), so causal attention work falls with the documents' lengths.
+
+Time: wall and CPU (process) time of forward+backward, median over --steps after one warm-up; on a
+shared box the CPU time is the figure to read (wall time includes waiting for cores). Memory: peak live bytes
+of storages newly allocated during the step (bench/attention.py's tracker), in a separate step.
+
+    python bench/documents.py --seq 4096 --steps 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    from attention import _alloc_tracker
+
+    from ds_longctx.attention.documents import Documents
+    from ds_longctx.attention.kernels import get_backend
+    from ds_longctx.attention.untied import ProjectionSpec, untied_attention_fused
+    from ds_longctx.models import rope_bshd
+
+    S, D, H, G, d = a.seq, a.hidden, a.heads, a.kv_heads, a.head_dim
+    x = torch.randn(1, S, D, requires_grad=True)
+    w = {k: (torch.randn(n * d, D) * D ** -0.5).requires_grad_(True) for k, n in (("q", H), ("k", G), ("v", G))}
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    dout = torch.randn(1, S, H, d)
+
+    g = torch.Generator().manual_seed(1)
+    mixed, left = [], S
+    while left > 0:  # a long-tailed mix of document lengths, like a real packed corpus
+        n = min(left, int(torch.randint(16, S // 8, (1,), generator=g)))
+        mixed.append(n)
+        left -= n
+    layouts = {"dense (1 doc)": [S], f"4 docs of {S // 4}": [S // 4] * 4, f"32 docs of {S // 32}": [S // 32] * 32,
+               f"mixed ({len(mixed)} docs)": mixed}
+
+    def step(lens):
+        docs = Documents(torch.tensor([[0] + torch.tensor(lens).cumsum(0).tolist()])) if len(lens) > 1 else None
+        pos = torch.cat([torch.arange(n) for n in lens]).float()
+        ang = torch.outer(pos, inv)
+        cos = torch.cat([ang, ang], -1).cos().unsqueeze(0)
+        sin = torch.cat([ang, ang], -1).sin().unsqueeze(0)
+        out, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], heads=H, kv_heads=G,
+                                        spec=ProjectionSpec(d, rope_bshd), heads_per_chunk=1,
+                                        backend=get_backend("sdpa", "cpu"), docs=docs)
+        out.backward(dout)
+        x.grad = None
+        for t in w.values():
+            t.grad = None
+        return out
+
+    rows = []
+    for name, lens in layouts.items():
+        step(lens)  # warm-up
+        times, cpu = [], []
+        for _ in range(a.steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            step(lens)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        tracker = _alloc_tracker()
+        with tracker:
+            out = step(lens)
+            del out
+        rows.append(dict(layout=name, docs=len(lens), step_s=statistics.median(times), cpu_s=statistics.median(cpu),
+                         peak_bytes=int(tracker.peak)))
+    base = rows[0]
+    print(f"seq {S}, hidden {D}, heads {H}/{G}, head_dim {d}, heads_per_chunk 1, sdpa_cpu_flash, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'layout':<22}{'wall s':>9}{'x dense':>9}{'cpu s':>9}{'x dense':>9}{'peak MiB':>10}{'x dense':>9}")
+    for r in rows:
+        print(f"{r['layout']:<22}{r['step_s']:>9.3f}{r['step_s'] / base['step_s']:>9.2f}"
+              f"{r['cpu_s']:>9.3f}{r['cpu_s'] / base['cpu_s']:>9.2f}"
+              f"{r['peak_bytes'] / 2**20:>10.1f}{r['peak_bytes'] / base['peak_bytes']:>9.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,422 @@
+"""Packed documents: causal attention *within* each document of a sample, on every attention path.
+
+The contract (HF's and TRL's packed convention): a sample's ``position_ids`` restart at 0 (more
+precisely: do not continue by +1) at each document start; optionally a per-sample list of document
+lengths (``doc_lens``) is given instead. A right-padded tail (``attention_mask`` zeros) is one more
+document whose targets are ignored.
+
+Document boundaries are *global* information: with SP a boundary can fall exactly on a shard edge,
+where a rank's local position_ids look contiguous. So the structure is derived from the full sample
+before sharding (:func:`document_structure`, used by ``data.shard_batch``) and travels in the batch
+as ``doc_cu_seqlens`` [b, n+1] (cumulative boundaries over the whole gathered sequence, every rank
+the same tensor, rows padded by repeating the length).
+
+How it reaches attention: the model forward wrapper (:func:`install_document_forward`) turns the
+batch's structure into a :class:`Documents` and passes it down as the keyword ``DOCS_KWARG``. HF's
+decoder forwards its ``**kwargs`` through every decoder layer into the attention module and the
+attention function, and its checkpointed layers bind them into the recompute; a context variable
+set around the forward would be gone when activation checkpointing recomputes a layer in backward.
+"""
+from __future__ import annotations
+
+import importlib.util
+import types
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from .kernels import Backend
+
+DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
+BATCH_KEY = "doc_cu_seqlens"         # batch key of the global structure (written by shard_batch)
+LENS_KEY = "doc_lens"                # optional user-given per-sample document lengths
+
+
+class Documents:
+    """Document boundaries of every sample of a batch over the whole (gathered) sequence.
+
+    ``cu``: [b, n+1] long, row i = 0 = c_0 <= c_1 <= ... <= c_n = S; zero-length entries are padding.
+    ``bounds[i]``: python list of (start, end) of the non-empty documents of sample i (computed once,
+    so attention layers do no device sync).
+    """
+
+    def __init__(self, cu: torch.Tensor):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 2 or cu.shape[1] < 2:
+            raise ConfigError(f"batch.{BATCH_KEY}", f"expected a [batch, n+1] tensor of document boundaries, got "
+                              f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__}",
+                              "build batches with ds_longctx.data.shard_batch (or the loader of initialize)")
+        self.cu = cu.detach().to("cpu", torch.long)
+        rows = self.cu.tolist()
+        self.seq_len = rows[0][-1]
+        for i, row in enumerate(rows):
+            if row[0] != 0 or row[-1] != self.seq_len or any(b < a for a, b in zip(row[:-1], row[1:])):
+                raise ConfigError(f"batch.{BATCH_KEY}", f"sample {i} has boundaries {row}: they must rise from 0 "
+                                  f"to the sequence length {self.seq_len}", "build batches with shard_batch")
+        self.bounds: List[List[Tuple[int, int]]] = [[(a, b) for a, b in zip(r[:-1], r[1:]) if b > a] for r in rows]
+
+    @property
+    def batch(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def dense(self) -> bool:
+        """Every sample is one document: plain causal attention is exact."""
+        return all(len(b) == 1 for b in self.bounds)
+
+    def position_ids(self, device=None) -> torch.Tensor:
+        """Positions restarting at 0 at every document start: [b, S] long."""
+        pos = torch.empty(self.batch, self.seq_len, dtype=torch.long)
+        for i, spans in enumerate(self.bounds):
+            for a, e in spans:
+                pos[i, a:e] = torch.arange(e - a)
+        return pos.to(device) if device is not None else pos
+
+    def __repr__(self):
+        return f"Documents(seq_len={self.seq_len}, docs={[len(b) for b in self.bounds]})"
+
+
+# ---------------------------------------------------------------------------------------------
+# deriving the structure from a full (unsharded) batch
+# ---------------------------------------------------------------------------------------------
+
+
+def _right_padding_lengths(mask: torch.Tensor) -> List[int]:
+    """Number of real tokens per sample of a [b, S] 0/1 mask; only right padding is accepted."""
+    if mask.dim() != 2:
+        raise ConfigError("batch.attention_mask", f"expected a [batch, seq] padding mask, got shape "
+                          f"{tuple(mask.shape)}", "pass a 2-D 0/1 mask (right padding) or no mask")
+    m = mask.bool()
+    n_real = m.sum(1)
+    ar = torch.arange(m.shape[1], device=m.device)
+    bad = ~(m == (ar.unsqueeze(0) < n_real.unsqueeze(1))).all(1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ConfigError("batch.attention_mask", f"sample {i} is not right-padded (zeros before ones)",
+                          "pad on the right (tokenizer padding_side='right'); the padded tail becomes an ignored "
+                          "document")
+    return n_real.tolist()
+
+
+def document_structure(input_ids: torch.Tensor, position_ids=None, attention_mask=None, doc_lens=None):
+    """Documents of a FULL batch: returns (cu [b, n+1] long, position_ids [b, S] long, n_real list).
+
+    Boundaries come from ``doc_lens`` when given, else from ``position_ids`` (a document starts where
+    a position is not its predecessor + 1: HF's ``find_packed_sequence_indices`` rule), else one
+    document. A right-padded tail is one more document (positions restart at 0 there); the caller
+    ignores its targets. Position ids of real tokens are kept as given (RoPE needs them).
+    """
+    bsz, seq = input_ids.shape
+    n_real = [seq] * bsz if attention_mask is None else _right_padding_lengths(attention_mask)
+    if position_ids is not None:
+        if tuple(position_ids.shape) != (bsz, seq):
+            raise ConfigError("batch.position_ids", f"shape {tuple(position_ids.shape)} differs from input_ids "
+                              f"{(bsz, seq)}", "give one position per token")
+        pos = position_ids.detach().to("cpu", torch.long).clone()
+    else:
+        pos = None
+    if doc_lens is not None:
+        rows = doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else [list(r) for r in doc_lens]
+        if len(rows) != bsz:
+            raise ConfigError(f"batch.{LENS_KEY}", f"has {len(rows)} rows for {bsz} samples", "one list per sample")
+    cus, out_pos = [], torch.empty(bsz, seq, dtype=torch.long)
+    for i in range(bsz):
+        n = n_real[i]
+        if doc_lens is not None:
+            lens = [int(x) for x in rows[i] if int(x) != 0]
+            if any(x < 0 for x in lens) or sum(lens) != n:
+                raise ConfigError(f"batch.{LENS_KEY}", f"sample {i}: document lengths {lens} must be positive and "
+                                  f"sum to its {n} real tokens", "give the lengths of the documents packed in it")
+            starts, acc = [], 0
+            for x in lens:
+                starts.append(acc)
+                acc += x
+            if pos is not None:  # given positions must not contradict the given documents
+                p = pos[i, :n]
+                inside = torch.ones(n, dtype=torch.bool)
+                inside[starts] = False
+                if n > 1 and not bool(((p[1:] - p[:-1]) == 1)[inside[1:]].all()):
+                    raise ConfigError(f"batch.{LENS_KEY}", f"sample {i}: position_ids are not contiguous inside the "
+                                      "given documents", "drop position_ids (they are built restarting per "
+                                      "document) or make them restart at the document starts")
+            else:
+                out_pos[i, :n] = torch.cat([torch.arange(x) for x in lens]) if lens else out_pos[i, :0]
+        elif pos is not None and n > 0:
+            p = pos[i, :n]
+            starts = [0] + ((p[1:] - p[:-1]) != 1).nonzero().flatten().add(1).tolist()
+        else:
+            starts = [0] if n > 0 else []
+            if pos is None:
+                out_pos[i, :n] = torch.arange(n)
+        if pos is not None:
+            out_pos[i, :n] = pos[i, :n]
+        out_pos[i, n:] = torch.arange(seq - n)  # the padded tail: its own document
+        cus.append(starts + [n] + ([seq] if n < seq else []))
+    width = max(len(c) for c in cus)
+    cu = torch.tensor([c + [seq] * (width - len(c)) for c in cus], dtype=torch.long)
+    if cu[:, 0].ne(0).any():  # a fully padded sample starts at its pad document
+        cu[:, 0] = 0
+    return cu, out_pos, n_real
+
+
+def mask_padding_targets(shift_labels: torch.Tensor, n_real: List[int]) -> torch.Tensor:
+    """Ignore every target that is a pad token (incl. the last real token's): a copy."""
+    seq = shift_labels.shape[1]
+    if all(n == seq for n in n_real):
+        return shift_labels
+    out = shift_labels.clone()
+    for i, n in enumerate(n_real):
+        if n < seq:
+            out[i, max(n - 1, 0):] = -100
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the model forward wrapper: batch -> Documents keyword (installed by patch_model)
+# ---------------------------------------------------------------------------------------------
+
+
+def install_document_forward(model, group, own_attention: bool) -> None:
+    """Wrap ``model.forward`` (already ds_longctx's loss forward) so packed batches attend per document.
+
+    ``own_attention``: attention is ours (Ulysses at SP>1, untied), which reads the documents; then
+    HF is given an all-ones padding mask so it does not build its packed [b, 1, s, s] mask from the
+    restarting position_ids (quadratic memory, and ignored by our attention). With "none" HF's own
+    packed mask is the attention.
+
+    * batch with ``doc_cu_seqlens`` (from shard_batch): used as is; a padding mask next to it is an error.
+    * SP=1 without it: derived from this (full) batch's position_ids / doc_lens / right padding.
+    * SP>1 without it: every rank checks, with one small all-gather, that the gathered sample is one
+      contiguous document without padding; anything else is a ConfigError on every rank, because a
+      rank cannot see a boundary that falls on a shard edge.
+    """
+    from ..comm import sp_world_size
+    from ..loss import shift_labels_of
+
+    sp = sp_world_size(group)
+    inner = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
+                **kwargs):
+        cu = kwargs.pop(BATCH_KEY, None)
+        doc_lens = kwargs.pop(LENS_KEY, None)
+        docs = None
+        if cu is not None:
+            if attention_mask is not None and not bool((attention_mask == 1).all()):
+                raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
+                                  "shard_batch already turned right padding into an ignored document: drop the mask")
+            attention_mask = None
+            docs = Documents(cu)
+            if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
+                raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
+                                  f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
+                                  "shard with ds_longctx.data.shard_batch")
+        elif sp == 1 and input_ids is not None and (position_ids is not None or doc_lens is not None
+                                                   or attention_mask is not None):
+            cu, position_ids, n_real = document_structure(input_ids, position_ids, attention_mask, doc_lens)
+            position_ids = position_ids.to(input_ids.device)
+            attention_mask = None
+            if labels is not None or shift_labels is not None:
+                shift = shift_labels if shift_labels is not None else shift_labels_of(labels)
+                shift_labels, labels = mask_padding_targets(shift, n_real), None
+            docs = Documents(cu)
+        elif sp > 1:
+            if doc_lens is not None:
+                raise ConfigError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
+                                  "ds_longctx.data.shard_batch (or the loader of initialize), which carries them")
+            _check_contiguous_shards(position_ids, attention_mask, group)
+        if docs is not None and not docs.dense:
+            if kwargs.get("use_cache"):
+                raise ConfigError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
+                                  "builds a KV cache, so attention would cross documents", "call with use_cache=False")
+            kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
+            kwargs[DOCS_KWARG] = docs
+            if own_attention and input_ids is not None:
+                attention_mask = torch.ones_like(input_ids)
+        return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                     shift_labels=shift_labels, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _check_contiguous_shards(position_ids, attention_mask, group) -> None:
+    if position_ids is None:
+        return  # the loss forward names the missing position_ids
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(position_ids) or position_ids.device.type == "meta":
+        return  # the planner's simulation: dense samples, no values to check (and .all() has none)
+    p = position_ids.detach().long()
+    local_ok = ((p[:, 1:] - p[:, :-1]) == 1).all(1) if p.shape[1] > 1 else torch.ones(p.shape[0], dtype=torch.bool,
+                                                                                      device=p.device)
+    if attention_mask is not None:
+        local_ok &= (attention_mask == 1).all(1)
+    mine = torch.stack([p[:, 0], p[:, -1], local_ok.long()], 1)  # on the batch's device (NCCL needs CUDA)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)  # tiny: [b, 3] per rank
+    allp = torch.stack(parts).cpu()  # [C, b, 3]
+    ok = bool(allp[:, :, 2].all()) and bool((allp[1:, :, 0] == allp[:-1, :, 1] + 1).all())
+    if not ok:
+        raise ConfigError("batch", "this sequence shard's sample is packed (position_ids restart) or padded, but "
+                          f"the batch has no '{BATCH_KEY}': the document boundaries are global and a rank cannot "
+                          "see one on a shard edge", "shard full batches with ds_longctx.data.shard_batch or use "
+                          "the loader returned by ds_longctx.initialize")
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels over documents (untied path): same interface as kernels.Backend, LSE per document
+# ---------------------------------------------------------------------------------------------
+
+
+class DocumentBackend(Backend):
+    """A kernel backend run per document of head-sharded q/k/v [b, S, h, d] (S = the whole sequence).
+
+    Forward writes each document's out and LSE into the [b, S, h, d] / [b, h, S] results, so the
+    untied backward (which calls ``backward`` with the saved LSE) is unchanged. On CPU (and for the
+    CUDA dense backends without a varlen form) it is a loop over documents: the per-document kernel
+    calls are exactly the dense kernel on each document. With flash-attn installed on CUDA, one
+    varlen call covers the whole batch (NOT run in CI: no GPU there).
+    """
+
+    def __init__(self, inner: Backend, docs: Documents):
+        self.inner, self.docs = inner, docs
+        self.name = f"{inner.name}+documents"
+        self.device_type = inner.device_type
+        self.native_gqa = True
+
+    def _check(self, q):
+        if q.shape[0] != self.docs.batch or q.shape[1] != self.docs.seq_len:
+            raise ValueError(f"document attention: q {tuple(q.shape)} does not match {self.docs} "
+                             "(head-sharded q must cover the whole gathered sequence)")
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        self._check(q)
+        if _varlen_ok(q, self.inner):
+            return _fa2_varlen_forward(q, k, v, self.docs, causal, scale)
+        b, S, h, d = q.shape
+        out = torch.empty(b, S, h, d, dtype=q.dtype, device=q.device)
+        lse = None
+        for i, spans in enumerate(self.docs.bounds):
+            for a, e in spans:
+                o, l = self.inner.forward(q[i:i + 1, a:e], k[i:i + 1, a:e], v[i:i + 1, a:e], causal, scale)
+                if lse is None:  # the kernel's LSE dtype (fp32; fp64 for fp64 inputs on CPU)
+                    lse = torch.empty(b, h, S, dtype=l.dtype, device=q.device)
+                out[i:i + 1, a:e] = o
+                lse[i:i + 1, :, a:e] = l
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        self._check(q)
+        if _varlen_ok(q, self.inner):
+            return _fa2_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for i, spans in enumerate(self.docs.bounds):
+            for a, e in spans:
+                t = (slice(i, i + 1), slice(a, e))
+                g = self.inner.backward(dout[t], q[t], k[t], v[t], out[t], lse[i:i + 1, :, a:e].contiguous(), causal,
+                                        scale)
+                dq[t], dk[t], dv[t] = g
+        return dq, dk, dv
+
+
+def with_documents(backend: Backend, docs: Optional[Documents]) -> Backend:
+    """``backend`` itself for dense samples, else a per-document wrapper of it."""
+    if docs is None or docs.dense:
+        return backend
+    return DocumentBackend(backend, docs)
+
+
+# CUDA varlen (flash-attn 2). Written against flash_attn 2.x's private _flash_attn_varlen_forward /
+# _backward (bound by parameter name like kernels.FlashAttn2); its LSE is [h, total_q] in recent
+# releases, [b, h, max_s] in old ones: only the former is accepted. Never run in CI (no GPU).
+def _varlen_ok(q, inner) -> bool:
+    return (q.is_cuda and inner.name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is not None)
+
+
+def _cu_flat(docs: Documents, device):
+    edges = [0]
+    for i, spans in enumerate(docs.bounds):
+        edges += [i * docs.seq_len + e for _, e in spans]
+    longest = max(e - a for spans in docs.bounds for a, e in spans)
+    return torch.tensor(edges, dtype=torch.int32, device=device), longest
+
+
+def _fa2_varlen_forward(q, k, v, docs, causal, scale):
+    from flash_attn import flash_attn_interface as fa
+
+    from .kernels import _call_by_name
+
+    b, S, h, d = q.shape
+    cu, mx = _cu_flat(docs, q.device)
+    qf, kf, vf = (t.reshape(b * S, t.shape[2], d) for t in (q, k, v))
+    res = _call_by_name(fa._flash_attn_varlen_forward, q=qf, k=kf, v=vf, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                        max_seqlen_q=mx, max_seqlen_k=mx, softmax_scale=scale, causal=causal)
+    lse = next((t for t in res[1:] if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                and tuple(t.shape) == (h, b * S)), None)
+    if lse is None:
+        raise RuntimeError("flash-attn varlen forward returned no [heads, total] float32 LSE; unsupported version "
+                           "for packed documents (use the sdpa kernel)")
+    return res[0].view(b, S, h, d), lse.view(h, b, S).transpose(0, 1)  # [b, h, S] view
+
+
+def _fa2_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
+    from flash_attn import flash_attn_interface as fa
+
+    from .kernels import _call_by_name
+
+    b, S, h, d = q.shape
+    cu, mx = _cu_flat(docs, q.device)
+    flat = lambda t: t.reshape(b * S, t.shape[2], d)  # noqa: E731
+    qf, kf, vf, of, dof = flat(q), flat(k), flat(v), flat(out), flat(dout.contiguous())
+    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    _call_by_name(fa._flash_attn_varlen_backward, dout=dof, q=qf, k=kf, v=vf, out=of,
+                  softmax_lse=lse.transpose(0, 1).reshape(h, b * S).contiguous(), dq=dq, dk=dk, dv=dv,
+                  cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, softmax_scale=scale,
+                  causal=causal)
+    return dq.view_as(q), dk.view_as(k), dv.view_as(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# the core attention given to DeepSpeed's UlyssesSPAttentionHF
+# ---------------------------------------------------------------------------------------------
+
+
+def document_core(core, impl: str):
+    """Wrap HF attention function ``core`` (layout [b, h, S, d] after the all-to-all) to run per document.
+
+    DeepSpeed's Ulysses calls its core with attention_mask=None, i.e. causal over the whole gathered
+    sequence. With documents, the sdpa/eager cores run once per document (out [b, S, h, d] is
+    concatenated); flash cores run once per sample with positions restarting per document, which
+    HF's flash path turns into one varlen call (it detects packing from position_ids at batch 1).
+    """
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        docs = kwargs.pop(DOCS_KWARG, None)
+        if docs is None:
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+        if query.shape[0] != docs.batch or query.shape[2] != docs.seq_len:
+            raise ValueError(f"document attention: query {tuple(query.shape)} does not match {docs}")
+        flash = impl.startswith("flash_attention")
+        pos = docs.position_ids(query.device) if flash else None
+        rows = []
+        for i, spans in enumerate(docs.bounds):
+            kw = dict(kwargs)
+            if flash:
+                kw["position_ids"] = pos[i:i + 1]
+                rows.append(core(module, query[i:i + 1], key[i:i + 1], value[i:i + 1], None, *args, **kw)[0])
+                continue
+            parts = []
+            for a, e in spans:
+                if "position_ids" in kw:
+                    kw["position_ids"] = kwargs["position_ids"][i:i + 1, a:e]
+                sl = (slice(i, i + 1), slice(None), slice(a, e))
+                parts.append(core(module, query[sl], key[sl], value[sl], None, *args, **kw)[0])
+            rows.append(torch.cat(parts, 1) if len(parts) > 1 else parts[0])
+        return (torch.cat(rows, 0) if len(rows) > 1 else rows[0]), None
+
+    return attention
+
+
+__all__ = ["Documents", "DocumentBackend", "document_structure", "mask_padding_targets", "install_document_forward",
+           "with_documents", "document_core", "DOCS_KWARG", "BATCH_KEY", "LENS_KEY"]
