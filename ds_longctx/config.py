@@ -38,7 +38,15 @@ class AttentionConfig(_Strict):
 
 class ActivationCheckpointingConfig(_Strict):
     enabled: bool = False
-    offload: Literal["none", "cpu"] = "none"
+    offload: Literal["none", "cpu", "nvme"] = "none"
+    """Where each checkpointed layer's input goes until backward: "cpu" (an exact-size, pinned host arena
+    per rank) or "nvme" (a file per rank under ``nvme_path``, through DeepSpeed's async I/O op)."""
+    nvme_path: Optional[str] = None
+    """offload="nvme": an existing, writable directory on a local NVMe drive (O_DIRECT-capable, e.g. ext4/xfs),
+    on every node. Each rank writes one file in a fresh subdirectory, removed at the end."""
+    nvme_buffer_count: int = 3
+    """offload="nvme": staging buffers (each one layer input, pinned host memory) between device and drive;
+    2 is the least that overlaps a write with the next layer's forward."""
     pin_memory: bool = True
     use_reentrant: bool = False
     prefetch: bool = True
@@ -155,11 +163,26 @@ def parse(ds_config: dict) -> LongContextConfig:
     if ac.offload != "none" and not ac.enabled:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
                           f"offload {ac.offload!r} needs checkpointing", "also set activation_checkpointing.enabled=true")
+    _check_nvme_keys(ac)
     if sp > 1 and cfg.attention.implementation == "none":
         raise ConfigError(f"{SECTION}.attention.implementation",
                           f"'none' cannot run with sequence_parallel_size={sp} (attention must see the whole sequence)",
                           "use 'ulysses' or 'untied_ulysses', or set sequence_parallel_size to 1")
     return cfg
+
+
+def _check_nvme_keys(ac: ActivationCheckpointingConfig) -> None:
+    """The NVMe keys go together (the path itself is checked on each node when the target is built)."""
+    key = f"{SECTION}.activation_checkpointing"
+    if ac.offload == "nvme" and not ac.nvme_path:
+        raise ConfigError(f"{key}.nvme_path", "offload='nvme' needs a directory on the NVMe drive",
+                          'set "nvme_path": "/local_nvme" (an existing, writable local NVMe mount on every node)')
+    if ac.offload != "nvme" and ac.nvme_path is not None:
+        raise ConfigError(f"{key}.nvme_path", f"is set but offload is {ac.offload!r}",
+                          "set offload='nvme' to use it, or remove nvme_path")
+    if ac.nvme_buffer_count < 2:
+        raise ConfigError(f"{key}.nvme_buffer_count", f"must be at least 2, got {ac.nvme_buffer_count}",
+                          "use 2 or 3 (one buffer is written while the next layer fills another)")
 
 
 def _text_config(model_config):
