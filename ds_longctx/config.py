@@ -47,6 +47,10 @@ class ActivationCheckpointingConfig(_Strict):
     nvme_buffer_count: int = 3
     """offload="nvme": staging buffers (each one layer input, pinned host memory) between device and drive;
     2 is the least that overlaps a write with the next layer's forward."""
+    keep_on_device: int = 0
+    """With offload: the last this-many decoder layers keep their checkpointed input on the device. Backward
+    needs those first, so with HBM headroom they cost no transfer and save their host/NVMe bytes
+    (the planner reports how many fit: ``ds-longctx plan``)."""
     pin_memory: bool = True
     use_reentrant: bool = False
     prefetch: bool = True
@@ -180,6 +184,9 @@ def _check_nvme_keys(ac: ActivationCheckpointingConfig) -> None:
     if ac.offload != "nvme" and ac.nvme_path is not None:
         raise ConfigError(f"{key}.nvme_path", f"is set but offload is {ac.offload!r}",
                           "set offload='nvme' to use it, or remove nvme_path")
+    if ac.keep_on_device < 0:
+        raise ConfigError(f"{key}.keep_on_device", f"must be 0 or more, got {ac.keep_on_device}",
+                          "give the number of last layers whose inputs stay on the device")
     if ac.nvme_buffer_count < 2:
         raise ConfigError(f"{key}.nvme_buffer_count", f"must be at least 2, got {ac.nvme_buffer_count}",
                           "use 2 or 3 (one buffer is written while the next layer fills another)")

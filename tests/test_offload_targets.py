@@ -100,6 +100,14 @@ def test_arena_bit_exact_exact_size_and_no_growth_over_20_steps(reentrant):
     assert handle.offloader.target.arena.allocated_bytes == 0
 
 
+@pytest.mark.parametrize("keep", [1, LAYERS])
+def test_keep_on_device_skips_the_last_layers_bit_exact(keep):
+    cfg, handle, per_step = _compare_over_steps({"offload": "cpu", "keep_on_device": keep}, 2, False)
+    st = per_step[-1]
+    assert st["offloaded_tensors"] == 2 * (LAYERS - keep) and st["arena_bytes"] == (LAYERS - keep) * _layer_bytes(cfg)
+    handle.remove()
+
+
 def test_arena_bytes_equal_the_planners_host_figure():
     """What the arena holds after a real step == the planner's 'offloaded activations' host bytes for
     the same model, batch and length (the planner runs the same code on fake tensors)."""
@@ -195,6 +203,7 @@ def _run_child(code, env=None, timeout=300):
                           timeout=timeout, env=full_env, cwd=ROOT)
 
 
+@pytest.mark.distributed  # spawns a process
 def test_aio_op_unavailable_is_a_clear_config_error(tmp_path):
     """With no usable C compiler DeepSpeed's builder cannot link libaio (the check is DeepSpeed's own
     ``AsyncIOBuilder.is_compatible``): building the model's memory stack fails with the key and the fix."""
@@ -230,7 +239,11 @@ def test_nvme_files_removed_on_error(tmp_path):
     boom.remove()
     handle.remove()
     assert _act_dirs(tmp_path) == []
-    # a process that dies of an uncaught exception mid-step leaves nothing behind either
+
+
+@needs_aio
+@pytest.mark.distributed  # spawns a process
+def test_nvme_files_removed_when_the_process_dies_of_an_error(tmp_path):
     code = f"""
         import torch
         from tiny_models import build, tiny_config

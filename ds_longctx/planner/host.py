@@ -1,0 +1,161 @@
+"""The host side of a plan: where checkpointed layer inputs go (host arena, NVMe, or kept on the
+device), the host and NVMe bytes per node for each choice, and the check against the node's RAM.
+
+The step simulation always runs with every layer input offloaded to host memory (``offload="cpu"``,
+``keep_on_device=0``): that gives the per-rank bytes of all offloaded inputs, and each target is then
+arithmetic on them, because the runtime's targets are exact-size:
+
+- ``cpu``: the host arena holds one exact-size block per offloaded layer input (memory/arena.py);
+- ``nvme``: host memory holds the staging ring (``nvme_buffer_count`` layer inputs, 4 KiB-aligned),
+  the drive holds one aligned slot per offloaded layer input (memory/nvme.py);
+- ``keep_on_device=k``: the last k layer inputs stay in HBM (+k layer inputs at the device peak, one of
+  which the prefetch already brings back at the end of forward) and leave host/NVMe.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+from ..config import ConfigError
+from .units import fmt_bytes
+
+ALIGN = 4096  # memory/nvme.py: O_DIRECT slots and staging buffers
+KEY = "long_context.activation_checkpointing"
+
+
+def machine_ram_bytes() -> int:
+    """This machine's physical RAM: the default --host-mem."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def simulation_lc(lc):
+    """The config the step is simulated with: every layer input offloaded to host memory (no files are
+    touched by the planner; the NVMe and keep-on-device figures are derived from it)."""
+    ac = lc.activation_checkpointing
+    if ac.offload == "none" or (ac.offload == "cpu" and ac.keep_on_device == 0):
+        return lc
+    sim = lc.model_copy(deep=True)
+    sim.activation_checkpointing.nvme_path = None
+    sim.activation_checkpointing.offload = "cpu"
+    sim.activation_checkpointing.keep_on_device = 0
+    sim.sequence_parallel_size = lc.sequence_parallel_size
+    return sim
+
+
+def layer_input_bytes(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
+    """One decoder layer's input on one rank: micro_batch x (seq / SP) x hidden, in the model dtype."""
+    from .model_states import _DTYPE_BYTES, model_dtype
+    from .simulate import text_config
+
+    hidden = text_config(model_config).hidden_size
+    return micro_batch * (seq_len // lc.sequence_parallel_size) * hidden * _DTYPE_BYTES[model_dtype(ds_config)]
+
+
+@dataclass
+class OffloadOption:
+    target: str            # "cpu" | "nvme" | "none" (nothing offloaded: every input fits on the device)
+    keep_on_device: int
+    host_bytes_per_node: int
+    nvme_bytes_per_node: int
+    peak_device_bytes: int
+    fits: bool
+
+    def keys(self) -> dict:
+        """The activation_checkpointing keys that select this option."""
+        if self.target == "none":
+            return {"offload": "none"}
+        d = {"offload": self.target}
+        if self.keep_on_device:
+            d["keep_on_device"] = self.keep_on_device
+        if self.target == "nvme":
+            d["nvme_path"] = "/local_nvme"
+        return d
+
+
+@dataclass
+class HostSide:
+    host: Dict[str, int]             # per rank, by part (configured target)
+    nvme: Dict[str, int]             # per rank, by part (configured target)
+    peak_device_extra: int           # device bytes the configured keep_on_device adds to the simulated peak
+    offload: dict                    # configured target, options per target, the recommended one
+
+
+def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_layers: int, peak_device: int,
+              budget: int, reserve: int, host_budget: Optional[int], gpus_per_node: int) -> HostSide:
+    """Host/NVMe bytes of the configured target and of every alternative, from the simulated bytes of
+    all offloaded layer inputs (``offloaded_host_per_rank``)."""
+    ac = lc.activation_checkpointing
+    n_off = num_layers if offloaded_host_per_rank > 0 and layer_bytes > 0 else 0
+    # per offloaded layer input, as simulated (several tensors per layer for some models: scale, not assume)
+    per_layer = offloaded_host_per_rank // n_off if n_off else 0
+    ring = ac.nvme_buffer_count
+
+    def option(target: str, keep: int) -> OffloadOption:
+        keep = min(keep, n_off)
+        left = n_off - keep
+        host = dict(states.host)
+        nvme = dict(states.nvme)
+        extra = keep * per_layer
+        if target == "cpu" and left:
+            host["offloaded activations"] = left * per_layer
+        elif target == "nvme" and left:
+            host["nvme staging ring"] = ring * _aligned(per_layer)
+            nvme["offloaded activations"] = left * _aligned(per_layer)
+        h, v = sum(host.values()) * gpus_per_node, sum(nvme.values()) * gpus_per_node
+        peak = peak_device + extra
+        fits = peak + reserve <= budget and (host_budget is None or h <= host_budget)
+        return OffloadOption(target if left or target == "none" else "none", keep, h, v, peak, fits), host, nvme
+
+    configured = ac.offload if n_off else "none"
+    conf_opt, conf_host, conf_nvme = option(configured, ac.keep_on_device if configured != "none" else 0)
+    options: List[OffloadOption] = []
+    if n_off:
+        headroom = budget - reserve - peak_device
+        k_max = max(0, min(n_off, headroom // per_layer)) if per_layer else 0
+        for target in ("cpu", "nvme"):
+            options.append(option(target, 0)[0])
+            if k_max:
+                options.append(option(target, k_max)[0])
+    # fastest first: everything on the device, then host with the most kept, then NVMe
+    order = {"none": 0, "cpu": 1, "nvme": 2}
+    ranked = sorted(options, key=lambda o: (order[o.target], -o.keep_on_device))
+    best = next((o for o in ranked if o.fits), None)
+    offload = {"target": conf_opt.target, "keep_on_device": conf_opt.keep_on_device,
+               "host_bytes_per_node": conf_opt.host_bytes_per_node, "nvme_bytes_per_node": conf_opt.nvme_bytes_per_node,
+               "layer_input_bytes": per_layer, "offloaded_layers": n_off - conf_opt.keep_on_device,
+               "options": [asdict(o) for o in ranked],
+               "recommended": None if best is None else dict(asdict(best), keys=best.keys())}
+    return HostSide(conf_host, conf_nvme, conf_opt.keep_on_device * per_layer, offload)
+
+
+def check_host_budget(states, host_budget: Optional[int], gpus_per_node: int) -> None:
+    """Too small a --host-mem: the model states alone (CPU-offloaded optimizer, params) do not fit."""
+    if host_budget is None:
+        return
+    need = states.host_total * gpus_per_node
+    if need > host_budget:
+        raise ConfigError("--host-mem", f"the model states alone need {fmt_bytes(need)} of host memory per node "
+                          f"({gpus_per_node} ranks x {fmt_bytes(states.host_total)}), over --host-mem "
+                          f"{fmt_bytes(host_budget)}: no offload target can fit",
+                          "give the node's RAM (e.g. --host-mem 2TiB), offload the optimizer to nvme, or use "
+                          "more nodes")
+
+
+def describe(offload: dict) -> List[str]:
+    """Lines for the plan's text report."""
+    lines = [f"layer inputs: {offload['offloaded_layers']} x {fmt_bytes(offload['layer_input_bytes'])} per rank "
+             f"offloaded to {offload['target']}" + (f", last {offload['keep_on_device']} kept on the device"
+                                                    if offload['keep_on_device'] else "")]
+    for o in offload["options"]:
+        lines.append(f"  option {o['target']:<4} keep_on_device={o['keep_on_device']:<2} host/node "
+                     f"{fmt_bytes(o['host_bytes_per_node'])}  nvme/node {fmt_bytes(o['nvme_bytes_per_node'])}  "
+                     f"peak/GPU {fmt_bytes(o['peak_device_bytes'])}  {'fits' if o['fits'] else 'does not fit'}")
+    rec = offload.get("recommended")
+    lines.append("recommended: " + (f"activation_checkpointing {rec['keys']}" if rec else
+                                    "nothing fits the host and device budgets"))
+    return lines
