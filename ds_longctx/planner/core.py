@@ -132,15 +132,18 @@ def _micro_batch(ds_config: dict) -> int:
 def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
     L = text_config(model_config).num_hidden_layers
     bs = _micro_batch(ds_config)
-    if full_depth or L <= EXTRAPOLATE_FROM[1] + 1:
+    # keep_on_device=k: the last k layers differ from the rest, so extrapolate from k+2 and k+3 layers
+    shift = host_plan.extrapolation_shift(lc)
+    lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
+    if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
         return r.breakdown, r.peak_host, [L], False, r.seconds
-    a = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[0], device=device, batch_size=bs)
-    b = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[1], device=device, batch_size=bs)
-    k = L - EXTRAPOLATE_FROM[0]
+    a = simulate_step(model_config, ds_config, lc, world, seq, lo, device=device, batch_size=bs)
+    b = simulate_step(model_config, ds_config, lc, world, seq, hi, device=device, batch_size=bs)
+    k = L - lo
     br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
     host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
-    return br, host, list(EXTRAPOLATE_FROM), True, a.seconds + b.seconds
+    return br, host, [lo, hi], True, a.seconds + b.seconds
 
 
 class Planner:
@@ -190,9 +193,6 @@ class Planner:
         hs = host_plan.host_side(lc, self.states, int(host_act), host_plan.layer_input_bytes(
             self.model_config, self.ds_config, lc, seq_len, _micro_batch(self.ds_config)), num_layers, peak,
             self.budget, self.reserve, self.host_budget, self.gpus_per_node)
-        if hs.peak_device_extra:  # keep_on_device: those inputs stay in HBM for the whole step
-            breakdown["other"] = breakdown.get("other", 0) + hs.peak_device_extra
-            peak += hs.peak_device_extra
         host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node

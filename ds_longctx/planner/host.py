@@ -1,15 +1,17 @@
 """The host side of a plan: where checkpointed layer inputs go (host arena, NVMe, or kept on the
 device), the host and NVMe bytes per node for each choice, and the check against the node's RAM.
 
-The step simulation always runs with every layer input offloaded to host memory (``offload="cpu"``,
-``keep_on_device=0``): that gives the per-rank bytes of all offloaded inputs, and each target is then
-arithmetic on them, because the runtime's targets are exact-size:
+The step is simulated with the configured ``keep_on_device`` and the offloaded inputs going to host
+memory (``offload="nvme"`` is simulated as ``"cpu"``: the planner touches no files). The runtime's
+targets are exact-size, so each target's bytes follow from the simulated ones by arithmetic:
 
 - ``cpu``: the host arena holds one exact-size block per offloaded layer input (memory/arena.py);
 - ``nvme``: host memory holds the staging ring (``nvme_buffer_count`` layer inputs, 4 KiB-aligned),
-  the drive holds one aligned slot per offloaded layer input (memory/nvme.py);
-- ``keep_on_device=k``: the last k layer inputs stay in HBM (+k layer inputs at the device peak, one of
-  which the prefetch already brings back at the end of forward) and leave host/NVMe.
+  the drive one aligned slot per offloaded layer input (memory/nvme.py).
+
+Alternatives with a different ``keep_on_device`` are estimates (their device peak is the simulated
+one plus the extra kept inputs, an upper bound); put the recommended keys in the config and plan it
+again for the simulated figure.
 """
 from __future__ import annotations
 
@@ -34,17 +36,23 @@ def _aligned(n: int) -> int:
 
 
 def simulation_lc(lc):
-    """The config the step is simulated with: every layer input offloaded to host memory (no files are
-    touched by the planner; the NVMe and keep-on-device figures are derived from it)."""
+    """The config the step is simulated with: offloaded inputs to host memory (no files are touched by
+    the planner; the NVMe figures are derived from it), ``keep_on_device`` as configured."""
     ac = lc.activation_checkpointing
-    if ac.offload == "none" or (ac.offload == "cpu" and ac.keep_on_device == 0):
+    if ac.offload != "nvme":
         return lc
     sim = lc.model_copy(deep=True)
     sim.activation_checkpointing.nvme_path = None
     sim.activation_checkpointing.offload = "cpu"
-    sim.activation_checkpointing.keep_on_device = 0
     sim.sequence_parallel_size = lc.sequence_parallel_size
     return sim
+
+
+def extrapolation_shift(lc) -> int:
+    """Layers to add to the extrapolation points: the last ``keep_on_device`` layers are not offloaded,
+    so the step is affine in depth only past them."""
+    ac = lc.activation_checkpointing
+    return ac.keep_on_device if ac.enabled and ac.offload != "none" else 0
 
 
 def layer_input_bytes(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
@@ -87,50 +95,59 @@ class HostSide:
 
 def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_layers: int, peak_device: int,
               budget: int, reserve: int, host_budget: Optional[int], gpus_per_node: int) -> HostSide:
-    """Host/NVMe bytes of the configured target and of every alternative, from the simulated bytes of
-    all offloaded layer inputs (``offloaded_host_per_rank``)."""
+    """Host/NVMe bytes of the configured target (from the simulated bytes of its offloaded layer inputs,
+    ``offloaded_host_per_rank``) and of the alternatives."""
     ac = lc.activation_checkpointing
-    n_off = num_layers if offloaded_host_per_rank > 0 and layer_bytes > 0 else 0
-    # per offloaded layer input, as simulated (several tensors per layer for some models: scale, not assume)
-    per_layer = offloaded_host_per_rank // n_off if n_off else 0
+    offloading = ac.enabled and ac.offload != "none"
+    keep = min(ac.keep_on_device, num_layers) if offloading else 0
+    n_off = num_layers - keep if offloading else 0
+    per_layer = layer_bytes
     ring = ac.nvme_buffer_count
 
-    def option(target: str, keep: int) -> OffloadOption:
-        keep = min(keep, n_off)
-        left = n_off - keep
-        host = dict(states.host)
-        nvme = dict(states.nvme)
-        extra = keep * per_layer
+    def option(target: str, k: int):
+        left = num_layers - k
+        host, nvme = dict(states.host), dict(states.nvme)
         if target == "cpu" and left:
-            host["offloaded activations"] = left * per_layer
+            # the configured target: the simulated bytes themselves (equal to left x layer, checked in tests)
+            host["offloaded activations"] = (offloaded_host_per_rank if k == keep and offloading
+                                             else left * per_layer)
         elif target == "nvme" and left:
             host["nvme staging ring"] = ring * _aligned(per_layer)
             nvme["offloaded activations"] = left * _aligned(per_layer)
         h, v = sum(host.values()) * gpus_per_node, sum(nvme.values()) * gpus_per_node
-        peak = peak_device + extra
+        peak = peak_device + (k - keep) * per_layer
         fits = peak + reserve <= budget and (host_budget is None or h <= host_budget)
-        return OffloadOption(target if left or target == "none" else "none", keep, h, v, peak, fits), host, nvme
+        name = target if left else "none"
+        return OffloadOption(name, k if left else num_layers, h, v, peak, fits), host, nvme
 
-    configured = ac.offload if n_off else "none"
-    conf_opt, conf_host, conf_nvme = option(configured, ac.keep_on_device if configured != "none" else 0)
+    configured = ac.offload if offloading else "none"
+    conf_opt, conf_host, conf_nvme = option(configured if configured != "none" else "cpu",
+                                            keep if offloading else num_layers)
+    if not offloading:  # no offload configured: host holds the model states only
+        conf_host, conf_nvme = dict(states.host), dict(states.nvme)
     options: List[OffloadOption] = []
-    if n_off:
+    if offloading and per_layer:
         headroom = budget - reserve - peak_device
-        k_max = max(0, min(n_off, headroom // per_layer)) if per_layer else 0
+        k_max = max(0, min(num_layers, keep + headroom // per_layer))
         for target in ("cpu", "nvme"):
-            options.append(option(target, 0)[0])
-            if k_max:
-                options.append(option(target, k_max)[0])
+            for k in sorted({keep, k_max, 0}):
+                if k <= k_max:
+                    options.append(option(target, k)[0])
     # fastest first: everything on the device, then host with the most kept, then NVMe
     order = {"none": 0, "cpu": 1, "nvme": 2}
-    ranked = sorted(options, key=lambda o: (order[o.target], -o.keep_on_device))
+    seen, ranked = set(), []
+    for o in sorted(options, key=lambda o: (order[o.target], -o.keep_on_device)):
+        if (o.target, o.keep_on_device) not in seen:
+            seen.add((o.target, o.keep_on_device))
+            ranked.append(o)
     best = next((o for o in ranked if o.fits), None)
-    offload = {"target": conf_opt.target, "keep_on_device": conf_opt.keep_on_device,
-               "host_bytes_per_node": conf_opt.host_bytes_per_node, "nvme_bytes_per_node": conf_opt.nvme_bytes_per_node,
-               "layer_input_bytes": per_layer, "offloaded_layers": n_off - conf_opt.keep_on_device,
+    offload = {"target": configured, "keep_on_device": keep,
+               "host_bytes_per_node": sum(conf_host.values()) * gpus_per_node,
+               "nvme_bytes_per_node": sum(conf_nvme.values()) * gpus_per_node,
+               "layer_input_bytes": per_layer, "offloaded_layers": n_off,
                "options": [asdict(o) for o in ranked],
                "recommended": None if best is None else dict(asdict(best), keys=best.keys())}
-    return HostSide(conf_host, conf_nvme, conf_opt.keep_on_device * per_layer, offload)
+    return HostSide(conf_host, conf_nvme, 0, offload)
 
 
 def check_host_budget(states, host_budget: Optional[int], gpus_per_node: int) -> None:
