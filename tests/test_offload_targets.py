@@ -52,14 +52,14 @@ needs_aio = pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_i
                                "(.ci/run installs it as root on Debian)")
 
 
-def _compare_over_steps(target_ac, steps, reentrant):
+def _compare_over_steps(target_ac, steps, reentrant, offload_target=None):
     """Train the reference (checkpointing, no offload) and the offloaded model side by side with SGD:
     losses and every gradient bit-equal at every step. Returns the offload handle's stats per step."""
     cfg = tiny_config(layers=LAYERS)
     ref = build(cfg)
     apply_memory_stack(ref, _lc(use_reentrant=reentrant))
     model = build(cfg)
-    handle = apply_memory_stack(model, _lc(use_reentrant=reentrant, **target_ac))
+    handle = apply_memory_stack(model, _lc(use_reentrant=reentrant, **target_ac), offload_target=offload_target)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     per_step = []
@@ -149,18 +149,22 @@ def _act_dirs(path):
 
 
 @needs_aio
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_nvme_bit_exact_no_growth_and_cleanup(tmp_path, reentrant):
-    from ds_longctx.memory.nvme import ALIGN
+@pytest.mark.parametrize("reentrant,chunk", [(False, None), (True, None), (False, 4096)])
+def test_nvme_bit_exact_no_growth_and_cleanup(tmp_path, reentrant, chunk):
+    """chunk=4096: each 6 KiB layer input streams through the staging ring in two chunks (one partial)."""
+    from ds_longctx.memory.nvme import ALIGN, NVMeTarget
 
-    cfg, handle, per_step = _compare_over_steps({"offload": "nvme", "nvme_path": str(tmp_path)}, 20, reentrant)
+    target = NVMeTarget(str(tmp_path), chunk_bytes=chunk) if chunk else None
+    cfg, handle, per_step = _compare_over_steps({"offload": "nvme", "nvme_path": str(tmp_path)}, 20, reentrant,
+                                                offload_target=target)
     target = handle.offloader.target
     lb = _layer_bytes(cfg)
     span = -(-lb // ALIGN) * ALIGN
+    staging = 3 * (chunk or span)
     assert len(_act_dirs(tmp_path)) == 1 and os.path.getsize(target.file) == LAYERS * span
     for i, st in enumerate(per_step):
         assert st["nvme_bytes"] == LAYERS * span, (i, st)          # one slot per layer, reused every step
-        assert st["staging_bytes"] == 3 * span, (i, st)            # the ring: 3 layer inputs of host memory
+        assert st["staging_bytes"] == staging, (i, st)             # the ring: 3 chunks of host memory
         assert st["offloaded_tensors"] == LAYERS * (i + 1) and st["restored_tensors"] == LAYERS * (i + 1)
         assert st["nvme_reads"] == LAYERS * (i + 1)               # every restore came from the file
         assert st["host_bytes"] == 0

@@ -21,17 +21,20 @@ import torch
 
 
 def _register(t: torch.Tensor) -> None:
-    """Page-lock ``t``'s memory for DMA (CUDA). Not run on CPU CI: written against torch's cudart
-    binding (``torch.cuda.cudart().cudaHostRegister(ptr, bytes, flags)``, flags 0 = default)."""
-    cudart = torch.cuda.cudart()
-    torch.cuda.check_error(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    """Page-lock ``t``'s memory for DMA, as torch's own ``torch.cuda._pin_memory_utils.pin_memory``
+    does (flags 1 = cudaHostRegisterPortable: pinned for every CUDA context). Not run on CPU CI."""
+    nbytes = t.numel() * t.element_size()
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 1))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err} (out of lockable host "
+                           "memory? check `ulimit -l` and the node's free RAM)")
 
 
 def _unregister(raw: torch.Tensor) -> None:
     # the memory must not be freed while still registered; copies from it must be done (the arena
     # synchronizes before closing; a block dropped by garbage collection was idle by construction)
     try:
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(raw.data_ptr()))
+        torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
     except Exception:  # interpreter shutdown: the driver may already be gone; the OS frees the pages
         pass
 

@@ -4,9 +4,10 @@ The I/O engine is the one ZeRO-Infinity's swappers use (``AsyncIOBuilder().load(
 ``async_pwrite``/``async_pread`` + ``wait``, O_DIRECT, so buffers, lengths and file offsets are
 aligned). What ZeRO-Infinity's swappers do not give us is the schedule of activations: a layer
 input is written while the next layer's forward runs and read back one layer ahead in backward, so
-this target keeps a small ring of staging buffers (page-locked host memory: cudaHostRegister'd on
-CUDA, DeepSpeed's locked tensors on CPU) and one I/O thread that drives the handle in submission
-order. One file per rank inside a fresh directory under ``nvme_path``, carved into exact-size slots
+this target has one I/O thread that drives the handle in submission order and streams each layer
+input through a small ring of staging chunks (page-locked host memory: cudaHostRegister'd on CUDA,
+DeepSpeed's locked tensors on CPU; ``nvme_buffer_count`` x ``CHUNK_BYTES``, so host memory does not
+grow with the layer size: the copy of chunk j+1 overlaps the drive's write of chunk j). One file per rank inside a fresh directory under ``nvme_path``, carved into exact-size slots
 that are reused from step to step (no growth while shapes stay the same); the directory is removed
 by :meth:`NVMeTarget.close`, when the target is garbage-collected, and at interpreter exit.
 """
@@ -28,6 +29,8 @@ from .offload import OffloadTarget, _dispatch_free
 
 KEY = "long_context.activation_checkpointing"
 ALIGN = 4096  # O_DIRECT: buffer address, length and file offset; 4 KiB covers 512 B and 4 KiB sectors
+
+CHUNK_BYTES = 128 << 20  # one staging buffer; a layer input moves through the ring in chunks of this size
 
 # DeepSpeed's aio defaults (deepspeed/runtime/swap_tensor/constants.py), what ZeRO-Infinity runs with
 AIO_BLOCK_SIZE, AIO_QUEUE_DEPTH, AIO_INTRA_OP_PARALLELISM = 1 << 20, 8, 1
@@ -112,26 +115,29 @@ def _cleanup(state):
 
 
 class NVMeTarget(OffloadTarget):
-    """Layer inputs go device -> staging buffer -> file, and come back file -> staging -> device.
-
-    ``ring`` staging buffers (each one layer input, aligned) bound the host memory: a write holds one
-    until the drive has the data, a read until the copy out of it is done, so at most ``ring`` layer
-    inputs are in flight, and a new offload waits for the oldest write when all are busy.
-    """
+    """Layer inputs go device -> staging chunk -> file, and come back file -> staging chunk -> device,
+    on one I/O thread. ``to_host`` returns at once; the returned job is the offloader's throttle (it
+    waits for the write issued ``max_inflight`` layers ago, which bounds how many offloaded device
+    tensors the I/O thread keeps alive). Host memory: ``ring`` staging chunks."""
 
     def __init__(self, nvme_path: str, ring: int = 3, pin_memory: bool = True, rank: Optional[int] = None,
-                 block_size: int = AIO_BLOCK_SIZE, queue_depth: int = AIO_QUEUE_DEPTH,
-                 intra_op_parallelism: int = AIO_INTRA_OP_PARALLELISM):
+                 chunk_bytes: int = CHUNK_BYTES, block_size: int = AIO_BLOCK_SIZE,
+                 queue_depth: int = AIO_QUEUE_DEPTH, intra_op_parallelism: int = AIO_INTRA_OP_PARALLELISM):
         base = check_nvme_path(nvme_path)
         self._aio = load_aio()
         if ring < 2:
             raise ConfigError(f"{KEY}.nvme_buffer_count", f"must be at least 2, got {ring}",
-                              "use 2 or 3 (one buffer writing while the next layer fills another)")
+                              "use 2 or 3 (one chunk is written while the next is copied)")
         self.ring = ring
+        self.chunk_bytes = _align(chunk_bytes)
         self.pin = pin_memory and torch.cuda.is_available()
         if rank is None:
             rank = int(os.environ.get("RANK", "0"))
-        self.dir = tempfile.mkdtemp(prefix=f"ds_longctx_act_rank{rank}_", dir=base)
+        try:
+            self.dir = tempfile.mkdtemp(prefix=f"ds_longctx_act_rank{rank}_", dir=base)
+        except OSError as e:
+            raise ConfigError(f"{KEY}.nvme_path", f"cannot create a directory in {base!r} ({e})",
+                              "point nvme_path at a writable directory on a local NVMe drive") from None
         self.file = os.path.join(self.dir, "layer_inputs.bin")
         self.handle = self._aio.aio_handle(block_size, queue_depth, False, True, intra_op_parallelism)
         self._cv = threading.Condition()
@@ -139,9 +145,8 @@ class NVMeTarget(OffloadTarget):
         self._state = {"queue": self._queue, "cv": self._cv, "thread": None, "dir": self.dir, "locked": [],
                        "free_locked": None if self.pin else self.handle.free_cpu_locked_tensor}
         self._finalizer = weakref.finalize(self, _cleanup, self._state)  # also runs at exit
-        self._staging: List = []        # free staging buffers (uint8 tensors, ALIGN-aligned)
-        self._staging_bytes = 0         # size of each
-        self._staging_total = 0         # host bytes held by the ring
+        self._staging: List[torch.Tensor] = []  # used by the I/O thread only (after the probe)
+        self._staging_bytes = 0         # size of each staging chunk
         self._slots_free: List[tuple] = []  # (offset, span) free in the file
         self.file_bytes = 0             # size of the file: NVMe bytes this rank uses
         self.writes = self.reads = 0
@@ -156,21 +161,25 @@ class NVMeTarget(OffloadTarget):
     def _probe(self):
         """One aligned write and read-back now, so an unusable path fails before training starts."""
         buf = self._new_buffer(ALIGN)
+        back = self._new_buffer(ALIGN)
+        why = ""
         try:
             buf.fill_(0x5A)
-            back = self._new_buffer(ALIGN)
-            ok = (self.handle.sync_pwrite(buf, self.file, 0) == 1 and self.handle.sync_pread(back, self.file, 0) == 1
-                  and torch.equal(buf, back))
+            back.zero_()
+            w = self.handle.sync_pwrite(buf, self.file, 0)
+            r = self.handle.sync_pread(back, self.file, 0)
+            if w < 0 or r < 0:
+                why = f"the aio write/read returned {w}/{r}"
+            elif not torch.equal(buf, back):
+                why = "the data read back differs"
         except Exception as e:
-            ok, why = False, f"{type(e).__name__}: {e}"
-        else:
-            why = "the data read back differs" if not ok else ""
-        if not ok:
+            why = f"{type(e).__name__}: {e}"
+        self._release_buffers(buf, back)
+        if why:
             self.close()
             raise ConfigError(f"{KEY}.nvme_path", f"an O_DIRECT test write/read in {os.path.dirname(self.dir)!r} "
-                              f"failed ({why or 'I/O error'})", "use a directory on a local disk that supports "
-                              "O_DIRECT (ext4/xfs on NVMe; not tmpfs or some network filesystems)")
-        self._release_buffers(buf, back)
+                              f"failed ({why})", "use a directory on a local disk that supports O_DIRECT "
+                              "(ext4/xfs on NVMe; not some network or FUSE filesystems)")
         os.truncate(self.file, 0)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
@@ -180,7 +189,7 @@ class NVMeTarget(OffloadTarget):
                 # directly. Not run on CPU CI.
                 block = HostBlock(nbytes, True, ALIGN)
                 t = block.data
-                t._ds_longctx_block = block  # keeps the registration alive with the tensor
+                self._state["locked"].append(block)  # keeps the registration alive with the target
             else:
                 # DeepSpeed's page-locked, page-aligned tensors: the aio engine uses them without a bounce copy
                 t = self.handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
@@ -188,9 +197,10 @@ class NVMeTarget(OffloadTarget):
         return t
 
     def _release_buffers(self, *bufs):
-        if not self.pin:
-            for b in bufs:
-                self._state["locked"] = [t for t in self._state["locked"] if t is not b]
+        for b in bufs:
+            self._state["locked"] = [t for t in self._state["locked"]
+                                     if not (t is b or getattr(t, "data", None) is b)]
+            if not self.pin:
                 self.handle.free_cpu_locked_tensor(b)
 
     def _stream(self, device):
@@ -199,31 +209,19 @@ class NVMeTarget(OffloadTarget):
             s = self._streams[device] = torch.cuda.Stream(device=device)
         return s
 
-    # -- staging ring and file slots ----------------------------------------------------------------
-    def _acquire(self, nbytes: int) -> torch.Tensor:
-        span = _align(nbytes)
-        with self._cv:
-            if span > self._staging_bytes:
-                # first use, or a larger layer input than before: (re)build the ring at the new size
-                while len(self._staging) < self._ring_built():
-                    self._raise_if_failed()
-                    self._cv.wait()
-                old, self._staging = self._staging, []
-                self._release_buffers(*old)
-                self._staging = [self._new_buffer(span) for _ in range(self.ring)]
-                self._staging_bytes, self._staging_total = span, span * self.ring
-            while not self._staging:
-                self._raise_if_failed()
-                self._cv.wait()
-            return self._staging.pop()
+    # -- staging ring (I/O thread) and file slots ------------------------------------------------------
+    def _ring_for(self, nbytes: int) -> List[torch.Tensor]:
+        size = min(self.chunk_bytes, _align(nbytes))
+        if size > self._staging_bytes:
+            # first use, or a larger layer input than before (below one chunk): rebuild at the new size
+            self._release_buffers(*self._staging)
+            self._staging = [self._new_buffer(size) for _ in range(self.ring)]
+            self._staging_bytes = size
+        return self._staging
 
-    def _ring_built(self) -> int:
-        return self.ring if self._staging_bytes else 0
-
-    def _give_back(self, buf):
-        with self._cv:
-            self._staging.append(buf)
-            self._cv.notify_all()
+    def _chunks(self, nbytes: int):
+        c = self._staging_bytes
+        return [(o, min(c, nbytes - o)) for o in range(0, nbytes, c)]
 
     def _slot(self, nbytes: int, shape, dtype) -> NVMeSlot:
         span = _align(nbytes)
@@ -270,58 +268,93 @@ class NVMeTarget(OffloadTarget):
                     self.error = e
                     self._cv.notify_all()
             finally:
+                job.staging = job.out = None  # drop the device tensor: its memory may be reused now
                 job.done.set()
+
+    def _io(self, write: bool, buf: torch.Tensor, offset: int):
+        fn = self.handle.async_pwrite if write else self.handle.async_pread
+        if fn(buf, self.file, offset) != 0:
+            raise OSError(f"aio {'write' if write else 'read'} of {buf.numel()} bytes at offset {offset} failed")
+
+    def _wait(self, n: int):
+        done = self.handle.wait()
+        if done != n:
+            raise OSError(f"aio wait completed {done} of {n} operations in {self.file}")
 
     def _do(self, job: _Job):
         if job.kind == "barrier":
             return
-        slot, buf = job.slot, job.staging
-        io = buf[:slot.span]
+        slot = job.slot
+        ring = self._ring_for(slot.nbytes)
+        chunks = self._chunks(slot.nbytes)
         if job.kind == "write":
-            if job.event is not None:
-                job.event.synchronize()  # the D2H into the staging buffer is done
-            if self.handle.async_pwrite(io, self.file, slot.offset) != 0 or self.handle.wait() != 1:
-                raise OSError(f"aio write of {slot.span} bytes at offset {slot.offset} failed")
+            src = job.staging  # the device tensor, as bytes
+            cuda = src.device.type == "cuda"
+            if cuda:
+                side = self._stream(src.device)
+                side.wait_event(job.event)  # src was produced on the compute stream
+            pending = 0
+            for j, (off, n) in enumerate(chunks):
+                buf = ring[j % len(ring)]
+                # the write that used this buffer ring-1 chunks ago is done: we wait for each before
+                # submitting the next (at most one write in flight, overlapping this copy)
+                if cuda:
+                    with torch.cuda.stream(side):
+                        buf[:n].copy_(src[off:off + n], non_blocking=True)
+                    side.synchronize()
+                else:
+                    with _dispatch_free():
+                        buf[:n].copy_(src[off:off + n])
+                if pending:
+                    self._wait(pending)
+                self._io(True, buf[:_align(n)], slot.offset + off)
+                pending = 1
+            if pending:
+                self._wait(pending)
             self.writes += 1
-            self._give_back(buf)
             return
-        if self.handle.async_pread(io, self.file, slot.offset) != 0 or self.handle.wait() != 1:
-            raise OSError(f"aio read of {slot.span} bytes at offset {slot.offset} failed")
+        out = job.out  # the freshly allocated device tensor, as bytes
+        cuda = out.device.type == "cuda"
+        side = self._stream(out.device) if cuda else None
+        events = [None] * len(ring)
+        for j, (off, n) in enumerate(chunks):
+            b = j % len(ring)
+            if events[b] is not None:
+                events[b].synchronize()  # the H2D that read this buffer is done
+            self._io(False, ring[b][:_align(n)], slot.offset + off)
+            self._wait(1)
+            if cuda:
+                with torch.cuda.stream(side):
+                    out[off:off + n].copy_(ring[b][:n], non_blocking=True)
+                    events[b] = side.record_event()
+            else:
+                with _dispatch_free():
+                    out[off:off + n].copy_(ring[b][:n])
+        if cuda:
+            job.result = side.record_event()
+            job.result.synchronize()  # the ring is free for the next job only once every H2D has read it
         self.reads += 1
-        src = buf[:slot.nbytes].view(slot.dtype).view(slot.shape)
-        out = job.out
-        if out.device.type == "cuda":
-            side = self._stream(out.device)
-            with torch.cuda.stream(side):
-                out.copy_(src, non_blocking=True)
-                ev = side.record_event()
-            ev.synchronize()  # the staging buffer is free only once the H2D has read it
-            job.result = ev
-        else:
-            with _dispatch_free():
-                out.copy_(src)
-        self._give_back(buf)
 
     # -- OffloadTarget ----------------------------------------------------------------------------------
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
     def to_host(self, t):
         self._raise_if_failed()
-        nbytes = t.numel() * t.element_size()
-        buf = self._acquire(nbytes)
-        view = buf[:nbytes].view(t.dtype).view(t.shape)
+        src = t.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        nbytes = src.numel() * src.element_size()
         ev = None
-        if t.device.type == "cuda":
-            side = self._stream(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
-                view.copy_(t.detach(), non_blocking=True)
-            t.record_stream(side)
-            ev = side.record_event()
-        else:
-            with _dispatch_free():
-                view.copy_(t.detach())
+        if src.device.type == "cuda":
+            ev = torch.cuda.current_stream(src.device).record_event()
+            # the I/O thread copies from src on its side stream later: keep the allocator from reusing it
+            src.record_stream(self._stream(src.device))
         slot = self._slot(nbytes, t.shape, t.dtype)
-        self._submit(_Job("write", buf, slot, event=ev))
-        return slot, ev
+        job = _Job("write", self._bytes(src), slot, event=ev)  # the job holds src until it is written
+        self._submit(job)
+        return slot, job
 
     def to_device(self, host: NVMeSlot, device):
         device = torch.device(device)
@@ -330,8 +363,7 @@ class NVMeTarget(OffloadTarget):
             # out's block may have been freed by kernels still queued on the compute stream
             self._stream(device).wait_stream(torch.cuda.current_stream(device))
             out.record_stream(self._stream(device))
-        buf = self._acquire(host.nbytes)
-        job = _Job("read", buf, host, out=out)
+        job = _Job("read", None, host, out=self._bytes(out))
         self._submit(job)
         return out, job
 
@@ -339,7 +371,7 @@ class NVMeTarget(OffloadTarget):
         if isinstance(event, _Job):
             event.done.wait()
             if event.error is not None:
-                raise RuntimeError(f"NVMe offload read failed in {self.file}: {event.error}") from event.error
+                raise RuntimeError(f"NVMe offload I/O failed in {self.file}: {event.error}") from event.error
             event = event.result
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
@@ -347,6 +379,7 @@ class NVMeTarget(OffloadTarget):
     def sync(self, event):
         if isinstance(event, _Job):
             event.done.wait()
+            self._raise_if_failed()
         elif event is not None:
             event.synchronize()
 
@@ -358,9 +391,9 @@ class NVMeTarget(OffloadTarget):
         self._raise_if_failed()
 
     def memory_stats(self) -> dict:
-        return {"nvme_bytes": self.file_bytes, "staging_bytes": self._staging_total,
-                "pinned_bytes": self._staging_total if self.pin else 0, "nvme_writes": self.writes,
-                "nvme_reads": self.reads}
+        staging = self._staging_bytes * len(self._staging)
+        return {"nvme_bytes": self.file_bytes, "staging_bytes": staging,
+                "pinned_bytes": staging if self.pin else 0, "nvme_writes": self.writes, "nvme_reads": self.reads}
 
     def close(self):
         """Stop the I/O thread, free the staging ring and remove this rank's directory."""

@@ -6,8 +6,9 @@ memory (``offload="nvme"`` is simulated as ``"cpu"``: the planner touches no fil
 targets are exact-size, so each target's bytes follow from the simulated ones by arithmetic:
 
 - ``cpu``: the host arena holds one exact-size block per offloaded layer input (memory/arena.py);
-- ``nvme``: host memory holds the staging ring (``nvme_buffer_count`` layer inputs, 4 KiB-aligned),
-  the drive one aligned slot per offloaded layer input (memory/nvme.py).
+- ``nvme``: host memory holds the staging ring (``nvme_buffer_count`` chunks of at most
+  ``memory.nvme.CHUNK_BYTES``, 4 KiB-aligned), the drive one aligned slot per offloaded layer input
+  (memory/nvme.py).
 
 Alternatives with a different ``keep_on_device`` are estimates (their device peak is the simulated
 one plus the extra kept inputs, an upper bound); put the recommended keys in the config and plan it
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 from ..config import ConfigError
+from ..memory.nvme import CHUNK_BYTES
 from .units import fmt_bytes
 
 ALIGN = 4096  # memory/nvme.py: O_DIRECT slots and staging buffers
@@ -112,7 +114,7 @@ def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_la
             host["offloaded activations"] = (offloaded_host_per_rank if k == keep and offloading
                                              else left * per_layer)
         elif target == "nvme" and left:
-            host["nvme staging ring"] = ring * _aligned(per_layer)
+            host["nvme staging ring"] = ring * min(CHUNK_BYTES, _aligned(per_layer))
             nvme["offloaded activations"] = left * _aligned(per_layer)
         h, v = sum(host.values()) * gpus_per_node, sum(nvme.values()) * gpus_per_node
         peak = peak_device + (k - keep) * per_layer
