@@ -117,7 +117,9 @@ def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_la
             host["nvme staging ring"] = ring * min(CHUNK_BYTES, _aligned(per_layer))
             nvme["offloaded activations"] = left * _aligned(per_layer)
         h, v = sum(host.values()) * gpus_per_node, sum(nvme.values()) * gpus_per_node
-        peak = peak_device + (k - keep) * per_layer
+        # more kept than simulated: + the extra inputs (an upper bound); fewer: the simulated peak (the
+        # kept inputs may not be alive at the peak, so subtracting them could under-count)
+        peak = peak_device + max(0, k - keep) * per_layer
         fits = peak + reserve <= budget and (host_budget is None or h <= host_budget)
         name = target if left else "none"
         return OffloadOption(name, k if left else num_layers, h, v, peak, fits), host, nvme
