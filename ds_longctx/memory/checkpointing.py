@@ -45,8 +45,11 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
                           "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
                           "enabled=false")
     fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader)
-    for layer in layers:
-        layer._gradient_checkpointing_func = fn
+    # the last `keep` layers' inputs stay on the device: backward needs them first
+    keep = min(len(layers), getattr(ac_cfg, "keep_on_device", 0)) if offloader is not None else 0
+    plain = _checkpoint_fn(ac_cfg.use_reentrant, None)
+    for i, layer in enumerate(layers):
+        layer._gradient_checkpointing_func = plain if i >= len(layers) - keep else fn
         layer.gradient_checkpointing = True
     if ac_cfg.use_reentrant and hasattr(model, "enable_input_require_grads"):
         # reentrant checkpoint only backpropagates into a block whose tensor input requires grad;
@@ -60,7 +63,10 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
             if offloader.prefetch:
                 offloader.prefetch_newest()  # returns nothing: a forward hook's return replaces the output
 
-        hooks.append(layers[-1].register_forward_hook(_prefetch_last))
+        if keep < len(layers):
+            # with kept layers this brings back the newest offloaded input k layers early: one more
+            # layer input on the device during their backward (the planner counts it)
+            hooks.append(layers[-1].register_forward_hook(_prefetch_last))
     return layers, hooks
 
 

@@ -29,7 +29,8 @@ def _parser():
     q.add_argument("--gpus", type=int, default=8, help="world size to simulate (default 8)")
     q.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one host (default min(gpus, 8))")
     q.add_argument("--gpu-mem", default="80GiB", help="device memory per GPU (default 80GiB)")
-    q.add_argument("--host-mem", default=None, help="host memory per node (default: not checked)")
+    q.add_argument("--host-mem", default="auto", help="host memory per node, checked (default: this machine's "
+                   "RAM; 'none' to skip the check)")
     q.add_argument("--reserve", default="0", help="device memory kept back for CUDA context/NCCL (default 0)")
     q.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
                    "long_context.sequence_length)")
@@ -74,6 +75,10 @@ def _detail(r: PlanResult) -> str:
         lines.append("host per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.host.items())
                      + f"; per node {fmt_bytes(r.host_bytes_per_node)}"
                      + (f" of {fmt_bytes(r.host_budget_bytes)}" if r.host_budget_bytes else ""))
+    if r.offload:
+        from .host import describe
+
+        lines += describe(r.offload)
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -124,6 +129,7 @@ def _run_plan(a, out) -> int:
 
         configs = ladder(ds, mc, a.gpus)
     rows, params = [], None
+    a.host_mem = _host_mem(a.host_mem)
     for label, cfg in configs:
         p = Planner(cfg, mc, a.gpus, a.gpu_mem, a.host_mem, a.reserve, a.gpus_per_node, a.device, a.full_depth,
                     params=params)
@@ -158,6 +164,17 @@ def _run_plan(a, out) -> int:
                 print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)})", file=out)
         print(f"planner wall time {wall:.1f}s", file=out)
     return 0 if fits else 1
+
+
+def _host_mem(value):
+    """--host-mem: 'auto' is this machine's RAM, 'none' skips the host check."""
+    if value is None or str(value).lower() == "none":
+        return None
+    if str(value).lower() == "auto":
+        from .host import machine_ram_bytes
+
+        return machine_ram_bytes()
+    return value
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 from ..config import ConfigError, check_against, load_ds_config, parse
 from . import model_states as ms
+from . import host as host_plan
 from ..models import text_config
 from .simulate import CATEGORIES, simulate_step
 from .units import fmt_bytes, parse_bytes
@@ -47,6 +48,8 @@ class PlanResult:
     sim_seconds: float
     notes: List[str] = field(default_factory=list)
     label: str = ""
+    nvme_bytes_per_node: int = 0    # offloaded layer inputs (and ZeRO nvme states) on the node's drive
+    offload: Dict = field(default_factory=dict)  # planner/host.py: configured target, options, recommendation
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,15 +133,18 @@ def _micro_batch(ds_config: dict) -> int:
 def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
     L = text_config(model_config).num_hidden_layers
     bs = _micro_batch(ds_config)
-    if full_depth or L <= EXTRAPOLATE_FROM[1] + 1:
+    # keep_on_device=k: the last k layers differ from the rest, so extrapolate from k+2 and k+3 layers
+    shift = host_plan.extrapolation_shift(lc)
+    lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
+    if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
         return r.breakdown, r.peak_host, [L], False, r.seconds
-    a = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[0], device=device, batch_size=bs)
-    b = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[1], device=device, batch_size=bs)
-    k = L - EXTRAPOLATE_FROM[0]
+    a = simulate_step(model_config, ds_config, lc, world, seq, lo, device=device, batch_size=bs)
+    b = simulate_step(model_config, ds_config, lc, world, seq, hi, device=device, batch_size=bs)
+    k = L - lo
     br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
     host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
-    return br, host, list(EXTRAPOLATE_FROM), True, a.seconds + b.seconds
+    return br, host, [lo, hi], True, a.seconds + b.seconds
 
 
 class Planner:
@@ -166,8 +172,10 @@ class Planner:
         self.full_depth = full_depth
         self.lc = parse(self.ds_config)
         check_against(self.lc, self.model_config, self.world)
+        self.sim_lc = host_plan.simulation_lc(self.lc)  # every input to host; targets by arithmetic
         self.params = _persistent(self.ds_config, params or param_info(model_config))
         self.states = ms.compute(self.ds_config, self.params, self.world)
+        host_plan.check_host_budget(self.states, self.host_budget, self.gpus_per_node)
         if self.states.device_total + self.reserve >= self.budget:
             raise ConfigError("--gpu-mem", f"the model states alone need {fmt_bytes(self.states.device_total)} per "
                               f"device (ZeRO-{self.states.zero_stage}, {self.world} ranks), over the budget "
@@ -178,26 +186,34 @@ class Planner:
         lc, sp = self.lc, self.lc.sequence_parallel_size
         check_against(lc, self.model_config, self.world, seq_len)
         fd = self.full_depth if full_depth is None else full_depth
-        br, host_act, layers, extrap, secs = _steps(self.model_config, self.ds_config, lc, self.world, seq_len,
-                                                    self.device, fd)
+        br, host_act, layers, extrap, secs = _steps(self.model_config, self.ds_config, self.sim_lc, self.world,
+                                                    seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
         peak = sum(breakdown.values())
-        host = dict(self.states.host)
-        if host_act:
-            host["offloaded activations"] = int(host_act)
+        num_layers = text_config(self.model_config).num_hidden_layers
+        hs = host_plan.host_side(lc, self.states, int(host_act), host_plan.layer_input_bytes(
+            self.model_config, self.ds_config, lc, seq_len, _micro_batch(self.ds_config)), num_layers, peak,
+            self.budget, self.reserve, self.host_budget, self.gpus_per_node)
+        host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node
         fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget)
         notes = list(self.states.notes)
-        if self.states.nvme:
-            notes.append(f"on NVMe per rank: {fmt_bytes(sum(self.states.nvme.values()))}")
+        if hs.nvme:
+            notes.append("on NVMe per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in hs.nvme.items()))
+        if self.host_budget is not None and host_node > self.host_budget:
+            rec = hs.offload.get("recommended")
+            notes.append(f"host memory {fmt_bytes(host_node)} per node is over --host-mem {fmt_bytes(self.host_budget)}"
+                         + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
+                            f"/node)" if rec else "; no offload target fits"))
         return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
                           peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
                           host_bytes=int(host_total), host_bytes_per_node=int(host_node),
                           host_budget_bytes=self.host_budget, breakdown={k: int(v) for k, v in breakdown.items()},
                           model_states=dict(self.states.device), host={k: int(v) for k, v in host.items()},
                           layers_simulated=layers, num_layers=text_config(self.model_config).num_hidden_layers,
-                          extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label)
+                          extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label,
+                          nvme_bytes_per_node=int(sum(hs.nvme.values()) * self.gpus_per_node), offload=hs.offload)
 
     def max_context(self, granularity: Optional[int] = None, limit: int = 1 << 27, label: str = ""):
         """Largest S (a multiple of SP) whose step fits, and the PlanResult at it (None when none fits)."""
