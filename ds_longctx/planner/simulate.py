@@ -192,6 +192,8 @@ class Accountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):  # a view allocates nothing (its base may predate the step)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
