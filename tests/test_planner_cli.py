@@ -31,7 +31,8 @@ def test_json_schema_and_fits(tmp_path, capsys):
     for key in ("fits", "peak_device_bytes", "host_bytes", "breakdown", "sequence_length", "device_budget_bytes"):
         assert key in out
     assert set(out["breakdown"]) == {"model_states", "attention", "mlp", "loss", "other"}
-    assert out["peak_device_bytes"] == sum(out["breakdown"].values())
+    assert out["activation_peak_bytes"] == sum(out["breakdown"].values())
+    assert out["peak_device_bytes"] == max(out["activation_peak_bytes"], out["step_peak_bytes"])
     assert out["host"]["offloaded activations"] > 0 and out["host"]["optimizer"] > 0
 
 
@@ -58,7 +59,9 @@ def test_max_context_json(tmp_path, capsys):
 @pytest.mark.parametrize("args,cfg,needle", [
     (["--gpus", "8"], None, "model config"),                                   # missing model config
     (["--gpus", "12", "--model-config", MODEL], None, "does not divide the world size 12"),
-    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    # 3GiB: above the default 2GiB reserve, below the model states
+    (["--gpus", "8", "--gpu-mem", "3GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "leaves nothing after the reserve"),
     (["--gpus", "8", "--gpu-mem", "lots", "--model-config", MODEL], None, "byte size"),
     (["--gpus", "8", "--model-config", "nope/config.json"], None, "does not exist"),
     (["--gpus", "8", "--model-config", MODEL], dict(BASE, long_context={"tiled_mpl": {}}), "unknown key"),
@@ -81,3 +84,15 @@ def test_compare_table_json_and_plot(tmp_path, capsys):
     peaks = [c["peak_device_bytes"] for c in out["configs"]]
     assert peaks[2] < peaks[1] and peaks[4] < peaks[3]  # checkpointing and tiling each save memory
     assert rc == 0 and png.stat().st_size > 1000
+
+
+def test_text_output_states_budget_and_reserve(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--seq-len", "65536"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "79.10 GiB per device (nominal H100-80GB" in out and "reserve of 2.00 GiB for CUDA context" in out
+    assert "the step may use 77.10 GiB" in out

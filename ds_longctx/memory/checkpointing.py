@@ -60,7 +60,54 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
                 offloader.prefetch_newest()  # returns nothing: a forward hook's return replaces the output
 
         hooks.append(layers[-1].register_forward_hook(_prefetch_last))
+        hooks += _prefetch_after_attention(layers, offloader)
     return layers, hooks
+
+
+def _attention_child(layer):
+    found = [m for name, m in layer.named_children()
+             if "norm" not in name.lower() and (name.lower().endswith("attn") or name.lower().endswith("attention"))]
+    return found[0] if len(found) == 1 else None
+
+
+def _prefetch_after_attention(layers, offloader: CheckpointInputOffloader):
+    """Bring the previous layer's input back once this layer's attention backward is done, not at this
+    layer's unpack: the attention backward is the layer's peak and the prefetched input (one [s, hidden])
+    would sit through it. The trigger is a hook on the gradient of the attention's input, registered in the
+    layer's forward (non-reentrant checkpoint differentiates the forward's graph; the recompute's graph only
+    supplies saved tensors, so a hook registered there never fires). Layers without one recognisable
+    attention child keep the prefetch at unpack."""
+    attns = [_attention_child(layer) for layer in layers]
+    if not all(a is not None for a in attns):
+        return []
+
+    def pre(module, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() and offloader.prefetch:
+            x.register_hook(_Trigger(offloader))
+
+    offloader.defer_prefetch = True
+    handles = [a.register_forward_pre_hook(pre, with_kwargs=True) for a in attns]
+    handles.append(_Undo(offloader))
+    return handles
+
+
+class _Trigger:
+    def __init__(self, offloader):
+        self.offloader = offloader
+
+    def __call__(self, grad):
+        self.offloader.prefetch_pending()  # returns None: the gradient passes unchanged
+
+
+class _Undo:
+    """A hook handle that turns the deferral off again when the hooks are removed."""
+
+    def __init__(self, offloader):
+        self.offloader = offloader
+
+    def remove(self):
+        self.offloader.defer_prefetch = False
 
 
 def uninstall_checkpointing(layers):

@@ -218,8 +218,14 @@ class _SimHostTarget:
         return host, None
 
     def to_device(self, host, device):
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        out.copy_(host)
+        # a restored layer input is the residual stream ("other"), whichever backward node (often the
+        # MLP's, whose unpack starts the recompute) happens to be running when it is brought back
+        self.acct.stack.append("other")
+        try:
+            out = torch.empty(host.shape, dtype=host.dtype, device=device)
+            out.copy_(host)
+        finally:
+            self.acct.stack.pop()
         return out, None
 
     def wait(self, event):
@@ -248,6 +254,14 @@ def _tag_graph(roots, tag: str, boundary: set):
         stack.extend(n for n, _ in node.next_functions)
 
 
+class _Restore:
+    def __init__(self, layer, fn):
+        self.layer, self.fn = layer, fn
+
+    def remove(self):
+        self.layer._gradient_checkpointing_func = self.fn
+
+
 class _Tagger:
     """Module hooks that tell the Accountant which category is running and tag autograd nodes."""
 
@@ -268,8 +282,32 @@ class _Tagger:
             # pushes too, so that a layer recomputed in backward (checkpointing) is charged to its
             # own ops, not to the node whose backward triggered the recompute
             self._hook(layer, "other", push=True)
+            self._wrap_checkpoint(layer)
         self._hook(decoder, "other", push=False, after="loss")
         self._hook(model, "loss", push=False, after="other")
+
+    def _wrap_checkpoint(self, layer):
+        """transformers checkpoints a layer's ``forward``, not ``__call__``: the recompute in backward runs
+        without the layer's module hooks, so without this its norms and residual adds would be charged to
+        whichever backward node (the MLP's) triggered the recompute. Push "other" around every run of the
+        checkpointed function, forward and recompute alike (child attention/MLP hooks still push theirs)."""
+        fn = layer.__dict__.get("_gradient_checkpointing_func")
+        if fn is None:
+            return
+        stack = self.acct.stack
+
+        def run(function, *args, **kwargs):
+            def tagged(*a, **k):
+                stack.append("other")
+                try:
+                    return function(*a, **k)
+                finally:  # checkpoint's early stop raises out of the recompute
+                    stack.pop()
+
+            return fn(tagged, *args, **kwargs)
+
+        layer._gradient_checkpointing_func = run
+        self.handles.append(_Restore(layer, fn))
 
     def _hook(self, module, tag, push: bool, after: Optional[str] = None):
         def pre(mod, args, kwargs):
