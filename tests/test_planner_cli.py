@@ -35,7 +35,8 @@ def test_json_schema_and_fits(tmp_path, capsys):
     for key in ("fits", "peak_device_bytes", "host_bytes", "breakdown", "sequence_length", "device_budget_bytes"):
         assert key in out
     assert set(out["breakdown"]) == {"model_states", "attention", "mlp", "loss", "other"}
-    assert out["peak_device_bytes"] == sum(out["breakdown"].values())
+    assert out["activation_peak_bytes"] == sum(out["breakdown"].values())
+    assert out["peak_device_bytes"] == max(out["activation_peak_bytes"], out["step_peak_bytes"])
     assert out["host"]["offloaded activations"] > 0 and out["host"]["optimizer"] > 0
 
 
@@ -62,7 +63,9 @@ def test_max_context_json(tmp_path, capsys):
 @pytest.mark.parametrize("args,cfg,needle", [
     (["--gpus", "8"], None, "model config"),                                   # missing model config
     (["--gpus", "12", "--model-config", MODEL], None, "does not divide the world size 12"),
-    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    # 3GiB: above the default 2GiB reserve, below the model states
+    (["--gpus", "8", "--gpu-mem", "3GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "leaves nothing after the reserve"),
     (["--gpus", "8", "--gpu-mem", "lots", "--model-config", MODEL], None, "byte size"),
     (["--gpus", "8", "--model-config", "nope/config.json"], None, "does not exist"),
     (["--gpus", "8", "--model-config", MODEL], dict(BASE, long_context={"tiled_mpl": {}}), "unknown key"),
@@ -106,7 +109,7 @@ def test_host_budget_picks_the_offload_target(tmp_path, capsys):
     assert nvme["host_bytes_per_node"] == states_node + 8 * 3 * layer and nvme["nvme_bytes_per_node"] == 8 * 16 * layer
     budget = (cpu["host_bytes_per_node"] + nvme["host_bytes_per_node"]) // 2
     # HBM headroom for 2.5 layer inputs: the last 2 can stay on the device
-    args[args.index("80GiB")] = str(out["peak_device_bytes"] + int(2.5 * layer))
+    args[args.index("80GiB")] = str(out["peak_device_bytes"] + out["reserve_bytes"] + int(2.5 * layer))
     assert main(args + ["--host-mem", str(budget)]) == 1
     out = json.loads(capsys.readouterr().out)
     rec = out["offload"]["recommended"]
@@ -128,3 +131,15 @@ def test_too_small_host_mem_exits_2(tmp_path, capsys):
                "--seq-len", "65536", "--host-mem", "1GiB"])
     err = capsys.readouterr().err
     assert rc == 2 and "--host-mem" in err and "model states alone" in err, err
+
+
+def test_text_output_states_budget_and_reserve(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--seq-len", "65536"] + HOST)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "79.10 GiB per device (nominal H100-80GB" in out and "reserve of 2.00 GiB for CUDA context" in out
+    assert "the step may use 77.10 GiB" in out

@@ -225,6 +225,11 @@ class CheckpointInputOffloader:
         self.max_inflight = max_inflight
         self._inflight: collections.deque = collections.deque()
         self._lock = threading.Lock()
+        # set by install_checkpointing when every layer has a trigger after its attention backward: the
+        # previous layer's input is then brought back there instead of at this layer's unpack, where it
+        # would sit on the device through this layer's whole backward peak
+        self.defer_prefetch = False
+        self._pending: Optional[int] = None
 
     # -- accounting ---------------------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -324,5 +329,13 @@ class CheckpointInputOffloader:
         self._event("restore", ref.seq)
         if self.prefetch:
             # backward walks the layers in reverse, so the previous layer's input is needed next
-            self.prefetch_seq(ref.seq - 1)
+            if self.defer_prefetch:
+                self._pending = ref.seq - 1
+            else:
+                self.prefetch_seq(ref.seq - 1)
         return out
+
+    def prefetch_pending(self) -> bool:
+        """Issue the prefetch deferred at the last unpack (called once the layer's attention backward is done)."""
+        seq, self._pending = self._pending, None
+        return False if seq is None else self.prefetch_seq(seq)

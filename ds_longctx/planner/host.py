@@ -96,9 +96,11 @@ class HostSide:
 
 
 def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_layers: int, peak_device: int,
-              budget: int, reserve: int, host_budget: Optional[int], gpus_per_node: int) -> HostSide:
+              budget: int, reserve: int, host_budget: Optional[int], gpus_per_node: int,
+              step_peak: int = 0) -> HostSide:
     """Host/NVMe bytes of the configured target (from the simulated bytes of its offloaded layer inputs,
-    ``offloaded_host_per_rank``) and of the alternatives."""
+    ``offloaded_host_per_rank``) and of the alternatives. ``peak_device``: the activation peak (kept
+    inputs add to it); ``step_peak``: the optimizer step's peak (no activations, so kept inputs do not)."""
     ac = lc.activation_checkpointing
     offloading = ac.enabled and ac.offload != "none"
     keep = min(ac.keep_on_device, num_layers) if offloading else 0
@@ -119,7 +121,7 @@ def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_la
         h, v = sum(host.values()) * gpus_per_node, sum(nvme.values()) * gpus_per_node
         # more kept than simulated: + the extra inputs (an upper bound); fewer: the simulated peak (the
         # kept inputs may not be alive at the peak, so subtracting them could under-count)
-        peak = peak_device + max(0, k - keep) * per_layer
+        peak = max(peak_device + max(0, k - keep) * per_layer, step_peak)
         fits = peak + reserve <= budget and (host_budget is None or h <= host_budget)
         name = target if left else "none"
         return OffloadOption(name, k if left else num_layers, h, v, peak, fits), host, nvme
