@@ -100,7 +100,10 @@ def measure(seq: int, names=None) -> dict:
                 engine.backward(loss)
                 engine.step()
                 torch.cuda.synchronize()
+                # reserved = allocated + the caching allocator's slack/fragmentation, which the planner's
+                # --reserve has to cover
                 peaks.append({"max_allocated": torch.cuda.max_memory_allocated(), "allocated_before": base,
+                              "max_reserved": torch.cuda.max_memory_reserved(),
                               "seconds": round(time.perf_counter() - t, 3)})
             out[name] = {"steps": peaks, "loss": float(loss.detach())}
             engine.destroy() if hasattr(engine, "destroy") else None

@@ -3,7 +3,7 @@
 none / +checkpointing / +offload / +tiled MLP / +tiled loss / +untied attention, each row adding to
 the previous one, all in one run on the same model, weights and batch.
 
-Peak live bytes come from ``ds_longctx.memory.tracker.LiveBytesTracker`` (every storage created and
+Peak live bytes come from ``ds_longctx.measure.live_bytes.LiveBytesTracker`` (every storage created and
 still alive). Offloaded layer inputs are host memory: the CPU offload target copies them outside the
 tracker (as pinned host buffers are outside the CUDA allocator) and they are reported separately.
 The model goes through ``patch.patch_model``, i.e. exactly what ``ds_longctx.initialize`` installs.

@@ -53,9 +53,23 @@ class AttentionConfig(_Strict):
 
 class ActivationCheckpointingConfig(_Strict):
     enabled: bool = Field(default=False, description="Checkpoint every decoder layer (recompute in backward).")
-    offload: Literal["none", "cpu"] = Field(
-        default="none", description="'cpu': keep each checkpointed layer input in host memory until backward "
-        "(needs enabled).")
+    offload: Literal["none", "cpu", "nvme"] = Field(
+        default="none", description="Where each checkpointed layer's input goes until backward (needs enabled): "
+        "'cpu': an exact-size, pinned host arena per rank; 'nvme': a file per rank under nvme_path, through "
+        "DeepSpeed's async I/O op.")
+    nvme_path: Optional[str] = Field(
+        default=None, description="offload='nvme': an existing, writable directory on a local NVMe drive "
+        "(O_DIRECT-capable, e.g. ext4/xfs), on every node. Each rank writes one file in a fresh subdirectory, "
+        "removed at the end.")
+    nvme_buffer_count: int = Field(
+        default=3, ge=2, description="offload='nvme': staging buffers (pinned host memory) between device and "
+        "drive; 2 is the least that overlaps a write with the next layer's forward.",
+        json_schema_extra=_fix("use 2 or 3 (one buffer is written while the next layer fills another)"))
+    keep_on_device: int = Field(
+        default=0, ge=0, description="With offload: the last this-many decoder layers keep their checkpointed "
+        "input on the device. Backward needs those first, so with HBM headroom they cost no transfer and save "
+        "their host/NVMe bytes (the planner reports how many fit: ds-longctx plan).",
+        json_schema_extra=_fix("give the number of last layers whose inputs stay on the device"))
     pin_memory: bool = Field(default=True, description="Offload into pinned host memory (async copies on CUDA).")
     use_reentrant: bool = Field(default=False, description="torch.utils.checkpoint's use_reentrant.")
     prefetch: bool = Field(default=True, description="Bring the next layer's input back while the current "
@@ -142,7 +156,9 @@ def _from_validation_error(err: ValidationError) -> ConfigError:
     if e["type"] == "literal_error":
         return ConfigError(key, f"{got!r} is not allowed", f"use one of {e['ctx']['expected']}")
     if e["type"] == "greater_than_equal":
-        return ConfigError(key, f"must be a positive integer, got {got!r}", _field_fix(loc, "use a positive integer"))
+        ge = e.get("ctx", {}).get("ge", 1)
+        want = {1: "a positive integer", 0: "0 or more"}.get(ge, f"an integer of at least {ge}")
+        return ConfigError(key, f"must be {want}, got {got!r}", _field_fix(loc, f"use {want}"))
     if e["type"] == "bool_type":
         return ConfigError(key, f"expected true or false, got {got!r}", "write a JSON boolean (true/false, no quotes)")
     if e["type"] == "int_type":
@@ -240,11 +256,24 @@ def parse(ds_config: dict) -> LongContextConfig:
     if ac.offload != "none" and not ac.enabled:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
                           f"offload {ac.offload!r} needs checkpointing", "also set activation_checkpointing.enabled=true")
+    _check_nvme_keys(ac)
     if sp > 1 and cfg.attention.implementation == "none":
         raise ConfigError(f"{SECTION}.attention.implementation",
                           f"'none' cannot run with sequence_parallel_size={sp} (attention must see the whole sequence)",
                           "use 'ulysses' or 'untied_ulysses', or set sequence_parallel_size to 1")
     return cfg
+
+
+def _check_nvme_keys(ac: ActivationCheckpointingConfig) -> None:
+    """The NVMe keys go together (the path itself is checked on each node when the target is built;
+    the counts' bounds are declared on the fields)."""
+    key = f"{SECTION}.activation_checkpointing"
+    if ac.offload == "nvme" and not ac.nvme_path:
+        raise ConfigError(f"{key}.nvme_path", "offload='nvme' needs a directory on the NVMe drive",
+                          'set "nvme_path": "/local_nvme" (an existing, writable local NVMe mount on every node)')
+    if ac.offload != "nvme" and ac.nvme_path is not None:
+        raise ConfigError(f"{key}.nvme_path", f"is set but offload is {ac.offload!r}",
+                          "set offload='nvme' to use it, or remove nvme_path")
 
 
 def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1,

@@ -189,6 +189,10 @@ def test_offload_moves_restores_and_keeps_grads(reentrant):
     handle = apply_memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": "cpu",
                                                                      "use_reentrant": reentrant}), offload_target=target)
     handle.offloader.record_events = True
+    # when each layer's attention backward has produced its weight grads (o_proj's first, q_proj's last)
+    for i, layer in enumerate(model.model.layers, start=1):
+        layer.self_attn.q_proj.weight.register_post_accumulate_grad_hook(
+            lambda p, i=i: handle.offloader.stats.events.append(("attention grads", i)))
     loss, grads = _train_step(model, ids)
 
     layer_bytes = b * s * cfg.hidden_size * 4
@@ -207,13 +211,14 @@ def test_offload_moves_restores_and_keeps_grads(reentrant):
         assert torch.equal(grads[n], ck_grads[n]), n
         assert torch.equal(grads[n], ref[n]), n
     # prefetch: the last input starts back when forward leaves the stack; every other one is
-    # prefetched exactly one layer ahead (right after its successor is restored), never all at once
+    # prefetched exactly one layer ahead, once its successor's attention backward is done (not at its
+    # restore: the attention backward is the layer's peak), never all at once
     ev = handle.offloader.stats.events
     assert ev[:layers] == [("offload", i) for i in range(1, layers + 1)]
     assert ev[layers] == ("prefetch", layers)
     expect = []
     for i in range(layers, 0, -1):
-        expect.append(("restore", i))
+        expect += [("restore", i), ("attention grads", i)]
         if i > 1:
             expect.append(("prefetch", i - 1))
     assert ev[layers + 1:] == expect

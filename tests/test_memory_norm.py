@@ -69,6 +69,23 @@ def test_backward_tiles_match_one_tile(monkeypatch):
     assert _rel(gx1, gx0) < 1e-6 and _rel(gw1, gw0) < 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_tiles_bit_equal_and_bounded(monkeypatch, dtype):
+    """The forward runs over row tiles (ragged last one): output bit-equal to HF's whole-tensor forward,
+    and its fp32 temporaries are bounded by the tile, not the sequence."""
+    ref, new = _pair(LlamaRMSNorm, 64, dtype)
+    x = (torch.randn(2, 301, 64) * 3).to(dtype)
+    y0 = ref(x).detach()
+    monkeypatch.setattr(norm_mod, "_TILE_ELEMS", 64 * 16)  # 16 rows per tile over 602 rows
+    with LiveBytesTracker() as tr:
+        y1 = new(x.clone().requires_grad_(True))
+    assert y1.dtype == y0.dtype and torch.equal(y1.detach(), y0)
+    n = 602 * 64
+    out_and_rstd = n * x.element_size() + 602 * 4
+    # whole-tensor forward: + fp32 copy and fp32 square (8 B/elem); tiled: a few 16-row fp32 tiles
+    assert tr.peak <= n * x.element_size() + out_and_rstd + 4 * 16 * 64 * 4, (tr.peak, out_and_rstd)
+
+
 def test_fp32_weight_bf16_input_promotes_like_hf():
     ref, new = _pair(LlamaRMSNorm, 48, torch.float32)
     x = torch.randn(1, 20, 48).to(torch.bfloat16)

@@ -25,7 +25,8 @@ def _logits(model, ids):
 def _state(model):
     """Everything a patch could leave behind on the model's modules."""
     return [(name, type(m), sorted(m.__dict__.get("_forward_hooks", {}).keys()).__len__(),
-             len(m._forward_pre_hooks), "forward" in m.__dict__, m.__dict__.get("_z3_leaf", False))
+             len(m._forward_pre_hooks), "forward" in m.__dict__, m.__dict__.get("_z3_leaf", False),
+             sorted(k for k in m.__dict__ if k.startswith("_ds_longctx")))
             for name, m in model.named_modules()]
 
 

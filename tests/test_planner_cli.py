@@ -17,6 +17,10 @@ BASE = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "sequenc
                          "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}}}
 
 
+# host RAM of the node being planned for (the default, this machine's RAM, is a CI box's)
+HOST = ["--host-mem", "2TiB"]
+
+
 def _cfg(tmp_path, cfg=None, name="ds.json"):
     p = tmp_path / name
     p.write_text(json.dumps(BASE if cfg is None else cfg))
@@ -25,13 +29,14 @@ def _cfg(tmp_path, cfg=None, name="ds.json"):
 
 def test_json_schema_and_fits(tmp_path, capsys):
     rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", MODEL, "--gpus", "8", "--gpu-mem", "80GiB",
-               "--seq-len", "131072", "--json"])
+               "--seq-len", "131072", "--json"] + HOST)
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True
     for key in ("fits", "peak_device_bytes", "host_bytes", "breakdown", "sequence_length", "device_budget_bytes"):
         assert key in out
     assert set(out["breakdown"]) == {"model_states", "attention", "mlp", "loss", "other"}
-    assert out["peak_device_bytes"] == sum(out["breakdown"].values())
+    assert out["activation_peak_bytes"] == sum(out["breakdown"].values())
+    assert out["peak_device_bytes"] == max(out["activation_peak_bytes"], out["step_peak_bytes"])
     assert out["host"]["offloaded activations"] > 0 and out["host"]["optimizer"] > 0
 
 
@@ -43,13 +48,13 @@ def _small(tmp_path):
 
 def test_does_not_fit_exits_1(tmp_path, capsys):
     rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
-               "--gpu-mem", "12GiB", "--seq-len", str(2 * 1024 * 1024), "--json"])
+               "--gpu-mem", "12GiB", "--seq-len", str(2 * 1024 * 1024), "--json"] + HOST)
     assert rc == 1 and json.loads(capsys.readouterr().out)["fits"] is False
 
 
 def test_max_context_json(tmp_path, capsys):
     rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
-               "--gpu-mem", "8GiB", "--max-context", "--json"])
+               "--gpu-mem", "8GiB", "--max-context", "--json"] + HOST)
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["max_sequence_length"] % 8 == 0 and out["max_sequence_length"] > 0
     assert out["fits"] and out["sequence_length"] == out["max_sequence_length"]
@@ -58,13 +63,15 @@ def test_max_context_json(tmp_path, capsys):
 @pytest.mark.parametrize("args,cfg,needle", [
     (["--gpus", "8"], None, "model config"),                                   # missing model config
     (["--gpus", "12", "--model-config", MODEL], None, "does not divide the world size 12"),
-    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    # 3GiB: above the default 2GiB reserve, below the model states
+    (["--gpus", "8", "--gpu-mem", "3GiB", "--model-config", MODEL], None, "no sequence length can fit"),
+    (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "leaves nothing after the reserve"),
     (["--gpus", "8", "--gpu-mem", "lots", "--model-config", MODEL], None, "byte size"),
     (["--gpus", "8", "--model-config", "nope/config.json"], None, "does not exist"),
     (["--gpus", "8", "--model-config", MODEL], dict(BASE, long_context={"tiled_mpl": {}}), "unknown key"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, args, cfg, needle):
-    rc = main(["plan", "--config", _cfg(tmp_path, cfg), "--seq-len", "65536"] + args)
+    rc = main(["plan", "--config", _cfg(tmp_path, cfg), "--seq-len", "65536"] + HOST + args)
     err = capsys.readouterr().err
     assert rc == 2 and needle in err, err
 
@@ -73,7 +80,7 @@ def test_compare_table_json_and_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "stack.png"
     rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
-               "--gpu-mem", "80GiB", "--seq-len", "65536", "--compare", "--json", "--plot", str(png)])
+               "--gpu-mem", "80GiB", "--seq-len", "65536", "--compare", "--json", "--plot", str(png)] + HOST)
     out = json.loads(capsys.readouterr().out)
     labels = [c["label"] for c in out["configs"]]
     assert labels == ["no SP", "Ulysses", "+checkpointing", "+offload", "+tiled MLP and loss", "+untied attention",
@@ -81,3 +88,58 @@ def test_compare_table_json_and_plot(tmp_path, capsys):
     peaks = [c["peak_device_bytes"] for c in out["configs"]]
     assert peaks[2] < peaks[1] and peaks[4] < peaks[3]  # checkpointing and tiling each save memory
     assert rc == 0 and png.stat().st_size > 1000
+
+
+def test_host_budget_picks_the_offload_target(tmp_path, capsys):
+    """--host-mem per node is checked: with room for the NVMe staging ring but not for every layer input
+    in host memory, the plan does not fit (exit 1) and recommends offload='nvme'; per-node host and NVMe
+    bytes are stated for each target."""
+    args = ["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+            "--gpu-mem", "80GiB", "--seq-len", "65536", "--json"]
+    assert main(args + HOST) == 0
+    out = json.loads(capsys.readouterr().out)
+    off = out["offload"]
+    layer = 65536 // 8 * SMALL["hidden_size"] * 2
+    assert off["target"] == "cpu" and off["layer_input_bytes"] == layer and off["offloaded_layers"] == 16
+    assert out["host"]["offloaded activations"] == 16 * layer
+    opts = {(o["target"], o["keep_on_device"]): o for o in off["options"]}
+    cpu, nvme = opts[("cpu", 0)], opts[("nvme", 0)]
+    states_node = (out["host_bytes"] - 16 * layer) * 8
+    assert cpu["host_bytes_per_node"] == states_node + 8 * 16 * layer
+    assert nvme["host_bytes_per_node"] == states_node + 8 * 3 * layer and nvme["nvme_bytes_per_node"] == 8 * 16 * layer
+    budget = (cpu["host_bytes_per_node"] + nvme["host_bytes_per_node"]) // 2
+    # HBM headroom for 2.5 layer inputs: the last 2 can stay on the device
+    args[args.index("80GiB")] = str(out["peak_device_bytes"] + out["reserve_bytes"] + int(2.5 * layer))
+    assert main(args + ["--host-mem", str(budget)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    rec = out["offload"]["recommended"]
+    assert out["fits"] is False and rec["target"] == "nvme" and rec["keep_on_device"] == 2, rec
+    assert rec["keys"]["offload"] == "nvme" and rec["keys"]["keep_on_device"] == 2
+    assert rec["nvme_bytes_per_node"] == 8 * 14 * layer and rec["peak_device_bytes"] == out["peak_device_bytes"] + 2 * layer
+    assert any("over --host-mem" in n and "'nvme'" in n for n in out["notes"]), out["notes"]
+    # and a config that asks for nvme fits there, its host figure being the ring
+    cfg = json.loads(json.dumps(BASE))
+    cfg["long_context"]["activation_checkpointing"].update(offload="nvme", nvme_path=str(tmp_path))
+    assert main(["plan", "--config", _cfg(tmp_path, cfg, "nvme.json")] + args[3:] + ["--host-mem", str(budget)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["host_bytes_per_node"] == nvme["host_bytes_per_node"]
+    assert out["nvme_bytes_per_node"] == nvme["nvme_bytes_per_node"]
+
+
+def test_too_small_host_mem_exits_2(tmp_path, capsys):
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--seq-len", "65536", "--host-mem", "1GiB"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--host-mem" in err and "model states alone" in err, err
+
+
+def test_text_output_states_budget_and_reserve(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--seq-len", "65536"] + HOST)
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "79.10 GiB per device (nominal H100-80GB" in out and "reserve of 2.00 GiB for CUDA context" in out
+    assert "the step may use 77.10 GiB" in out

@@ -30,7 +30,7 @@ def test_config_fits_its_hardware(name):
     t = TARGETS[name]
     cmd = [sys.executable, "-m", "ds_longctx.planner.cli", "plan", "--config", os.path.join(CONFIGS, name),
            "--model-config", os.path.join(CONFIGS, t["model_config"]), "--gpus", str(t["gpus"]),
-           "--gpu-mem", t["gpu_mem"], "--reserve", t["reserve"], "--json"]
+           "--gpu-mem", t["gpu_mem"], "--reserve", t["reserve"], "--host-mem", t["host_mem"], "--json"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = json.loads(proc.stdout[proc.stdout.index("{"):])

@@ -3,8 +3,10 @@
 Two ways in, picked by ``long_context.attention.fuse_projections``:
 
 * fused (true): the attention module's forward is replaced for the architectures in
-  ``ds_longctx.models`` (Llama, Mistral, Qwen2, Qwen3). q/k/v are projected per head chunk from the
-  layer input, so the full q/k/v never exist: the whole saving.
+  ``ds_longctx.models`` (Llama, Mistral, Qwen2, Qwen3). The layer's input RMSNorm, q/k/v projections,
+  attention and o_proj run as one Function (attention/block.py): q/k/v are projected per head chunk
+  from the layer input, so the full q/k/v, the normed input and the full attention-output gradient
+  never exist.
 * attention-function level (false): any model that calls transformers' attention interface. HF
   computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
 
@@ -27,11 +29,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..models import FUSED_ARCHITECTURES, AttentionFacts, facts_for, rms_norm, rope_bshd, text_config
+from ..models import (FUSED_ARCHITECTURES, AttentionFacts, facts_for, is_llama_style_rmsnorm, rms_norm, rope_bshd,
+                      text_config)
 from . import kernels, registry
+from .block import untied_attention_block
 from .documents import DOCS_KWARG
 from .heads import check_heads_per_chunk
-from .untied import ProjectionSpec, untied_attention_fused, untied_attention_qkv
+from .untied import ProjectionSpec, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
 
@@ -53,6 +57,7 @@ class UntiedInstall:
         self.leaf_class = None       # the attention class marked as a ZeRO-3 leaf, and the model
         self.model = None
         self.function_level = None   # registry.Installation on the attention-function path
+        self.fused_norms = []        # (attention, its input norm) whose norm runs inside the attention block
 
     def remove(self) -> None:
         for m, cls in self.fused_modules:
@@ -60,6 +65,10 @@ class UntiedInstall:
             m.__dict__.pop("forward", None)
             m.__dict__.pop("_ds_longctx_untied", None)
         self.fused_modules = []
+        for attn, norm in self.fused_norms:
+            norm.__dict__.pop("forward", None)
+            attn.__dict__.pop("_ds_longctx_input_norm", None)
+        self.fused_norms = []
         if self.leaf_class is not None:
             from deepspeed.utils import unset_z3_leaf_modules
 
@@ -116,6 +125,7 @@ def _install_fused(model, tc, state: _State, handle: UntiedInstall):
         m._ds_longctx_untied = state
         m.forward = types.MethodType(_fused_forward, m)
         m.__class__ = _positional_call_class(type(m))
+    handle.fused_norms = _fuse_input_norms(model, found)
     try:
         from deepspeed.utils import set_z3_leaf_modules
     except ImportError:  # no DeepSpeed, no ZeRO-3 (the single-GPU bench)
@@ -124,6 +134,32 @@ def _install_fused(model, tc, state: _State, handle: UntiedInstall):
     # ZeRO-3 must gather the whole attention module at its forward and again for its backward
     set_z3_leaf_modules(model, [cls])
     handle.leaf_class, handle.model = cls, model
+
+
+def _fuse_input_norms(model, attentions):
+    """Move each decoder layer's input RMSNorm into its attention block Function (attention/block.py):
+    the norm module's forward becomes the identity and the attention normalises its input itself, so
+    the normed input is never saved (backward re-derives it per row tile). Only Llama-style norms (the
+    formula the block implements); the module, its weight and state_dict stay where they were. Returns the
+    (attention, norm) pairs changed, for the install handle's remove()."""
+    fused = []
+    owners = {id(a): layer for layer in model.modules() for a in layer.children() if id(a) in
+              {id(x) for x in attentions}}
+    for a in attentions:
+        layer = owners.get(id(a))
+        norm = getattr(layer, "input_layernorm", None) if layer is not None else None
+        if norm is None or not is_llama_style_rmsnorm(norm) or "forward" in norm.__dict__:
+            continue
+        norm.forward = _norm_fused_away
+        # in __dict__, not through Module.__setattr__: the norm must not become a submodule of the
+        # attention (parameter names, state_dict and ZeRO-3's module tree stay as they were)
+        a.__dict__["_ds_longctx_input_norm"] = norm
+        fused.append((a, norm))
+    return fused
+
+
+def _norm_fused_away(hidden_states):
+    return hidden_states  # the attention block applies this norm (see _fuse_input_norms)
 
 
 _CALL_CLASSES = {}
@@ -202,14 +238,24 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     heads, kv_heads = tc.num_attention_heads, tc.num_key_value_heads
     if H is not None and H != heads:
         raise ValueError(f"untied attention: q_proj has {H} heads, config says {heads}")
-    out, _ = untied_attention_fused(
+    norm = self.__dict__.get("_ds_longctx_input_norm")
+    norm_w = norm.weight if norm is not None else None
+    if norm_w is not None and norm_w.numel() != hidden_states.shape[-1]:
+        raise ConfigError("zero_optimization.stage3_param_persistence_threshold",
+                          f"the input norm weight fused into untied attention is partitioned by ZeRO-3 "
+                          f"({norm_w.numel()} of {hidden_states.shape[-1]} elements here)",
+                          f"keep norm weights persistent: a threshold >= the hidden size {hidden_states.shape[-1]} "
+                          "(DeepSpeed's default 1e5 is)")
+    # norm + attention + o_proj as one Function (attention/block.py); o_proj's module is not called, its
+    # weights are gathered with the attention module (a ZeRO-3 leaf)
+    out = untied_attention_block(
         hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
-        heads=heads, kv_heads=kv_heads, spec=spec, bq=q.bias, bk=k.bias, bv=v.bias,
+        o.weight, heads=heads, kv_heads=kv_heads, spec=spec, norm_weight=norm_w,
+        norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias, bo=o.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
         group=state.group, heads_per_chunk=state.heads_per_chunk,
         backend=kernels.get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling,
         docs=docs)
-    out = o(out.reshape(b, s, -1))
     return out, None
 
 

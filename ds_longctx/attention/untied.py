@@ -13,8 +13,10 @@ make every stage's u query heads fall inside the chunk) and reused by that chunk
 
 Backward is a staged loop that re-projects (fused path) or re-slices (q/k/v path) and re-sends the
 stage's inputs and calls the kernel's backward with the saved LSE: there is no attention forward
-recompute. dk/dv accumulate in fp32 over a chunk's stages; dW in fp32; dx in x's dtype (an fp32 dx
-would cost 2x the layer input, more than the saving at long context).
+recompute. On the fused path each stage's dk/dv go back and are folded into dx/dW at once (no
+accumulator over a chunk's stages) and RoPE's backward is the inverse rotation (nothing of a stage's
+projection is kept); on the q/k/v path dk/dv accumulate in fp32 over a chunk's stages. dx in x's dtype
+(an fp32 dx would cost 2x the layer input, more than the saving at long context).
 """
 from __future__ import annotations
 
@@ -237,6 +239,26 @@ class ProjectionSpec:
     head_dim: int
     rope: Callable            # rope(t [b, s, ..., d], cos [b, s, d], sin [b, s, d]) -> t
     norm: Optional[Callable] = None  # norm(t [b, s, ..., d], weight [d]) -> t (q/k-norm, e.g. Qwen3)
+    # rope_grad(g, cos, sin) -> dL/dt: RoPE's backward without anything stored (a rotation by the negative
+    # angle). None: known for models.rope_bshd, else the stage keeps its pre-RoPE projection and
+    # differentiates rope by autograd
+    rope_grad: Optional[Callable] = None
+
+
+def _add_gt_x(gw_rows, g, x2):
+    """gw_rows += g^T @ x2 (the product rounded once in g's dtype when the buffer is wider)."""
+    if gw_rows.dtype == g.dtype:
+        gw_rows.addmm_(g.t(), x2)
+    else:
+        gw_rows += (g.t() @ x2).to(gw_rows.dtype)
+
+
+def _rope_grad_of(spec: ProjectionSpec):
+    if spec.rope_grad is not None:
+        return spec.rope_grad
+    from ..models._common import rope_bshd, rope_bshd_backward
+
+    return rope_bshd_backward if spec.rope is rope_bshd else None
 
 
 class _ProjSource:
@@ -244,7 +266,15 @@ class _ProjSource:
 
     Each rank block of a stage is one GEMM against a row slice (a view) of the weight, written into
     its slot of the [C, b*s, n*d] send buffer: no weight copy, no reordering copy before the send.
+
+    Backward keeps nothing of a stage's projection for RoPE: its gradient is the inverse rotation of the
+    incoming one (``rope_grad``). Only with a q/k-norm (or a RoPE without a known inverse) the stage
+    keeps its pre-norm projection and re-runs norm (+ RoPE) under autograd at its gradient.
+    Each stage's k/v gradient is folded into dx/dW as soon as it comes back (``per_stage_kv``), so no
+    accumulator over a chunk's stages exists.
     """
+
+    per_stage_kv = True
 
     def __init__(self, x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec: ProjectionSpec, sched: Schedule):
         self.x, self.cos, self.sin = x, cos, sin
@@ -252,6 +282,7 @@ class _ProjSource:
         self.spec, self.sc = spec, sched
         self.d = spec.head_dim
         self.x2 = x.reshape(-1, x.shape[-1])
+        self.rope_grad = _rope_grad_of(spec)
 
     def _rows(self, which, off, n):
         """Row ranges (in heads) of the weight for each rank block, and heads per block."""
@@ -268,21 +299,32 @@ class _ProjSource:
         starts, n = self._rows(which, off, n)
         N = self.x2.shape[0]
         y = torch.empty(len(starts), N, n * d, dtype=self.x.dtype, device=self.x.device)
-        for i, h0 in enumerate(starts):
-            torch.mm(self.x2, w[h0 * d:(h0 + n) * d].t(), out=y[i])
-            if bias is not None:
+        self._x_mm([(w[h0 * d:(h0 + n) * d], y[i]) for i, h0 in enumerate(starts)])
+        if bias is not None:
+            for i, h0 in enumerate(starts):
                 y[i] += bias[h0 * d:(h0 + n) * d]
         b, s = self.x.shape[0], self.x.shape[1]
         y = y.view(len(starts), b, s, n, d).permute(1, 2, 0, 3, 4)  # [b, s, blocks, n, d]
         norm = self.spec.norm if (nw is not None and self.spec.norm is not None) else None
+        with torch.no_grad():
+            z = self._finish(which, self._post(which, y, nw if norm else None))
         if not grad:
-            with torch.no_grad():
-                return self._finish(which, self._post(which, y, nw if norm else None)), None
-        y = y.detach().requires_grad_(True)
-        nw_leaf = nw.detach().requires_grad_(True) if norm else None
-        with torch.enable_grad():
-            z = self._post(which, y, nw_leaf)
-        return self._finish(which, z.detach()), [y, z, starts, n, nw_leaf]
+            return z, None
+        # what the gradient needs besides dz: the pre-norm projection only when autograd must re-run a
+        # q/k-norm or an unknown RoPE; v (no post-ops) and RoPE alone keep nothing
+        keep = which != "v" and (norm is not None or self.rope_grad is None)
+        return z, [starts, n, y if keep else None, nw if norm else None]
+
+    # the two GEMMs that read x (overridden where x is re-derived per row tile, attention/block.py)
+    def _x_mm(self, pairs):
+        """out [b*s, rows] = x @ w_rows^T for each (w_rows, out)"""
+        for w_rows, out in pairs:
+            torch.mm(self.x2, w_rows.t(), out=out)
+
+    def _x_grad_w(self, pairs):
+        """gw_rows += g^T @ x for each (g, gw_rows)"""
+        for g, gw_rows in pairs:
+            _add_gt_x(gw_rows, g, self.x2)
 
     def _post(self, which, y, nw):
         if which == "v":
@@ -290,6 +332,24 @@ class _ProjSource:
         if nw is not None:
             y = self.spec.norm(y, nw)
         return self.spec.rope(y, self.cos, self.sin)
+
+    def _post_grad(self, which, handle, dz):
+        """dL/d(projection) (and dL/d(q/k-norm weight)) from dL/d(post-processed projection)."""
+        _, _, y, nw = handle
+        if which == "v":
+            return dz, None
+        if y is None:  # RoPE alone, analytic
+            return self.rope_grad(dz, self.cos, self.sin), None
+        y = y.detach().requires_grad_(True)
+        nw_leaf = nw.detach().requires_grad_(True) if nw is not None else None
+        with torch.enable_grad():
+            if self.rope_grad is not None:  # re-run the norm only; RoPE's part is the inverse rotation
+                dz = self.rope_grad(dz, self.cos, self.sin)
+                z = self.spec.norm(y, nw_leaf)
+            else:
+                z = self._post(which, y, nw_leaf)
+        grads = torch.autograd.grad(z, [y] + ([nw_leaf] if nw_leaf is not None else []), dz)
+        return grads[0], (grads[1] if nw_leaf is not None else None)
 
     def _finish(self, which, z):
         if which != "q" and self.sc.replicated:  # [b, s, 1, G, d] -> [b, s, C, 1, d]
@@ -313,42 +373,39 @@ class _ProjSource:
         # allocated at first use: k/v grads only exist from the end of the first kv chunk on
         if which not in self.g:
             w, b, nw = self.w[which]
-            self.g[which] = [torch.zeros_like(w), torch.zeros_like(b) if b is not None else None,
+            # fp32: a kv weight gets one contribution per stage of its chunk (tiny next to activations)
+            acc = torch.float32 if w.dtype in (torch.float16, torch.bfloat16) else w.dtype
+            self.g[which] = [torch.zeros(w.shape, dtype=acc, device=w.device),
+                             torch.zeros(b.shape, dtype=acc, device=b.device) if b is not None else None,
                              torch.zeros(nw.shape, dtype=torch.float32, device=nw.device)
                              if nw is not None and self.spec.norm is not None else None]
         return self.g[which]
 
     def _back(self, which, handle, dz):
-        y, z, starts, n, nw_leaf = handle
-        handle.clear()  # the caller's reference must not keep the stage graph alive past here
-        if y is z:  # v: no norm/rope
-            gy = dz
-        else:
-            inputs = [y] + ([nw_leaf] if nw_leaf is not None else [])
-            grads = torch.autograd.grad(z, inputs, dz)
-            gy = grads[0]
-            if nw_leaf is not None:
-                self._grad_buffers(which)[2].add_(grads[1].float())
-        del y, z, dz
+        starts, n = handle[0], handle[1]
+        gy, gnw = self._post_grad(which, handle, dz)
+        if gnw is not None:
+            self._grad_buffers(which)[2].add_(gnw.float())
+        del dz, gnw
         d = self.d
         w = self.w[which][0]
         gw, gb, _ = self._grad_buffers(which)
         gy = gy.permute(2, 0, 1, 3, 4).reshape(len(starts), -1, n * d)  # [blocks, b*s, n*d]
         dx2 = self.dx.view(-1, self.dx.shape[-1])
+        pairs = []
         for i, h0 in enumerate(starts):
             rows = slice(h0 * d, (h0 + n) * d)
             g_i = gy[i].to(dx2.dtype)
             dx2.addmm_(g_i, w[rows])
-            # every weight row block gets exactly one contribution per step (replicas were summed)
-            if gw.dtype == g_i.dtype:
-                gw[rows].addmm_(g_i.t(), self.x2)
-            else:
-                gw[rows] += (g_i.t() @ self.x2).to(gw.dtype)
+            # replicas were summed before; a kv row block gets one contribution per stage of its chunk
+            pairs.append((g_i, gw[rows]))
             if gb is not None:
                 gb[rows] += g_i.sum(0).to(gb.dtype)
+        self._x_grad_w(pairs)
 
     def q_grad(self, off, handle, dq5):
         self._back("q", handle, dq5)
+        handle.clear()  # the caller's reference must not keep the stage's projection alive
 
     def _unreplicate(self, d5):
         if not self.sc.replicated:
@@ -358,6 +415,8 @@ class _ProjSource:
         return d5.float().reshape(b, s, G, self.sc.rep, d).sum(3).to(self.x.dtype).view(b, s, 1, G, d)
 
     def kv_grad(self, off, handle, dk5, dv5):
+        """One stage's (or a whole chunk's) k/v gradient, folded into dx and dW now; the handle stays
+        usable for the chunk's next stages (the caller drops it after the chunk)."""
         hk, hv = handle
         self._back("k", hk, self._unreplicate(dk5).to(self.x.dtype))
         self._back("v", hv, self._unreplicate(dv5).to(self.x.dtype))
@@ -366,7 +425,8 @@ class _ProjSource:
         out = [self.dx]
         for which in ("q", "k", "v"):
             gw, gb, _ = self._grad_buffers(which)
-            out += [gw, gb]
+            w, b, _ = self.w[which]
+            out += [gw.to(w.dtype), gb.to(b.dtype) if gb is not None else None]
         for which in ("q", "k"):
             nw = self.w[which][2]
             gn = self._grad_buffers(which)[2]
@@ -419,47 +479,89 @@ def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale
     return out, lse_all
 
 
-def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scale, out, dout, lse_all):
+def _stage_kv_grad(sched, t, kind, dks, k_h, dtype):
+    """A stage's k (or v) gradient in the chunk's head-sharded shape [b, S, m, d] and the model dtype."""
+    if kind[0] == "slice" and kind[2] - kind[1] == k_h.shape[2]:
+        return dks.to(dtype)
+    full = torch.zeros(k_h.shape, dtype=torch.float32, device=dks.device)
+    if kind[0] == "slice":
+        full[:, :, kind[1]:kind[2]] += dks
+    else:
+        full.index_add_(2, sched.index(("kvmap", t), kind[1], dks.device), dks.float())
+    return full.to(dtype)
+
+
+def _stage_grads(src, sched, group, backend, causal, scale, out, lse_all, j, t, stage, k_h, v_h, kv_handle,
+                 do_h, dk_acc, dv_acc):
+    """Kernel backward of stage (j, t) given its head-sharded dout; q's gradient goes to the source now,
+    k/v's either now (per_stage_kv) or into the chunk's fp32 accumulators."""
     device, C = out.device, sched.sp
-    dout = dout.contiguous()
+    off = sched.q_offset(j, t)
+    q, q_handle = src.q(off, grad=True)
+    q_h = _seq_to_head(q, group)
+    del q
+    o_h = _seq_to_head(_out_blocks(out, sched, off), group)
+    ks, vs, kind = _kv_for_stage(sched, t, k_h, v_h)
+    dq_h, dks, dvs = backend.backward(do_h, q_h, ks, vs, o_h, lse_all[stage], causal, scale)
+    del q_h, o_h, do_h, ks, vs
+    if dk_acc is None:
+        dt = out.dtype
+        dk = _head_to_seq(_stage_kv_grad(sched, t, kind, dks, k_h, dt), group, C)
+        del dks
+        dv = _head_to_seq(_stage_kv_grad(sched, t, kind, dvs, v_h, dt), group, C)
+        del dvs
+        src.kv_grad(sched.kv_offset(j), kv_handle, dk, dv)
+        del dk, dv
+    elif kind[0] == "slice":
+        dk_acc[:, :, kind[1]:kind[2]] += dks
+        dv_acc[:, :, kind[1]:kind[2]] += dvs
+    else:
+        idx = sched.index(("kvmap", t), kind[1], device)
+        dk_acc.index_add_(2, idx, dks.float())
+        dv_acc.index_add_(2, idx, dvs.float())
+    if dk_acc is not None:
+        del dks, dvs
+    dq5 = _head_to_seq(dq_h, group, C)
+    del dq_h
+    src.q_grad(off, q_handle, dq5)
+
+
+def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scale, out, dout, lse_all,
+                     dout_for_stage=None):
+    """dout: [b, s, H, d] output gradient, or None with ``dout_for_stage(off)`` giving each stage's head
+    blocks [b, s, C, u, d] (formed per stage, so the whole dout never exists)."""
+    device, C = out.device, sched.sp
+    if dout is not None:
+        dout = dout.contiguous()
+    per_stage = getattr(src, "per_stage_kv", False)
     src.begin_backward()
     stage = 0
     for j in range(sched.chunks):
         k, v, kv_handle = src.kv(sched.kv_offset(j), grad=True)
         k_h, v_h = _seq_to_head(k, group), _seq_to_head(v, group)
         del k, v
-        dk_acc = torch.zeros(k_h.shape, dtype=torch.float32, device=device)
-        dv_acc = torch.zeros(v_h.shape, dtype=torch.float32, device=device)
+        dk_acc = dv_acc = None
+        if not per_stage:  # the q/k/v path: one copy of the chunk's grads into the full dk/dv
+            dk_acc = torch.zeros(k_h.shape, dtype=torch.float32, device=device)
+            dv_acc = torch.zeros(v_h.shape, dtype=torch.float32, device=device)
         for t in range(sched.stages_per_chunk):
             off = sched.q_offset(j, t)
-            q, q_handle = src.q(off, grad=True)
-            q_h = _seq_to_head(q, group)
-            del q
-            o_h = _seq_to_head(_out_blocks(out, sched, off), group)
-            do_h = _seq_to_head(_out_blocks(dout, sched, off), group)
-            ks, vs, kind = _kv_for_stage(sched, t, k_h, v_h)
-            dq_h, dks, dvs = backend.backward(do_h, q_h, ks, vs, o_h, lse_all[stage], causal, scale)
-            del q_h, o_h, do_h, ks, vs
-            if kind[0] == "slice":
-                dk_acc[:, :, kind[1]:kind[2]] += dks
-                dv_acc[:, :, kind[1]:kind[2]] += dvs
-            else:
-                idx = sched.index(("kvmap", t), kind[1], device)
-                dk_acc.index_add_(2, idx, dks.float())
-                dv_acc.index_add_(2, idx, dvs.float())
-            del dks, dvs
-            dq5 = _head_to_seq(dq_h, group, C)
-            del dq_h
-            src.q_grad(off, q_handle, dq5)
-            del dq5, q_handle
+            blocks = _out_blocks(dout, sched, off) if dout is not None else dout_for_stage(off)
+            do_h = _seq_to_head(blocks, group)
+            del blocks
+            _stage_grads(src, sched, group, backend, causal, scale, out, lse_all, j, t, stage, k_h, v_h, kv_handle,
+                         do_h, dk_acc, dv_acc)
+            del do_h
             stage += 1
         del k_h, v_h
-        dt = out.dtype
-        dk = _head_to_seq(dk_acc.to(dt), group, C)
-        dv = _head_to_seq(dv_acc.to(dt), group, C)
-        del dk_acc, dv_acc
-        src.kv_grad(sched.kv_offset(j), kv_handle, dk, dv)
-        del dk, dv, kv_handle
+        if not per_stage:
+            dt = out.dtype
+            dk = _head_to_seq(dk_acc.to(dt), group, C)
+            dv = _head_to_seq(dv_acc.to(dt), group, C)
+            del dk_acc, dv_acc
+            src.kv_grad(sched.kv_offset(j), kv_handle, dk, dv)
+            del dk, dv
+        del kv_handle
     return src.grads()
 
 
@@ -492,10 +594,13 @@ class UntiedQKVAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse_all)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse_all)
+        ctx.set_materialize_grads(False)  # no zero dLSE ([stages, b, u, S] fp32) at backward
         return out, lse_all
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 4
         q, k, v, out, lse_all = ctx.saved_tensors
         sp = ctx.spec
         dq, dk, dv = _staged_backward(_QKVSource(q, k, v, sp.schedule), sp.schedule, sp.group, sp.backend, sp.causal,
@@ -518,10 +623,13 @@ class UntiedFusedAttention(torch.autograd.Function):
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all)
         ctx.stage = stage
         ctx.mark_non_differentiable(lse_all)
+        ctx.set_materialize_grads(False)  # no zero dLSE ([stages, b, u, S] fp32) at backward
         return out, lse_all
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 12
         x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all = ctx.saved_tensors
         st = ctx.stage
         src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, st.projection, st.schedule)

@@ -85,6 +85,9 @@ class LiveBytesTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):
+            # a view allocates nothing; its storage is its base's (which may predate the tracker)
+            return out
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):

@@ -34,6 +34,9 @@ class MemoryStackHandle:
         return self.offloader.stats.host_bytes_peak if self.offloader is not None else 0
 
     def stats(self) -> dict:
+        """Counters of the memory stack; with offload also what the target holds now (``pinned_bytes``,
+        ``arena_bytes``: the host arena; ``nvme_bytes``, ``staging_bytes``: the NVMe target), so a
+        per-step log shows the pinned/NVMe footprint and that it does not grow."""
         out = {"checkpointed_layers": len(self.checkpointed_layers), "tiled_mlps": len(self.tiled_mlps),
                "rms_norms": len(self.rms_norms),
                "host_bytes": self.host_bytes(), "host_bytes_peak": self.host_bytes_peak()}
@@ -42,6 +45,8 @@ class MemoryStackHandle:
             out.update(offloaded_tensors=s.offloaded_tensors, offloaded_bytes=s.offloaded_bytes,
                        restored_tensors=s.restored_tensors, restored_bytes=s.restored_bytes,
                        prefetched_tensors=s.prefetched_tensors)
+            target_stats = getattr(self.offloader.target, "memory_stats", None)  # duck-typed targets
+            out.update(target_stats() if target_stats is not None else {})
         return out
 
     def set_offload_target(self, target: OffloadTarget) -> None:
@@ -50,6 +55,10 @@ class MemoryStackHandle:
         self.offloader.target = target
 
     def remove(self) -> None:
+        if self.offloader is not None:
+            close = getattr(self.offloader.target, "close", None)
+            if close is not None:
+                close()  # frees the arena / staging ring, removes NVMe files
         uninstall_checkpointing(self.checkpointed_layers)
         for h in self._ckpt_hooks:
             h.remove()
@@ -69,7 +78,12 @@ def apply_memory_stack(model, lc_cfg, group=None, offload_target: Optional[Offlo
     handle = MemoryStackHandle()
     ac, tm = lc_cfg.activation_checkpointing, lc_cfg.tiled_mlp
     if ac.enabled:
-        if ac.offload == "cpu":
+        if ac.offload in ("cpu", "nvme"):
+            if offload_target is None and ac.offload == "nvme":
+                # built now, before deepspeed.initialize: a missing aio op or a bad path fails here
+                from .nvme import NVMeTarget
+
+                offload_target = NVMeTarget(ac.nvme_path, ring=ac.nvme_buffer_count, pin_memory=ac.pin_memory)
             handle.offloader = CheckpointInputOffloader(target=offload_target, pin_memory=ac.pin_memory,
                                                         prefetch=ac.prefetch)
         handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(model, ac, handle.offloader)

@@ -8,14 +8,15 @@ hidden states as the only positional argument) and wrap the checkpoint call in o
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import List, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
-from ..models import supported_names
+from ..models import layer_role, supported_names
 from .offload import CheckpointInputOffloader
 
 
@@ -26,8 +27,41 @@ def decoder_layers(model) -> List[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+# The observation seam: context-manager factories entered around every run of a checkpointed layer's
+# function (its forward and its recompute in backward, which runs without the layer's module hooks).
+# Owned here and changed only through around_checkpointed_runs (the planner's accountant uses it to charge
+# a recompute to its layer), never by reassigning a layer's _gradient_checkpointing_func.
+_AROUND: List[Callable[[], ContextManager]] = []
+
+
+@contextlib.contextmanager
+def around_checkpointed_runs(factory: Callable[[], ContextManager]):
+    """Inside the block, every checkpointed layer function run (forward and its recompute) is wrapped in
+    ``factory()``; the wrapping is fixed at the layer's forward, so its recompute gets the same."""
+    _AROUND.append(factory)
+    try:
+        yield
+    finally:
+        _AROUND.remove(factory)
+
+
+def _observed(function):
+    if not _AROUND:
+        return function
+    factories = tuple(_AROUND)
+
+    def run(*args, **kwargs):
+        with contextlib.ExitStack() as stack:  # exits on checkpoint's early-stop exception too
+            for f in factories:
+                stack.enter_context(f())
+            return function(*args, **kwargs)
+
+    return run
+
+
 def _checkpoint_fn(use_reentrant: bool, offloader: Optional[CheckpointInputOffloader]):
     def run(function, *args):
+        function = _observed(function)
         if offloader is None or not args or not isinstance(args[0], torch.Tensor):
             return checkpoint(function, *args, use_reentrant=use_reentrant)
         with offloader.capture(args[0]):
@@ -45,8 +79,11 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
                           "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
                           "enabled=false")
     fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader)
-    for layer in layers:
-        layer._gradient_checkpointing_func = fn
+    # the last `keep` layers' inputs stay on the device: backward needs them first
+    keep = min(len(layers), getattr(ac_cfg, "keep_on_device", 0)) if offloader is not None else 0
+    plain = _checkpoint_fn(ac_cfg.use_reentrant, None)
+    for i, layer in enumerate(layers):
+        layer._gradient_checkpointing_func = plain if i >= len(layers) - keep else fn
         layer.gradient_checkpointing = True
     if ac_cfg.use_reentrant and hasattr(model, "enable_input_require_grads"):
         # reentrant checkpoint only backpropagates into a block whose tensor input requires grad;
@@ -60,8 +97,58 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
             if offloader.prefetch:
                 offloader.prefetch_newest()  # returns nothing: a forward hook's return replaces the output
 
-        hooks.append(layers[-1].register_forward_hook(_prefetch_last))
+        if keep < len(layers):
+            # with kept layers this brings back the newest offloaded input k layers early: one more
+            # layer input on the device during their backward (the planner counts it)
+            hooks.append(layers[-1].register_forward_hook(_prefetch_last))
+            # kept layers have no offloaded input, so only the offloaded ones carry the trigger
+            hooks += _prefetch_after_attention(layers[:len(layers) - keep], offloader)
     return layers, hooks
+
+
+def _attention_child(layer):
+    found = [m for name, m in layer.named_children() if layer_role(name) == "attention"]
+    return found[0] if len(found) == 1 else None
+
+
+def _prefetch_after_attention(layers, offloader: CheckpointInputOffloader):
+    """Bring the previous layer's input back once this layer's attention backward is done, not at this
+    layer's unpack: the attention backward is the layer's peak and the prefetched input (one [s, hidden])
+    would sit through it. The trigger is a hook on the gradient of the attention's input, registered in the
+    layer's forward (non-reentrant checkpoint differentiates the forward's graph; the recompute's graph only
+    supplies saved tensors, so a hook registered there never fires). Layers without one recognisable
+    attention child keep the prefetch at unpack."""
+    attns = [_attention_child(layer) for layer in layers]
+    if not all(a is not None for a in attns):
+        return []
+
+    def pre(module, args, kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled() and offloader.prefetch:
+            x.register_hook(_Trigger(offloader))
+
+    offloader.defer_prefetch = True
+    handles = [a.register_forward_pre_hook(pre, with_kwargs=True) for a in attns]
+    handles.append(_Undo(offloader))
+    return handles
+
+
+class _Trigger:
+    def __init__(self, offloader):
+        self.offloader = offloader
+
+    def __call__(self, grad):
+        self.offloader.prefetch_pending()  # returns None: the gradient passes unchanged
+
+
+class _Undo:
+    """A hook handle that turns the deferral off again when the hooks are removed."""
+
+    def __init__(self, offloader):
+        self.offloader = offloader
+
+    def remove(self):
+        self.offloader.defer_prefetch = False
 
 
 def uninstall_checkpointing(layers):

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from .arena import HostArena, HostSlot
+
 
 # ---------------------------------------------------------------------------------------------
 # targets: where a checkpoint input goes and how it comes back
@@ -43,6 +45,16 @@ class OffloadTarget:
     def sync(self, event) -> None:
         """Block the host until ``event``'s copy is done."""
 
+    def release(self, host) -> None:
+        """``host`` (what ``to_host`` returned) is no longer needed: its memory may be reused."""
+
+    def memory_stats(self) -> dict:
+        """Host/pinned/NVMe bytes this target holds (reported per step by the memory handle)."""
+        return {}
+
+    def close(self) -> None:
+        """Free what the target holds (buffers, files). Called by the memory handle's remove()."""
+
 
 class HostCopyTarget(OffloadTarget):
     """Host "memory" for tensors that already live on the CPU: a separate copy, made outside any
@@ -63,12 +75,25 @@ class HostCopyTarget(OffloadTarget):
         return out, None
 
 
-class PinnedHostTarget(OffloadTarget):
-    """CUDA (or any streamed accelerator): copies run on one side stream per device, so the D2H of
-    layer i overlaps layer i+1's forward and the H2D of layer i-1 overlaps layer i's recompute."""
+def _dispatch_free():
+    """Allocations made here are host memory: keep them out of any live-bytes TorchDispatchMode, the
+    way the CUDA allocator never sees pinned host buffers."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    def __init__(self, pin_memory: bool = True):
+    return _disable_current_modes()
+
+
+class PinnedHostTarget(OffloadTarget):
+    """Host copies in blocks of a :class:`~ds_longctx.memory.arena.HostArena` (exact-size, pinned on
+    CUDA, reused step to step: torch's CachingHostAllocator would round each block up to a power of
+    two and cache it, 8 GiB for a 5 GiB layer input). On CUDA the copies run on one side stream per
+    device, so the D2H of layer i overlaps layer i+1's forward and the H2D of layer i-1 overlaps
+    layer i's recompute; on CPU (tests, CI) they are synchronous into plain host blocks with the same
+    accounting. ``to_host`` returns a :class:`HostSlot`; ``release`` gives its block back."""
+
+    def __init__(self, pin_memory: bool = True, arena: Optional[HostArena] = None):
         self.pin_memory = pin_memory
+        self.arena = arena if arena is not None else HostArena(pin=pin_memory and torch.cuda.is_available())
         self._streams = {}
 
     def _stream(self, device):
@@ -78,26 +103,45 @@ class PinnedHostTarget(OffloadTarget):
         return s
 
     def to_host(self, t):
+        nbytes = t.numel() * t.element_size()
+        with _dispatch_free():
+            block = self.arena.take(nbytes)
+            view = block.view(t.dtype, t.shape)
+            if t.device.type != "cuda":
+                view.copy_(t.detach())
+                return HostSlot(block, view), None
         side = self._stream(t.device)
         side.wait_stream(torch.cuda.current_stream(t.device))  # t is produced on the compute stream
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+        if block.event is not None:
+            side.wait_event(block.event)  # the block's last H2D (previous step) must have read it
+        non_blocking = self.pin_memory and block.pinned
         with torch.cuda.stream(side):
-            host.copy_(t.detach(), non_blocking=self.pin_memory)
+            view.copy_(t.detach(), non_blocking=non_blocking)
         # the allocator must not hand t's block to the compute stream before the copy has read it
         t.record_stream(side)
-        return host, side.record_event()
+        block.event = ev = side.record_event()
+        return HostSlot(block, view), ev
 
     def to_device(self, host, device):
         device = torch.device(device)
+        src = host.view
+        if device.type != "cuda":
+            out = torch.empty(src.shape, dtype=src.dtype, device=device)
+            out.copy_(src)
+            return out, None
         compute = torch.cuda.current_stream(device)
         side = self._stream(device)
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)  # owned by the compute stream
+        out = torch.empty(src.shape, dtype=src.dtype, device=device)  # owned by the compute stream
         # the block may have been freed by kernels still queued on the compute stream
         side.wait_stream(compute)
         with torch.cuda.stream(side):
-            out.copy_(host, non_blocking=self.pin_memory)
+            out.copy_(src, non_blocking=self.pin_memory and host.block.pinned)
         out.record_stream(side)  # a prefetch dropped unconsumed must not be reused mid-copy
-        return out, side.record_event()
+        host.block.event = ev = side.record_event()  # reuse of the host block waits for this read
+        return out, ev
+
+    def release(self, host):
+        self.arena.give(host.block)
 
     def wait(self, event):
         if event is not None:
@@ -107,30 +151,16 @@ class PinnedHostTarget(OffloadTarget):
         if event is not None:
             event.synchronize()
 
+    def memory_stats(self) -> dict:
+        return self.arena.stats()
 
-class AutoTarget(OffloadTarget):
-    """Pinned host memory for CUDA tensors, :class:`HostCopyTarget` for CPU tensors."""
+    def close(self) -> None:
+        self.arena.close()
 
-    def __init__(self, pin_memory: bool = True):
-        self.cuda = PinnedHostTarget(pin_memory=pin_memory)
-        self.cpu = HostCopyTarget()
 
-    def _for(self, device):
-        return self.cuda if torch.device(device).type == "cuda" else self.cpu
-
-    def to_host(self, t):
-        return self._for(t.device).to_host(t)
-
-    def to_device(self, host, device):
-        return self._for(device).to_device(host, device)
-
-    def wait(self, event):
-        if event is not None:
-            self.cuda.wait(event)
-
-    def sync(self, event):
-        if event is not None:
-            self.cuda.sync(event)
+class AutoTarget(PinnedHostTarget):
+    """The default host target: one exact-size arena per rank, pinned when CUDA is present (CUDA
+    tensors copy on side streams, CPU tensors synchronously; see :class:`PinnedHostTarget`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +225,11 @@ class CheckpointInputOffloader:
         self.max_inflight = max_inflight
         self._inflight: collections.deque = collections.deque()
         self._lock = threading.Lock()
+        # set by install_checkpointing when every layer has a trigger after its attention backward: the
+        # previous layer's input is then brought back there instead of at this layer's unpack, where it
+        # would sit on the device through this layer's whole backward peak
+        self.defer_prefetch = False
+        self._pending: Optional[int] = None
 
     # -- accounting ---------------------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -212,6 +247,12 @@ class CheckpointInputOffloader:
     def _host_free(self, n):
         with self._lock:
             self.stats.host_bytes -= n
+
+    def _release(self, target, host, n):
+        release = getattr(target, "release", None)  # duck-typed targets (the planner's) may have none
+        if release is not None:
+            release(host)
+        self._host_free(n)
 
     def reset_stats(self):
         live = self.stats.host_bytes
@@ -244,9 +285,10 @@ class CheckpointInputOffloader:
             while len(self._inflight) > self.max_inflight:
                 self.target.sync(self._inflight.popleft())
         ref = _Offloaded(next(self._seq), t, host, ev)
-        n = _nbytes(host)
+        n = _nbytes(t)
         self._host_alloc(n)
-        weakref.finalize(ref, self._host_free, n)
+        # the target that made the copy gets it back (set_offload_target may swap targets later)
+        weakref.finalize(ref, self._release, self.target, host, n)
         self._live[ref.seq] = ref
         self._newest = weakref.ref(ref)
         self.stats.offloaded_tensors += 1
@@ -287,5 +329,13 @@ class CheckpointInputOffloader:
         self._event("restore", ref.seq)
         if self.prefetch:
             # backward walks the layers in reverse, so the previous layer's input is needed next
-            self.prefetch_seq(ref.seq - 1)
+            if self.defer_prefetch:
+                self._pending = ref.seq - 1
+            else:
+                self.prefetch_seq(ref.seq - 1)
         return out
+
+    def prefetch_pending(self) -> bool:
+        """Issue the prefetch deferred at the last unpack (called once the layer's attention backward is done)."""
+        seq, self._pending = self._pending, None
+        return False if seq is None else self.prefetch_seq(seq)

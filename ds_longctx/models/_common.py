@@ -27,6 +27,17 @@ def rope_bshd(t, cos, sin):
     return (t * cos) + (rotate_half(t) * sin)
 
 
+def rope_bshd_backward(g, cos, sin):
+    """Gradient of :func:`rope_bshd` w.r.t. its input: the rotation is linear, so it is its transpose,
+    ``g * cos + rotate_half^T(g * sin)`` with ``rotate_half^T(w) = cat(w2, -w1)``; it needs nothing from
+    the forward."""
+    shape = (cos.shape[0], cos.shape[1]) + (1,) * (g.dim() - 3) + (cos.shape[-1],)
+    cos, sin = cos.reshape(shape), sin.reshape(shape)
+    w = g * sin
+    half = w.shape[-1] // 2
+    return (g * cos) + torch.cat((w[..., half:], -w[..., :half]), dim=-1)
+
+
 def rms_norm(t, weight, eps: float):
     """Same op order as LlamaRMSNorm/Qwen3RMSNorm (fp32 statistics, cast back, then scale)."""
     dtype = t.dtype

@@ -11,7 +11,7 @@ import sys
 import time
 
 from ..config import ConfigError, load_ds_config
-from .core import PlanResult, Planner, load_model_config
+from .core import DEFAULT_RESERVE, RESERVE_WHAT, PlanResult, Planner, load_model_config
 from .units import fmt_bytes, fmt_tokens
 
 CATS = ("model_states", "attention", "mlp", "loss", "other")
@@ -28,9 +28,12 @@ def _parser():
     g.add_argument("--model", help="local model directory (its config.json is read; no weights)")
     q.add_argument("--gpus", type=int, default=8, help="world size to simulate (default 8)")
     q.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one host (default min(gpus, 8))")
-    q.add_argument("--gpu-mem", default="80GiB", help="device memory per GPU (default 80GiB)")
-    q.add_argument("--host-mem", default=None, help="host memory per node (default: not checked)")
-    q.add_argument("--reserve", default="0", help="device memory kept back for CUDA context/NCCL (default 0)")
+    q.add_argument("--gpu-mem", default="auto", help="device memory per GPU: a size (80GiB), 'h100' (79.1GiB, "
+                   "what an H100-80GB gives the allocator) or 'auto' (default: this machine's CUDA device, else h100)")
+    q.add_argument("--host-mem", default="auto", help="host memory per node, checked (default: this machine's "
+                   "RAM; 'none' to skip the check)")
+    q.add_argument("--reserve", default=DEFAULT_RESERVE, help=f"device memory kept back for {RESERVE_WHAT}, which "
+                   f"the simulation does not see (default {DEFAULT_RESERVE})")
     q.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
                    "long_context.sequence_length)")
     q.add_argument("--max-context", action="store_true", help="find the longest sequence that fits")
@@ -66,19 +69,42 @@ def _table(rows, title_col="config", show_max=False) -> str:
 
 
 def _detail(r: PlanResult) -> str:
-    lines = [f"budget {fmt_bytes(r.device_budget_bytes)} per device (reserve {fmt_bytes(r.reserve_bytes)}), "
+    lines = [f"budget {fmt_bytes(r.device_budget_bytes)} per device ({r.budget_source}) less a reserve of "
+             f"{fmt_bytes(r.reserve_bytes)} for {RESERVE_WHAT} (--reserve): the step may use "
+             f"{fmt_bytes(r.device_budget_bytes - r.reserve_bytes)}",
              f"world {r.world_size}, SP {r.sequence_parallel_size}, {r.num_layers} layers "
-             + (f"(extrapolated from {r.layers_simulated})" if r.extrapolated else "(full depth)")]
+             + (f"(extrapolated from {r.layers_simulated})" if r.extrapolated else "(full depth)")
+             + f"; peaks: backward {fmt_bytes(r.activation_peak_bytes)}, optimizer step {fmt_bytes(r.step_peak_bytes)}"]
     lines.append("model states on device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.model_states.items()))
     if r.host:
         lines.append("host per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.host.items())
                      + f"; per node {fmt_bytes(r.host_bytes_per_node)}"
                      + (f" of {fmt_bytes(r.host_budget_bytes)}" if r.host_budget_bytes else ""))
+    if r.offload:
+        from .host import describe
+
+        lines += describe(r.offload)
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
 
+_COLORS = {"model_states": "#4c4c4c", "attention": "#1f77b4", "mlp": "#ff7f0e", "loss": "#2ca02c", "other": "#9467bd"}
+
+
+def _max_context_estimate(r: PlanResult) -> int:
+    """Longest sequence by the linear rule (activations grow linearly in S, constants ignored, so at a
+    short plotted length this errs low): (usable - model states) / activation bytes per token."""
+    act = r.activation_peak_bytes - r.breakdown.get("model_states", 0)
+    room = r.device_budget_bytes - r.reserve_bytes - max(r.breakdown.get("model_states", 0), r.step_peak_bytes)
+    if act <= 0 or room <= 0:
+        return 0
+    return int(room / (act / r.sequence_length))
+
+
 def plot(rows, path: str, show_max: bool):
+    """Left: peak device memory per configuration, stacked by category, the axis capped just above the
+    budget so that the configurations that fit stay legible; bars that do not fit are cut at the cap
+    and labelled with what they would need. Right: each configuration's max context."""
     try:
         import matplotlib
 
@@ -86,18 +112,61 @@ def plot(rows, path: str, show_max: bool):
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot", "matplotlib is not installed", "pip install matplotlib (or drop --plot)") from None
-    labels = [f"{label}\n{fmt_tokens(mx if show_max else r.sequence_length)}" for label, r, mx in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 5))
-    bottom = [0.0] * len(rows)
+    gib = 2**30
+    n = len(rows)
+    first = rows[0][1]
+    budget = first.device_budget_bytes / gib
+    usable = (first.device_budget_bytes - first.reserve_bytes) / gib
+    cap = budget * 1.3
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(6 + 1.25 * n, 6.2), gridspec_kw={"width_ratios": [1.6, 1]})
+    xs = list(range(n))
+    bottom = [0.0] * n
     for cat in CATS:
-        vals = [r.breakdown.get(cat, 0) / 2**30 for _, r, _ in rows]
-        ax.bar(labels, vals, bottom=bottom, label=cat)
+        vals = [r.breakdown.get(cat, 0) / gib for _, r, _ in rows]
+        ax.bar(xs, vals, bottom=bottom, color=_COLORS[cat], width=0.7, label=cat.replace("_", " "))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    budget = rows[0][1].device_budget_bytes / 2**30
-    ax.axhline(budget, color="k", ls="--", lw=1, label="budget")
+    for x, (_, r, _) in zip(xs, rows):
+        need = r.peak_device_bytes / gib
+        if need > cap:  # cut: a hatched band marks the break, the label says what it would need
+            ax.bar([x], [cap * 0.04], bottom=[cap * 0.955], color="white", width=0.74, hatch="////",
+                   edgecolor="0.3", lw=0)
+            ax.text(x, budget + (cap - budget) * 0.42, f"needs\n{fmt_bytes(r.peak_device_bytes)}", ha="center",
+                    va="center", fontsize=8, color="firebrick", fontweight="bold",
+                    bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="firebrick", lw=0.8))
+        else:
+            ax.text(x, need + cap * 0.01, f"{need:.1f}", ha="center", va="bottom", fontsize=8,
+                    color="black" if r.fits else "firebrick")
+    ax.axhline(budget, color="k", ls="--", lw=1)
+    ax.axhline(usable, color="firebrick", ls=":", lw=1)
+    ax.text(n - 0.5, budget, f" device {budget:.1f} GiB", va="bottom", ha="right", fontsize=8)
+    ax.text(n - 0.5, usable, f" usable {usable:.1f} GiB (reserve {first.reserve_bytes / gib:.1f})", va="top",
+            ha="right", fontsize=8, color="firebrick")
+    ax.set_ylim(0, cap)
+    ax.set_xlim(-0.6, n - 0.4)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([label for label, _, _ in rows], rotation=30, ha="right", fontsize=9)
     ax.set_ylabel("peak device GiB per rank")
-    ax.set_title("ds_longctx plan" + (" at max context" if show_max else ""))
-    ax.legend(fontsize=8)
+    seqs = {fmt_tokens(mx if show_max else r.sequence_length) for _, r, mx in rows}
+    ax.set_title("peak memory " + ("at each max context" if show_max else f"at {', '.join(sorted(seqs))} tokens")
+                 + f", {first.world_size} GPUs", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(CATS), frameon=False)
+    # max context panel
+    if show_max:
+        ctx = [(mx or 0) for _, _, mx in rows]
+        how = "planner --max-context search"
+    else:
+        ctx = [_max_context_estimate(r) for _, r, _ in rows]
+        how = "linear estimate from this length;\n--max-context searches it exactly"
+    ys = list(range(n))[::-1]
+    bx.barh(ys, [c / 1e6 for c in ctx], color="#1f77b4", height=0.6)
+    top = max(ctx + [1]) / 1e6
+    for y, c in zip(ys, ctx):
+        bx.text(c / 1e6 + top * 0.01, y, fmt_tokens(c) if c else "none fits", va="center", fontsize=8)
+    bx.set_yticks(ys)
+    bx.set_yticklabels([label for label, _, _ in rows], fontsize=9)
+    bx.set_xlim(0, top * 1.25)
+    bx.set_xlabel(f"max context, million tokens\n({how})", fontsize=9)
+    bx.set_title(f"max context within {usable:.1f} GiB", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -124,6 +193,7 @@ def _run_plan(a, out) -> int:
 
         configs = ladder(ds, mc, a.gpus)
     rows, params = [], None
+    a.host_mem = _host_mem(a.host_mem)
     for label, cfg in configs:
         p = Planner(cfg, mc, a.gpus, a.gpu_mem, a.host_mem, a.reserve, a.gpus_per_node, a.device, a.full_depth,
                     params=params)
@@ -158,6 +228,17 @@ def _run_plan(a, out) -> int:
                 print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)})", file=out)
         print(f"planner wall time {wall:.1f}s", file=out)
     return 0 if fits else 1
+
+
+def _host_mem(value):
+    """--host-mem: 'auto' is this machine's RAM, 'none' skips the host check."""
+    if value is None or str(value).lower() == "none":
+        return None
+    if str(value).lower() == "auto":
+        from .host import machine_ram_bytes
+
+        return machine_ram_bytes()
+    return value
 
 
 def main(argv=None) -> int:

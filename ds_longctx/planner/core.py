@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 
 from ..config import ConfigError, check_against, load_ds_config, parse
 from . import model_states as ms
+from . import host as host_plan
 from ..models import text_config
 from .simulate import CATEGORIES, simulate_step
 from .units import fmt_bytes, parse_bytes
@@ -24,6 +25,39 @@ from .units import fmt_bytes, parse_bytes
 logger = logging.getLogger("ds_longctx.planner")
 
 EXTRAPOLATE_FROM = (2, 3)
+
+# What an H100-80GB gives the CUDA caching allocator: cudaMemGetInfo's total is ~79.2 GiB (80 GB of HBM3
+# less the driver's carve-outs), and the CUDA context takes some of it before the first allocation.
+H100_USABLE = "79.1GiB"
+# Device memory the step cannot use though the planner's simulation does not see it: CUDA context (outside
+# the allocator on some drivers), NCCL communicator buffers (DeepSpeed creates several groups), cuBLAS
+# workspaces, and caching-allocator fragmentation (the simulation counts live bytes, i.e.
+# max_memory_allocated; max_memory_reserved is higher).
+DEFAULT_RESERVE = "2GiB"
+RESERVE_WHAT = "CUDA context, NCCL communicators, cuBLAS workspaces, allocator fragmentation"
+_NAMED_DEVICES = {"h100": H100_USABLE}
+
+
+def device_budget(gpu_mem=None):
+    """(bytes, where the figure comes from) for ``--gpu-mem``: None/"auto" means this machine's CUDA device
+    when one exists, else the usable memory of an H100-80GB; "h100" names that figure; anything else is a
+    byte size ("80GiB")."""
+    key = str(gpu_mem).strip().lower() if gpu_mem is not None else "auto"
+    if key == "auto":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                dev = torch.cuda.current_device()
+                total = torch.cuda.mem_get_info(dev)[1]
+                return int(total), f"this machine's cuda:{dev} ({torch.cuda.get_device_name(dev)}, cudaMemGetInfo total)"
+        except Exception:  # no usable driver: fall through to the stated nominal figure
+            pass
+        key = "h100"
+    if key in _NAMED_DEVICES:
+        return parse_bytes(_NAMED_DEVICES[key]), (f"nominal H100-80GB: {_NAMED_DEVICES[key]} usable by the allocator "
+                                                  "(pass --gpu-mem for another device)")
+    return parse_bytes(gpu_mem), f"--gpu-mem {gpu_mem}"
 
 
 @dataclass
@@ -38,7 +72,7 @@ class PlanResult:
     host_bytes: int                 # per rank
     host_bytes_per_node: int
     host_budget_bytes: Optional[int]
-    breakdown: Dict[str, int]       # model_states, attention, mlp, loss, other (device, at the peak)
+    breakdown: Dict[str, int]       # model_states, attention, mlp, loss, other (device, at the activation peak)
     model_states: Dict[str, int]    # device model-state parts
     host: Dict[str, int]            # host parts: offloaded activations, optimizer, grads, params
     layers_simulated: List[int]
@@ -47,6 +81,11 @@ class PlanResult:
     sim_seconds: float
     notes: List[str] = field(default_factory=list)
     label: str = ""
+    nvme_bytes_per_node: int = 0    # offloaded layer inputs (and ZeRO nvme states) on the node's drive
+    offload: Dict = field(default_factory=dict)  # planner/host.py: configured target, options, recommendation
+    activation_peak_bytes: int = 0  # sum(breakdown): model states + activations at the backward's peak
+    step_peak_bytes: int = 0        # inside optimizer.step(): model states + step-only buffers, no activations
+    budget_source: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -103,18 +142,22 @@ def param_info(model_config) -> ms.ParamInfo:
         total = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         small = sum(p.numel() for p in model.parameters() if p.numel() <= 100000)
-        return total, largest, small
+        block = max((sum(p.numel() for p in child.parameters()) for layer in model.get_decoder().layers
+                     for child in layer.children()), default=0)
+        return total, largest, small, block
 
     L = text_config(model_config).num_hidden_layers
-    t1, big, s1 = count(1)
-    t2, _, s2 = count(2)
-    return ms.ParamInfo(total=t1 + (L - 1) * (t2 - t1), largest_module=big, persistent=s1 + (L - 1) * (s2 - s1))
+    t1, big, s1, block = count(1)
+    t2, _, s2, _ = count(2)
+    return ms.ParamInfo(total=t1 + (L - 1) * (t2 - t1), largest_module=big, persistent=s1 + (L - 1) * (s2 - s1),
+                        largest_layer_block=block)
 
 
 def _persistent(ds_config: dict, info: ms.ParamInfo) -> ms.ParamInfo:
     zero = ds_config.get("zero_optimization") or {}
     thr = zero.get("stage3_param_persistence_threshold", zero.get("param_persistence_threshold", 100000))
-    return info if thr == "auto" or int(float(thr)) >= 100000 else ms.ParamInfo(info.total, info.largest_module, 0)
+    return info if thr == "auto" or int(float(thr)) >= 100000 else \
+        ms.ParamInfo(info.total, info.largest_module, 0, info.largest_layer_block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,22 +173,25 @@ def _micro_batch(ds_config: dict) -> int:
 def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
     L = text_config(model_config).num_hidden_layers
     bs = _micro_batch(ds_config)
-    if full_depth or L <= EXTRAPOLATE_FROM[1] + 1:
+    # keep_on_device=k: the last k layers differ from the rest, so extrapolate from k+2 and k+3 layers
+    shift = host_plan.extrapolation_shift(lc)
+    lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
+    if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
         return r.breakdown, r.peak_host, [L], False, r.seconds
-    a = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[0], device=device, batch_size=bs)
-    b = simulate_step(model_config, ds_config, lc, world, seq, EXTRAPOLATE_FROM[1], device=device, batch_size=bs)
-    k = L - EXTRAPOLATE_FROM[0]
+    a = simulate_step(model_config, ds_config, lc, world, seq, lo, device=device, batch_size=bs)
+    b = simulate_step(model_config, ds_config, lc, world, seq, hi, device=device, batch_size=bs)
+    k = L - lo
     br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
     host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
-    return br, host, list(EXTRAPOLATE_FROM), True, a.seconds + b.seconds
+    return br, host, [lo, hi], True, a.seconds + b.seconds
 
 
 class Planner:
     """Holds what does not change across sequence lengths (configs, parameter counts, model states)."""
 
-    def __init__(self, ds_config, model_config, world_size: int, gpu_mem="80GiB", host_mem=None,
-                 reserve="0", gpus_per_node: Optional[int] = None, device: str = "meta",
+    def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
+                 reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
                  full_depth: bool = False, params: Optional[ms.ParamInfo] = None):
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
         self.model_config = model_config
@@ -153,8 +199,8 @@ class Planner:
         if self.world < 1:
             raise ConfigError("--gpus", f"must be a positive integer, got {world_size}", "pass the world size")
         try:
-            self.budget = parse_bytes(gpu_mem)
-            self.reserve = parse_bytes(reserve)
+            self.budget, self.budget_source = device_budget(gpu_mem)
+            self.reserve = parse_bytes(DEFAULT_RESERVE if reserve is None else reserve)
             self.host_budget = parse_bytes(host_mem) if host_mem is not None else None
         except ValueError as e:
             raise ConfigError("--gpu-mem/--host-mem/--reserve", str(e), "write sizes like 80GiB") from None
@@ -166,38 +212,60 @@ class Planner:
         self.full_depth = full_depth
         self.lc = parse(self.ds_config)
         check_against(self.lc, self.model_config, self.world)
+        self.sim_lc = host_plan.simulation_lc(self.lc)  # every input to host; targets by arithmetic
         self.params = _persistent(self.ds_config, params or param_info(model_config))
         self.states = ms.compute(self.ds_config, self.params, self.world)
-        if self.states.device_total + self.reserve >= self.budget:
+        host_plan.check_host_budget(self.states, self.host_budget, self.gpus_per_node)
+        if max(self.states.device_total, self.step_peak) + self.reserve >= self.budget:
             raise ConfigError("--gpu-mem", f"the model states alone need {fmt_bytes(self.states.device_total)} per "
                               f"device (ZeRO-{self.states.zero_stage}, {self.world} ranks), over the budget "
                               f"{fmt_bytes(self.budget - self.reserve)}: no sequence length can fit",
                               "use more GPUs, ZeRO-3, or offload_optimizer/offload_param to cpu")
 
+    @property
+    def step_peak(self) -> int:
+        return self.states.device_total + self.states.step_transient_device
+
     def run(self, seq_len: int, label: str = "", full_depth: Optional[bool] = None) -> PlanResult:
         lc, sp = self.lc, self.lc.sequence_parallel_size
         check_against(lc, self.model_config, self.world, seq_len)
         fd = self.full_depth if full_depth is None else full_depth
-        br, host_act, layers, extrap, secs = _steps(self.model_config, self.ds_config, lc, self.world, seq_len,
-                                                    self.device, fd)
+        br, host_act, layers, extrap, secs = _steps(self.model_config, self.ds_config, self.sim_lc, self.world,
+                                                    seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
-        peak = sum(breakdown.values())
-        host = dict(self.states.host)
-        if host_act:
-            host["offloaded activations"] = int(host_act)
+        act_peak = sum(breakdown.values())
+        # the activations are gone before optimizer.step() allocates its step-only buffers
+        peak = max(act_peak, self.step_peak)
+        num_layers = text_config(self.model_config).num_hidden_layers
+        hs = host_plan.host_side(lc, self.states, int(host_act), host_plan.layer_input_bytes(
+            self.model_config, self.ds_config, lc, seq_len, _micro_batch(self.ds_config)), num_layers, act_peak,
+            self.budget, self.reserve, self.host_budget, self.gpus_per_node, step_peak=self.step_peak)
+        host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node
         fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget)
         notes = list(self.states.notes)
-        if self.states.nvme:
-            notes.append(f"on NVMe per rank: {fmt_bytes(sum(self.states.nvme.values()))}")
+        if self.states.step_transient_device:
+            notes.append(f"optimizer step: {fmt_bytes(self.step_peak)} (model states + "
+                         f"{fmt_bytes(self.states.step_transient_device)} fp32 sub-group grad, no activations)"
+                         + (" is the peak" if self.step_peak > act_peak else ""))
+        if hs.nvme:
+            notes.append("on NVMe per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in hs.nvme.items()))
+        if self.host_budget is not None and host_node > self.host_budget:
+            rec = hs.offload.get("recommended")
+            notes.append(f"host memory {fmt_bytes(host_node)} per node is over --host-mem {fmt_bytes(self.host_budget)}"
+                         + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
+                            f"/node)" if rec else "; no offload target fits"))
         return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
                           peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
                           host_bytes=int(host_total), host_bytes_per_node=int(host_node),
                           host_budget_bytes=self.host_budget, breakdown={k: int(v) for k, v in breakdown.items()},
                           model_states=dict(self.states.device), host={k: int(v) for k, v in host.items()},
                           layers_simulated=layers, num_layers=text_config(self.model_config).num_hidden_layers,
-                          extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label)
+                          extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label,
+                          nvme_bytes_per_node=int(sum(hs.nvme.values()) * self.gpus_per_node), offload=hs.offload,
+                          activation_peak_bytes=int(act_peak), step_peak_bytes=int(self.step_peak),
+                          budget_source=self.budget_source)
 
     def max_context(self, granularity: Optional[int] = None, limit: int = 1 << 27, label: str = ""):
         """Largest S (a multiple of SP) whose step fits, and the PlanResult at it (None when none fits)."""
@@ -253,8 +321,8 @@ class Planner:
         return (lo * unit if best.fits else 0), best
 
 
-def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem="80GiB",
-         host_mem=None, seq_len: Optional[int] = None, reserve="0", gpus_per_node: Optional[int] = None,
+def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem=None,
+         host_mem=None, seq_len: Optional[int] = None, reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None,
          device: str = "meta", full_depth: bool = False) -> PlanResult:
     """Plan one training step (see module doc). ``seq_len`` defaults to long_context.sequence_length."""
     mc = load_model_config(model_config, model)
@@ -266,8 +334,8 @@ def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_siz
     return p.run(int(seq))
 
 
-def max_context(ds_config, model_config=None, *, model=None, world_size: int = 8, gpu_mem="80GiB", host_mem=None,
-                reserve="0", gpus_per_node=None, device: str = "meta") -> tuple:
+def max_context(ds_config, model_config=None, *, model=None, world_size: int = 8, gpu_mem=None, host_mem=None,
+                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta") -> tuple:
     mc = load_model_config(model_config, model)
     p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device)
     return p.max_context()

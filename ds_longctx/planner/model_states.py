@@ -11,9 +11,11 @@ model dtype's bytes (2 for bf16/fp16, 4 for fp32), k optimizer states per parame
 
 - stage 3: lp params P/N; grad partitions P/N in grad_accum_dtype; the contiguous-gradients IPG
   bucket (reduce_bucket_size elements, lp); fp32 master P/N; fp32 optimizer states k*P/N; the fp32
-  gradient buffer of the largest optimizer sub-group (min(sub_group_size, P/N)); the gathered-
-  parameter working set (largest module's full params + one prefetch bucket) and persistent params
-  (numel <= stage3_param_persistence_threshold, kept whole).
+  gradient buffer of the largest optimizer sub-group (min(sub_group_size, P/N)), at the step-time
+  peak only (``step_transient_device``); the gathered-parameter working set (largest module's full
+  params + one prefetch bucket) and persistent params (numel <= stage3_param_persistence_threshold,
+  kept whole); the reduce-scatter transients of backward (a flat copy of one IPG bucket + the full-
+  size grads of the largest decoder-layer block awaiting their bucket).
 - stage 1/2: full lp params; stage 1 full lp grads, stage 2 an IPG bucket; fp32 grad partition,
   fp32 master and states P/N.
 - stage 0 with bf16 (DeepSpeed's BF16_Optimizer): full lp params, full fp32 grads, master and states
@@ -42,6 +44,7 @@ class ParamInfo:
     total: int                    # parameters in the model
     largest_module: int           # largest sum of a module's own (direct) parameters: one ZeRO-3 fetch
     persistent: int = 0           # params small enough to stay gathered under ZeRO-3
+    largest_layer_block: int = 0  # largest child of a decoder layer (attention or MLP), all its params
 
 
 @dataclass
@@ -146,9 +149,19 @@ def compute(ds_config: dict, params: ParamInfo, world_size: int) -> ModelStates:
         put(opt_where, "optimizer", k * part * 4)
         sub = min(_int(zero, "sub_group_size", int(1e9), "zero_optimization."), part)
         if off_opt == "none":
-            put("device", "grads", sub * 4 if mixed else 0)
+            # the fp32 gradient of one optimizer sub-group exists only inside step()
+            # (stage3.py _prepare_fp32_grad_for_sub_group), after the activations are freed: it adds to
+            # the step-time peak, not to the activation peak
+            if mixed:
+                out.step_transient_device += sub * 4
         else:
             put(off_opt, "grads", part * 4)
+        # reduce-scatter transients during backward: reduce_scatter_coalesced torch.cat's a flat copy of
+        # a full IPG bucket, and the full-size param.grads of the module that filled it wait for their
+        # copy into the next bucket (with overlap_comm both run on a side stream into the next layer's
+        # recompute, so they coexist with the activations)
+        bucket = _int(zero, "reduce_bucket_size", int(5e8), "zero_optimization.")
+        put("device", "zero transients", (bucket + min(bucket, params.largest_layer_block)) * lp)
     elif stage in (1, 2):
         put("device", "params", P * lp)
         if stage == 1:

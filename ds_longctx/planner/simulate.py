@@ -174,6 +174,8 @@ class Accountant(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):  # a view allocates nothing (its base may predate the step)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
@@ -198,8 +200,14 @@ class _SimHostTarget:
         return host, None
 
     def to_device(self, host, device):
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        out.copy_(host)
+        # a restored layer input is the residual stream ("other"), whichever backward node (often the
+        # MLP's, whose unpack starts the recompute) happens to be running when it is brought back
+        self.acct.stack.append("other")
+        try:
+            out = torch.empty(host.shape, dtype=host.dtype, device=device)
+            out.copy_(host)
+        finally:
+            self.acct.stack.pop()
         return out, None
 
     def wait(self, event):
@@ -246,6 +254,19 @@ class _Tagger:
             self._hook(layer, "other", push=True)
         self._hook(decoder, "other", push=False, after="loss")
         self._hook(model, "loss", push=False, after="other")
+
+    @contextlib.contextmanager
+    def layer_run(self):
+        """transformers checkpoints a layer's ``forward``, not ``__call__``: the recompute in backward runs
+        without the layer's module hooks, so without this its norms and residual adds would be charged to
+        whichever backward node (the MLP's) triggered the recompute. Entered around every run of a
+        checkpointed layer function, forward and recompute alike (memory/checkpointing.py's
+        around_checkpointed_runs seam; child attention/MLP hooks still push theirs)."""
+        self.acct.stack.append("other")
+        try:
+            yield
+        finally:  # checkpoint's early stop raises out of the recompute
+            self.acct.stack.pop()
 
     def _hook(self, module, tag, push: bool, after: Optional[str] = None):
         def pre(mod, args, kwargs):
@@ -426,6 +447,7 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..attention import registry
+    from ..memory.checkpointing import around_checkpointed_runs
     from ..patch import patch_model
 
     sp = lc.sequence_parallel_size
@@ -449,7 +471,7 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
         tagger = _Tagger(acct, model)
         local = seq_len // sp
         try:
-            with mode, acct:
+            with mode, acct, around_checkpointed_runs(tagger.layer_run):
                 ids = torch.zeros(batch_size, local, dtype=torch.long, device=device)
                 pos = torch.arange(local, device=device).unsqueeze(0).expand(batch_size, -1)
                 labels = torch.zeros(batch_size, local, dtype=torch.long, device=device)
