@@ -201,6 +201,10 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
         doc_lens = kwargs.pop(LENS_KEY, None)
+        if cu is None and doc_lens is None and _simulated(input_ids):
+            # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
+            return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         labels=labels, shift_labels=shift_labels, **kwargs)
         docs = None
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
@@ -240,13 +244,18 @@ def install_document_forward(model, group, own_attention: bool) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+def _simulated(t) -> bool:
+    """A fake (planner) or meta tensor: shapes only, no values."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or t.device.type == "meta"
+
+
 def _check_contiguous_shards(position_ids, attention_mask, group) -> None:
     if position_ids is None:
         return  # the loss forward names the missing position_ids
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(position_ids) or position_ids.device.type == "meta":
-        return  # the planner's simulation: dense samples, no values to check (and .all() has none)
     p = position_ids.detach().long()
     local_ok = ((p[:, 1:] - p[:, :-1]) == 1).all(1) if p.shape[1] > 1 else torch.ones(p.shape[0], dtype=torch.bool,
                                                                                       device=p.device)
