@@ -30,9 +30,11 @@ class ProcessState:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         import ds_longctx
+        from ds_longctx.attention import registry
 
         ds_longctx.disable()
         self._restored.__exit__(None, None, None)
+        self._restored = registry.restored()  # a fresh one: a generator context is entered once
         self._restored.__enter__()
         pss._SEQUENCE_PARALLEL_GROUP = None
         pss._SEQUENCE_DATA_PARALLEL_GROUP = None

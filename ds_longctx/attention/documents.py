@@ -177,14 +177,6 @@ def mask_padding_targets(shift_labels: torch.Tensor, n_real: List[int]) -> torch
 # ---------------------------------------------------------------------------------------------
 
 
-def _simulated(t: torch.Tensor) -> bool:
-    """The planner runs the model on fake/meta tensors: it simulates dense samples (the worst case,
-    README), and document structure needs data-dependent shapes fake tensors cannot give."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or t.device.type == "meta"
-
-
 def install_document_forward(model, group, own_attention: bool) -> None:
     """Wrap ``model.forward`` (already ds_longctx's loss forward) so packed batches attend per document.
 
@@ -209,6 +201,10 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
         doc_lens = kwargs.pop(LENS_KEY, None)
+        if cu is None and doc_lens is None and _simulated(input_ids):
+            # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
+            return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         labels=labels, shift_labels=shift_labels, **kwargs)
         docs = None
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
@@ -220,8 +216,8 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
                                   f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
                                   "shard with ds_longctx.data.shard_batch")
-        elif sp == 1 and input_ids is not None and not _simulated(input_ids) and (
-                position_ids is not None or doc_lens is not None or attention_mask is not None):
+        elif sp == 1 and input_ids is not None and (position_ids is not None or doc_lens is not None
+                                                   or attention_mask is not None):
             cu, position_ids, n_real = document_structure(input_ids, position_ids, attention_mask, doc_lens)
             position_ids = position_ids.to(input_ids.device)
             attention_mask = None
@@ -248,11 +244,18 @@ def install_document_forward(model, group, own_attention: bool) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+def _simulated(t) -> bool:
+    """A fake (planner) or meta tensor: shapes only, no values."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or t.device.type == "meta"
+
+
 def _check_contiguous_shards(position_ids, attention_mask, group) -> None:
     if position_ids is None:
         return  # the loss forward names the missing position_ids
-    if _simulated(position_ids):
-        return  # the planner's simulation: dense samples, no values to check (and .all() has none)
     p = position_ids.detach().long()
     local_ok = ((p[:, 1:] - p[:, :-1]) == 1).all(1) if p.shape[1] > 1 else torch.ones(p.shape[0], dtype=torch.bool,
                                                                                       device=p.device)
