@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..memory.norm import _rows_per_tile, rms_norm_rows, rms_norm_rows_backward, rms_norm_tile
+from ..memory.norm import _rows_per_tile, rms_norm_rows, rms_norm_rows_backward, rms_norm_tile, tile_starts
 from .documents import with_documents
 from .untied import (ProjectionSpec, Schedule, StageSpec, _add_gt_x, _check_weights, _ProjSource, _sp,
                      _staged_backward, _staged_forward)
@@ -38,7 +38,7 @@ class _NormedProjSource(_ProjSource):
 
     def _tiles(self):
         n = self.x2.shape[0]
-        for lo in range(0, n, self.step):
+        for lo in tile_starts(self.x2, n, self.step):
             hi = min(lo + self.step, n)
             yield lo, hi, rms_norm_tile(self.x2, self.r2, self.norm_w, lo, hi)
 

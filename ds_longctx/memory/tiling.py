@@ -98,8 +98,15 @@ class TiledRowsFunction(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         out = None
         row = 0
+        pieces = torch.tensor_split(flat, shards, dim=0)
+        if _is_fake(flat):
+            # under the planner's fake tensors only the first (largest) shard runs: a shard keeps nothing
+            # once done (results go into preallocated rows; the planner drops each full weight gradient
+            # as it is accumulated), so it alone shows the loop's peak, and the others would only
+            # multiply the simulation's fake ops
+            pieces = pieces[:1]
         with torch.no_grad():
-            for piece in torch.tensor_split(flat, shards, dim=0):
+            for piece in pieces:
                 y = fn(module, piece)
                 if out is None:  # allocated once the output width and dtype are known
                     out = y.new_empty(flat.shape[0], y.shape[-1])
@@ -118,8 +125,11 @@ class TiledRowsFunction(torch.autograd.Function):
         x_grad = torch.zeros_like(flat) if need_x else None
         row = 0
         try:
-            for i, (piece, g_piece) in enumerate(zip(torch.tensor_split(flat, shards, 0),
-                                                     torch.tensor_split(g, shards, 0))):
+            pairs = zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(g, shards, 0))
+            if _is_fake(flat):
+                # the planner's fake tensors: one shard shows the loop's peak (see forward)
+                pairs = [next(pairs)]
+            for i, (piece, g_piece) in enumerate(pairs):
                 _mark_ready(params, i == shards - 1)
                 piece = piece.detach().requires_grad_(need_x)
                 with torch.enable_grad():

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -173,13 +174,74 @@ class Accountant(TorchDispatchMode):
             me._host -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func is _PRIM_DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
+            # what FakeTensor's own dispatch answers (fake_tensor.py), without the trip through the
+            # mode stack: ``.device`` is queried for nearly every op (over half of all dispatches)
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        kwargs = kwargs or {}
+        written = _written_args(func)
+        if written is not None:
+            flat = tree_flatten((args, kwargs))[0]
+            if all(type(t) is FakeTensor and t.constant is None for t in flat if isinstance(t, torch.Tensor)):
+                # an in-place / out= op on fake tensors allocates nothing and changes no metadata: its
+                # result is the mutated argument(s) (no fake constant to invalidate). Answered here
+                # without FakeTensorMode's dispatch, which is most of the simulation's time (the staged
+                # attention's GEMMs into send buffers and gradient accumulations are such ops).
+                res = _mutated_results(func, written, args, kwargs)
+                if res is not _NOT_SHORT:
+                    return res
+        out = func(*args, **kwargs)
         if getattr(func, "is_view", False):  # a view allocates nothing (its base may predate the step)
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
+
+
+_NOT_SHORT = object()
+_PRIM_DEVICE = torch.ops.prim.device.default
+_WRITTEN: Dict[object, Optional[tuple]] = {}
+
+
+def _written_args(func):
+    """For an op whose every result is one of its arguments, written in place (``add_``, ``copy_``,
+    ``mm.out``): per result, the (position, name) of that argument; else None. Ops that change a
+    tensor's metadata or storage (``resize_``, ``set_``, ``t_``: tag ``inplace_view``) are excluded."""
+    try:
+        return _WRITTEN[func]
+    except KeyError:
+        pass
+    found = None
+    schema = getattr(func, "_schema", None)
+    if schema is not None and schema.is_mutable and torch.Tag.inplace_view not in func.tags:
+        by_set = {}
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write and len(a.alias_info.before_set) == 1:
+                by_set[next(iter(a.alias_info.before_set))] = (i, a.name, a.kwarg_only)
+        outs = []
+        for r in schema.returns:
+            ai = r.alias_info
+            if ai is None or not ai.is_write or len(ai.before_set) != 1 or next(iter(ai.before_set)) not in by_set:
+                outs = None
+                break
+            outs.append(by_set[next(iter(ai.before_set))])
+        if outs:  # ops without results (``_foreach_add_``) go the normal way
+            found = tuple(outs)
+    _WRITTEN[func] = found
+    return found
+
+
+def _mutated_results(func, written, args, kwargs):
+    res = []
+    for i, name, kwarg_only in written:
+        t = kwargs.get(name) if (kwarg_only or i >= len(args)) else args[i]
+        if not isinstance(t, torch.Tensor):
+            return _NOT_SHORT
+        if kwarg_only and t.numel() == 0:  # an empty out= tensor gets resized to the result
+            return _NOT_SHORT
+        res.append(t)
+    return res[0] if len(res) == 1 else tuple(res)
 
 
 class _SimHostTarget:
