@@ -46,3 +46,25 @@ class ProcessState:
 
 def deltas(result):
     return {n: result["after"][n] - result["before"][n] for n in result["after"]}
+
+
+def _ulp(x):
+    x = x.abs()
+    return __import__("torch").nextafter(x, x.new_full((), float("inf"))) - x
+
+
+def delta_deviation(ref, got, rel: float = 1e-5):
+    """Worst per-element distance between two runs' final parameters, in units of what fp32 can
+    resolve there: ulp(before) + ulp(after) + rel * |reference delta|.
+
+    Why not a relative norm of the deltas: the SGD delta of a weight near 1 (RMSNorm) is a few ulps of
+    the weight per step, so rounding the update alone moves ``after - before`` by ~1e-2 of itself and a
+    relative norm measures the fp32 grid, not the training. Measured (tests/test_ecosystem.py, 2-core CPU
+    box, 2026-11-26, tiny Llama, 3 SGD steps, lr 0.05): SP=2 ulysses 4.1 (HF's own ALST: the same),
+    + memory stack 9.0, untied + memory stack 5.2; a gradient counted twice 3.0e6."""
+    out = {}
+    for n, a_ref in ref["after"].items():
+        d_ref = a_ref - ref["before"][n]
+        scale = _ulp(ref["before"][n]) + _ulp(a_ref) + rel * d_ref.abs()
+        out[n] = float(((got["after"][n] - a_ref).abs() / scale).max())
+    return out
