@@ -133,14 +133,18 @@ def plot(rows, path: str, show_max: bool):
             ax.text(x, budget + (cap - budget) * 0.42, f"needs\n{fmt_bytes(r.peak_device_bytes)}", ha="center",
                     va="center", fontsize=8, color="firebrick", fontweight="bold",
                     bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="firebrick", lw=0.8))
+        elif need > usable * 0.9:  # at the budget lines (every bar of a --max-context ladder): inside the bar
+            ax.text(x, need - cap * 0.01, f"{need:.1f}", ha="center", va="top", fontsize=8, color="white",
+                    fontweight="bold")
         else:
             ax.text(x, need + cap * 0.01, f"{need:.1f}", ha="center", va="bottom", fontsize=8,
                     color="black" if r.fits else "firebrick")
     ax.axhline(budget, color="k", ls="--", lw=1)
     ax.axhline(usable, color="firebrick", ls=":", lw=1)
-    ax.text(n - 0.5, budget, f" device {budget:.1f} GiB", va="bottom", ha="right", fontsize=8)
-    ax.text(n - 0.5, usable, f" usable {usable:.1f} GiB (reserve {first.reserve_bytes / gib:.1f})", va="top",
-            ha="right", fontsize=8, color="firebrick")
+    # both line labels above the device line, clear of the bars and their value labels
+    ax.text(n - 0.5, budget + cap * 0.005, f"device {budget:.1f} GiB (dashed), usable {usable:.1f} GiB "
+            f"(dotted: reserve {first.reserve_bytes / gib:.1f})", va="bottom", ha="right", fontsize=8,
+            bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85))
     ax.set_ylim(0, cap)
     ax.set_xlim(-0.6, n - 0.4)
     ax.set_xticks(xs)
