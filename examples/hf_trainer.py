@@ -123,6 +123,12 @@ def main(argv=None):
     from ds_longctx.comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
+    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import deepspeed
+
+        # on GPUs Accelerate's PartialState initialises deepspeed.comm; with use_cpu it skips that
+        # (accelerate/state.py: `if not cpu`), and DeepSpeed's SP groups assert on it
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps, seq_len=a.seq_len)
     if int(os.environ.get("RANK", "0")) == 0:
