@@ -89,13 +89,16 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
             sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=model.config._attn_implementation))
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=lr,
-        lr_scheduler_type="constant", max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
+        # optim="sgd": plain SGD, so parameter deltas are lr x gradient and compare gradients. (Passing
+        # optimizers=(torch.optim.SGD(...), None) does not work under DeepSpeed: transformers'
+        # integrations/deepspeed.py:deepspeed_init sets trainer.optimizer = None and builds args.optim,
+        # AdamW by default, whose first steps are ~lr x sign(gradient), blind to a gradient's scale.)
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
         report_to=[], seed=seed, data_seed=data_seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         deepspeed=config if config is not None else ds_config(sp, attention, memory_stack, use_ds_longctx), **kw)
     data = RandomTokens(samples, seq_len, model.config.vocab_size, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     trainer_cls = type("Trainer", (StepLossTrainer, Trainer), {})
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, optimizers=(optimizer, None))
+    trainer = trainer_cls(model=model, args=args, train_dataset=data)
     trainer.step_losses = []
     trainer.train()
     out = {"losses": trainer.step_losses}

@@ -37,7 +37,7 @@ def tiny_tokenizer(vocab: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t3")
 
 
-def dataset(n: int, vocab: int, seed: int = 0, lengths=(6, 10, 16)):
+def dataset(n: int, vocab: int, seed: int = 0, lengths=(5, 10, 16)):
     """Pre-tokenized samples of varying length (TRL packs them into rows)."""
     from datasets import Dataset
 
@@ -49,7 +49,9 @@ def dataset(n: int, vocab: int, seed: int = 0, lengths=(6, 10, 16)):
 
 def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, packing: bool = True,
           steps: int = 3, seq_len: int = 32, samples: int = 24, lr: float = 0.05, seed: int = 0,
-          output_dir: str = "/tmp/ds_longctx_trl"):
+          output_dir: str = "/tmp/ds_longctx_trl", record_params: bool = False, memory_stack: bool = False,
+          **sft_overrides):
+    """Train ``steps`` SGD steps of SFTTrainer; returns {"losses": [...], "before"/"after": params (if asked)}."""
     from trl import SFTConfig, SFTTrainer
 
     import ds_longctx
@@ -58,6 +60,7 @@ def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, 
     if use_ds_longctx:
         ds_longctx.enable()  # <- the one line
     model = tiny_model(seed=seed)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()} if record_params else None
     kw = {}
     if sp > 1:
         from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
@@ -66,27 +69,35 @@ def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, 
             sp_backend="deepspeed", sp_size=sp,
             sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=model.config._attn_implementation))
     if packing:
-        kw.update(packing=True, packing_strategy="bfd", padding_free=True, max_length=seq_len,
-                  pad_to_multiple_of=max(sp, 1))
+        # rows need no padding to a multiple of SP: ds_longctx's SP loader pads a row with one ignored document
+        kw.update(packing=True, packing_strategy="bfd", padding_free=True, max_length=seq_len)
     else:
         kw.update(packing=False, max_length=seq_len)
+    kw.update(sft_overrides)
     args = SFTConfig(
         output_dir=output_dir, per_device_train_batch_size=1, max_steps=steps, learning_rate=lr,
+        # optim="sgd" (not optimizers=(SGD, None), which the Trainer drops under DeepSpeed: see hf_trainer.py);
+        # bf16=False: SFTConfig's default bf16=True would train in DeepSpeed bf16 (see the module doc)
+        optim="sgd", bf16=kw.pop("bf16", False),
         lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[],
         seed=seed, data_seed=seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        dataset_num_proc=None, deepspeed=ds_config(sp, attention, memory_stack=False, long_context=use_ds_longctx),
-        **kw)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        dataset_num_proc=None,
+        deepspeed=ds_config(sp, attention, memory_stack=memory_stack, long_context=use_ds_longctx), **kw)
     trainer_cls = type("SFTTrainer", (StepLossTrainer, SFTTrainer), {})
     data = dataset(samples, model.config.vocab_size, seed) if packing else \
         dataset(samples, model.config.vocab_size, seed, lengths=(seq_len,))
-    trainer = trainer_cls(model=model, args=args, train_dataset=data, processing_class=tiny_tokenizer(
-        model.config.vocab_size), optimizers=(optimizer, None))
+    trainer = trainer_cls(model=model, args=args, train_dataset=data,
+                          processing_class=tiny_tokenizer(model.config.vocab_size))
     trainer.step_losses = []
     trainer.train()
+    out = {"losses": trainer.step_losses}
+    if record_params:
+        from _common import full_params
+
+        out["before"], out["after"] = before, full_params(trainer.model_wrapped.module)
     if use_ds_longctx:
         ds_longctx.disable()
-    return {"losses": trainer.step_losses}
+    return out
 
 
 def main(argv=None):
