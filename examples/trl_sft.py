@@ -1,17 +1,51 @@
 """TRL SFTTrainer + ds_longctx, with packing (padding-free rows, ``position_ids`` restarting per document).
 
-    deepspeed --num_gpus 2 examples/trl_sft.py                 # packed, ulysses, through ds_longctx
-    deepspeed --num_gpus 2 examples/trl_sft.py --no-packing    # fixed-length samples
+    deepspeed --num_gpus 2 examples/trl_sft.py                          # packed, ulysses, through ds_longctx
+    deepspeed --num_gpus 2 examples/trl_sft.py --attention untied_ulysses --memory-stack
+    deepspeed --num_gpus 2 examples/trl_sft.py --no-packing             # fixed-length samples
+    python examples/trl_sft.py --sp 1 --no-ds-longctx                   # TRL's one-process run (the reference)
 
 Same recipe as the HF Trainer example: ``ds_longctx.enable()``, a ``long_context`` section in the
 DeepSpeed config, ``parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=N)`` in
 ``SFTConfig``. Local tiny Llama and a word-level tokenizer built in place: no download.
 
-Packing status: packed rows run, but attention over a packed row under SP is causal over the whole
-row today (documents see earlier documents of the same row); per-document attention (single-process
-equality for packed samples) is the packed-documents work (issue 11). TRL's ``entropy`` and
-``mean_token_accuracy`` metrics are logged as NaN under ds_longctx: its loss never builds per-token
-log-probabilities.
+Packing: TRL's ``packing=True, padding_free=True`` rows (one flattened row per batch, ``position_ids``
+restarting at 0 per document, TRL's ``cu_seq_lens_*``) go through ds_longctx's SP data loader adapter
+(ds_longctx/hf_loader.py), which ``enable()`` puts in place of DeepSpeed's ``UlyssesSPDataLoaderAdapter``
+for a ds_longctx engine: every rank gets the row's document structure (attention runs per document),
+ranks may hold rows of different lengths (the SP group takes turns on each rank's row, in the
+one-process order, as DeepSpeed's adapter does), and a row whose length is not a multiple of SP is
+padded with one ignored document (no ``pad_to_multiple_of`` needed). DeepSpeed's own adapter (HF's
+ALST path) cannot take these rows: ``deepspeed/runtime/sequence_parallel/ulysses_sp.py``:
+``UlyssesSPDataLoaderAdapter.refill`` all-gathers rows of different lengths ("allgather invalid tensor
+size" on gloo), would cut TRL's 1-D ``cu_seq_lens_q`` along a sequence dimension it does not have, and
+its shards carry no document boundaries.
+
+Verified (tests/test_ecosystem.py; 2-core CPU box, 2026-11-26; ZeRO-3 fp32, SGD, 3 steps, SP=2):
+per-step losses and parameter deltas equal TRL's one-process run (losses rel 1e-5, bit-identical in
+the runs measured; deltas < 1e-6 relative beyond one ulp of the parameter) for fixed-length samples
+(ds_longctx ulysses, and HF's own ALST path) and packed rows (ulysses; untied_ulysses + the memory
+stack).
+
+Two things in a TRL script make an SP run depart from the one-process run without SP being wrong
+(they were why an SP=2 run equalled the one-process run at step 1 only, HF's ALST path and ours alike):
+
+* ``SFTConfig`` defaults to ``bf16=True`` (``trl/trainer/base_config.py``, ``__post_init__``:
+  ``self.bf16 = not (self.fp16)``), which Accelerate turns into DeepSpeed bf16
+  (``accelerate/utils/dataclasses.py``: ``DeepSpeedPlugin.set_mixed_precision`` adds
+  ``{"bf16": {"enabled": true}}`` to a config without a bf16 section). In bf16 the SP run's arithmetic
+  is not the one-process run's (each rank's weight gradient over its part of the sequence is rounded to
+  bf16 before ZeRO sums them; one process rounds the whole sum once), so from step 2 on the losses
+  differ at ~1e-4 (measured: step-2 loss 4.169119 vs 4.168798, rel 7.7e-5, the same for ds_longctx and
+  HF's ALST path). The same script with ``bf16=False`` is bit-identical at every step. This example
+  passes ``bf16=False``.
+* The Trainer drops ``optimizers=(torch.optim.SGD(...), None)`` under DeepSpeed
+  (``transformers/integrations/deepspeed.py``: ``deepspeed_init`` sets ``trainer.optimizer = None`` and
+  builds ``args.optim``, AdamW by default, whose first steps are about lr x sign(gradient) and amplify
+  rounding differences); pass ``optim="sgd"`` to get SGD.
+
+TRL's ``entropy`` and ``mean_token_accuracy`` metrics are logged as NaN under ds_longctx: its loss
+never builds per-token log-probabilities.
 """
 from __future__ import annotations
 
@@ -104,15 +138,27 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
     p.add_argument("--attention", default="ulysses", choices=["ulysses", "untied_ulysses"])
+    p.add_argument("--memory-stack", action="store_true",
+                   help="offloaded checkpointing, tiled MLP/loss, memory-efficient RMSNorm")
     p.add_argument("--no-packing", action="store_true")
+    p.add_argument("--no-ds-longctx", action="store_true", help="plain TRL (at SP>1: HF's own ALST path)")
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
     from ds_longctx.comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
-    res = train(sp=a.sp, attention=a.attention, packing=not a.no_packing)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        import deepspeed
+
+        # CPU: Accelerate (use_cpu=True) starts torch.distributed but not deepspeed.comm, which DeepSpeed's
+        # parallel_state_sp (Accelerate's register_with_transformers call) asserts is initialized
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    kw = dict(seq_len=31, samples=25) if not a.no_packing else {}  # the packed rows of tests/test_ecosystem.py
+    res = train(sp=a.sp, attention=a.attention, packing=not a.no_packing, use_ds_longctx=not a.no_ds_longctx,
+                memory_stack=a.memory_stack, steps=a.steps, **kw)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(res))
+        print(json.dumps({"losses": res["losses"]}))
 
 
 if __name__ == "__main__":
