@@ -155,16 +155,17 @@ class SPTurnsAdapter:
             try:
                 batch = _checked_batch(batch, sp)
                 desc = _describe(batch)
-            except ConfigError as e:
-                desc = e  # raised below on every rank of the group, before the broadcasts
+            except ConfigError as e:  # raised below on every rank of the group, before the broadcasts
+                desc = ("error", e.key, e.problem, e.fix)  # (a ConfigError itself does not unpickle)
         except StopIteration:
             self.iter = None
             batch, desc = None, None
         descs = [None] * sp
         dist.all_gather_object(descs, desc, group=self.sp_group)
         for r, d in enumerate(descs):
-            if isinstance(d, ConfigError):
-                raise ConfigError(d.key, f"(SP rank {r}'s batch) {d.problem}", d.fix)
+            if isinstance(d, tuple):
+                _, key, problem, fix = d
+                raise ConfigError(key, f"(SP rank {r}'s batch) {problem}", fix)
         if all(d is None for d in descs):
             raise StopIteration
         if any(d is None for d in descs):

@@ -136,6 +136,33 @@ def test_trainer_with_parallelism_config_equals_single_process(reference):
             r["no_pc"]
 
 
+def _adapter_errors(rank):
+    """ds_longctx's SP loader adapter on hand-made batches: a bad batch on one rank, and one rank out of
+    batches first, are errors on BOTH ranks (no hang); rows of different lengths are fine."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+
+    from ds_longctx.config import ConfigError
+    from ds_longctx.hf_loader import SPTurnsAdapter
+
+    pss.initialize_sequence_parallel(2)
+    group = pss.get_sequence_parallel_group()
+
+    def row(n):
+        return {"input_ids": torch.arange(n).view(1, n) + 10 * rank, "position_ids": torch.arange(n).view(1, n)}
+
+    out = {}
+    ok = SPTurnsAdapter([row(5 if rank == 0 else 8)], rank, group, 2, "cpu")
+    out["lengths"] = [tuple(b["input_ids"].shape) for b in ok]  # 2 turns: rank 0's row (padded to 6), rank 1's
+    bad = dict(row(8), token_type_ids=torch.zeros(1, 8, dtype=torch.long)) if rank == 1 else row(8)
+    for key, batches in (("bad_key", [bad]), ("ran_out", [row(8)] * (2 if rank == 0 else 1))):
+        try:
+            list(SPTurnsAdapter(batches, rank, group, 2, "cpu"))
+            out[key] = None
+        except ConfigError as e:
+            out[key] = str(e)
+    return out
+
+
 def _alst_trl_mpu(rank, world):
     import alst_tutorial
     import trl_sft
@@ -174,6 +201,8 @@ def _alst_trl_mpu(rank, world):
         out["trl_packed_one_document"] = trl_sft.train(**dict(kw, record_params=False), **TRL_CASES["trl_packed"])
     finally:
         hf_loader._varlen_checked = real_varlen
+    state.reset()
+    out["adapter_errors"] = _adapter_errors(rank)
     state.reset()
     # an mpu whose SP degree contradicts the config
     import ds_longctx
@@ -219,5 +248,10 @@ def test_alst_tutorial_swap_trl_and_mpu_errors(reference):
         print("packed rows with the documents erased", erased, "one-process", ref)
         # step 1's row is one document; step 2's differs by 1.3e-3 (measured), 100x the tolerance above
         assert abs(erased[1] - ref[1]) > 1e-4 * abs(ref[1]), (erased, ref)
+        errs = r["adapter_errors"]
+        assert errs["lengths"] == [(1, 3), (1, 4)], errs
+        assert errs["bad_key"] and "batch.token_type_ids: (SP rank 1's batch) has the sequence dimension" in \
+            errs["bad_key"], errs
+        assert errs["ran_out"] and "ran out on SP ranks [1]" in errs["ran_out"], errs
         assert r["mpu_mismatch"] and "config says 1" in r["mpu_mismatch"] and "size 2" in r["mpu_mismatch"], \
             r["mpu_mismatch"]
