@@ -3,10 +3,10 @@
 Accelerate wraps the training loader in DeepSpeed's ``UlyssesSPDataLoaderAdapter`` when
 ``ParallelismConfig(sp_backend="deepspeed", sp_size=N)`` is set (``accelerate.Accelerator.
 _prepare_deepspeed`` and ``Accelerator.deepspeed_ulysses_dl_adapter``, which the Trainer calls).
-That adapter cannot take packed padding-free rows (TRL ``packing=True, padding_free=True``): it
-all-gathers every rank's row and rows of different lengths fail ("allgather invalid tensor size" on
-gloo), it cuts TRL's 1-D ``cu_seq_lens_q`` along a sequence dimension it does not have, and its
-shards carry no document structure, so a document boundary on a shard edge is invisible.
+That adapter cannot take packed padding-free rows (TRL ``packing=True, padding_free=True``): its
+``refill`` all-gathers every rank's row, and rows of different lengths fail (measured, gloo:
+"ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (1, 5), got (1, 31))"); it also
+reads dim 1 of every tensor, which TRL's 1-D ``cu_seq_lens_q`` does not have.
 
 :class:`SPTurnsAdapter` keeps DeepSpeed's contract (same constructor, same order: the SP group takes
 turns on each rank's batch, so an SP=N world trains the samples in the one-process order, and
@@ -14,7 +14,7 @@ turns on each rank's batch, so an SP=N world trains the samples in the one-proce
 sample's ``doc_cu_seqlens``, so attention runs per document. Each turn's batch goes from its owner
 to the group by broadcast (after one small all-gather of shapes), so ranks may hold rows of any
 length. A row whose length is not a multiple of SP is padded at the end with one ignored document.
-Written rather than reused because DeepSpeed's adapter has none of this (see above).
+Written rather than reused because DeepSpeed's adapter cannot take these rows (see above).
 
 :func:`ds_longctx.enable` installs :class:`RoutedSPAdapter` under DeepSpeed's class name; it picks
 this adapter when the engine being trained is a ds_longctx engine and DeepSpeed's otherwise.

@@ -17,9 +17,9 @@ ranks may hold rows of different lengths (the SP group takes turns on each rank'
 one-process order, as DeepSpeed's adapter does), and a row whose length is not a multiple of SP is
 padded with one ignored document (no ``pad_to_multiple_of`` needed). DeepSpeed's own adapter (HF's
 ALST path) cannot take these rows: ``deepspeed/runtime/sequence_parallel/ulysses_sp.py``:
-``UlyssesSPDataLoaderAdapter.refill`` all-gathers rows of different lengths ("allgather invalid tensor
-size" on gloo), would cut TRL's 1-D ``cu_seq_lens_q`` along a sequence dimension it does not have, and
-its shards carry no document boundaries.
+``UlyssesSPDataLoaderAdapter.refill`` all-gathers rows of different lengths (measured with
+``--no-ds-longctx``: "ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (1, 5), got
+(1, 31))") and reads dim 1 of every tensor, which TRL's 1-D ``cu_seq_lens_q`` does not have.
 
 Verified (tests/test_ecosystem.py; 2-core CPU box, 2026-11-26; ZeRO-3 fp32, SGD, 3 steps, SP=2):
 per-step losses and parameter deltas equal TRL's one-process run (losses rel 1e-5, bit-identical in
