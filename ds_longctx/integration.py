@@ -16,7 +16,13 @@ would scale its gradient by SP. While enabled, that name (which ``Trainer.comput
 in ``transformers.trainer``'s globals) returns ds_longctx's loss as is for ds_longctx models and
 calls the original for any other model.
 
-Both patches are process-global; this module is their one owner. ``disable()`` undoes them.
+Accelerate wraps the training loader in DeepSpeed's ``UlyssesSPDataLoaderAdapter``, looked up on
+``deepspeed.runtime.sequence_parallel.ulysses_sp`` at call time; it cannot take packed padding-free
+rows (TRL ``packing=True, padding_free=True``). While enabled, that name is
+:class:`ds_longctx.hf_loader.RoutedSPAdapter`: ds_longctx's adapter (``shard_batch``, document
+structure, rows of any length) for a ds_longctx engine, DeepSpeed's for any other.
+
+All three patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
@@ -27,8 +33,11 @@ import threading
 from .config import SECTION, load_ds_config
 from .errors import ConfigError
 
-_ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss
+_ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
+#                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter
 _inside = threading.local()  # ds_longctx.initialize calls deepspeed.initialize: that call is DeepSpeed's
+_LAST = {"ds_longctx": False}  # did the last routed deepspeed.initialize build a ds_longctx engine?
+_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
 
 def is_enabled() -> bool:
@@ -46,6 +55,8 @@ def enable() -> None:
 
     _ORIGINALS["initialize"] = deepspeed.initialize
     deepspeed.initialize = _routed_initialize
+    _LAST["ds_longctx"] = False
+    _install_sp_adapter()
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
@@ -62,6 +73,10 @@ def disable() -> None:
     import deepspeed
 
     deepspeed.initialize = _ORIGINALS.pop("initialize")
+    if "sp_adapter" in _ORIGINALS:
+        import importlib
+
+        importlib.import_module(_ULYSSES_MODULE).UlyssesSPDataLoaderAdapter = _ORIGINALS.pop("sp_adapter")
     if "sp_loss" in _ORIGINALS:
         import transformers.trainer as hf_trainer
 
@@ -117,6 +132,7 @@ def _routed_initialize(*args, **kwargs):
         original = deepspeed.initialize
     if getattr(_inside, "depth", 0):
         return original(*args, **kwargs)
+    _LAST["ds_longctx"] = False
     bound = _bound(original, args, kwargs)
     config = bound.get("config")
     if config is None:
@@ -132,9 +148,32 @@ def _routed_initialize(*args, **kwargs):
 
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
-        return initialize(*args, **kwargs)
+        out = initialize(*args, **kwargs)
     finally:
         _inside.depth -= 1
+    _LAST["ds_longctx"] = True
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's UlyssesSPDataLoaderAdapter (as Accelerate builds it)
+# ---------------------------------------------------------------------------------------------
+
+
+def _install_sp_adapter() -> None:
+    import functools
+    import importlib
+
+    try:
+        mod = importlib.import_module(_ULYSSES_MODULE)
+    except ImportError:  # a DeepSpeed without Ulysses SP: Accelerate cannot build the adapter either
+        return
+    from .hf_loader import RoutedSPAdapter
+
+    original = mod.UlyssesSPDataLoaderAdapter
+    _ORIGINALS["sp_adapter"] = original
+    mod.UlyssesSPDataLoaderAdapter = functools.partial(RoutedSPAdapter, _deepspeed_cls=original,
+                                                       _is_ours=lambda: _LAST["ds_longctx"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,3 +54,17 @@ def full_params(module) -> dict:
     params = list(module.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
         return {n: p.detach().float().clone() for n, p in params}
+
+
+def prepare_launched_process() -> None:
+    """What a launched example (deepspeed / torchrun, one process per rank) needs before Accelerate
+    starts. On a CPU box: no DeepSpeed shm all-reduce (its JIT build hung a 2-rank torchrun), and
+    deepspeed.comm initialised here: on GPUs Accelerate's PartialState does that, on CPU it does not
+    (accelerate/state.py), and DeepSpeed's parallel_state_sp (register_with_transformers) asserts it."""
+    from ds_longctx.comm import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

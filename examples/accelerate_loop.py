@@ -26,7 +26,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RandomTokens, full_params, tiny_model  # noqa: E402
+from _common import RandomTokens, full_params, prepare_launched_process, tiny_model  # noqa: E402
 from hf_trainer import ds_config  # noqa: E402  (the same keys as the Trainer example)
 
 
@@ -98,15 +98,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
-    from ds_longctx.comm import disable_cpu_shm_allreduce
-
-    disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import deepspeed
-
-        # on GPUs Accelerate's PartialState initialises deepspeed.comm; on a CPU box it skips that
-        # (accelerate/state.py: its backend is not known), and DeepSpeed's SP groups assert on it
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    prepare_launched_process()
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps)
     if int(os.environ.get("RANK", "0")) == 0:

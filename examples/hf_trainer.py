@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RandomTokens, full_params, tiny_model  # noqa: E402
+from _common import RandomTokens, full_params, prepare_launched_process, tiny_model  # noqa: E402
 
 
 def ds_config(sp: int, attention: str = "untied_ulysses", memory_stack: bool = True, long_context: bool = True,
@@ -89,13 +89,12 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
             sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=model.config._attn_implementation))
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=lr,
-        lr_scheduler_type="constant", max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
+        # optim="sgd": plain SGD, so parameter deltas are lr x gradient and compare gradients. (Passing
+        # optimizers=(torch.optim.SGD(...), None) does not work under DeepSpeed: transformers'
+        # integrations/deepspeed.py:deepspeed_init sets trainer.optimizer = None and builds args.optim,
+        # AdamW by default, whose first steps are ~lr x sign(gradient), blind to a gradient's scale.)
+        optim="sgd", lr_scheduler_type="constant", max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
         report_to=[], seed=seed, data_seed=data_seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        # the optimizer by name: under DeepSpeed the Trainer drops an optimizer passed as
-        # Trainer(optimizers=...) and builds args.optim (AdamW by default; transformers'
-        # integrations/deepspeed.py:deepspeed_optim_sched), which would turn "SGD deltas" into AdamW's
-        # sign-like first step, where near-zero gradients amplify rounding differences
-        optim="sgd", weight_decay=0.0,
         deepspeed=config if config is not None else ds_config(sp, attention, memory_stack, use_ds_longctx), **kw)
     data = RandomTokens(samples, seq_len, model.config.vocab_size, seed=seed)
     trainer_cls = type("Trainer", (StepLossTrainer, Trainer), {})
@@ -120,15 +119,7 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
-    from ds_longctx.comm import disable_cpu_shm_allreduce
-
-    disable_cpu_shm_allreduce()  # CPU: DeepSpeed's shm all-reduce JIT build hung a 2-rank torchrun
-    if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import deepspeed
-
-        # on GPUs Accelerate's PartialState initialises deepspeed.comm; with use_cpu it skips that
-        # (accelerate/state.py: `if not cpu`), and DeepSpeed's SP groups assert on it
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    prepare_launched_process()
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps, seq_len=a.seq_len)
     if int(os.environ.get("RANK", "0")) == 0:

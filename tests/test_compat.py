@@ -54,18 +54,29 @@ def test_tiled_loss_output_names_the_key_when_logits_are_asked_for():
 
 def test_enable_is_idempotent_and_undone_by_disable():
     import deepspeed
+    import deepspeed.runtime.sequence_parallel.ulysses_sp as ulysses_sp
     import transformers.trainer as hf_trainer
 
+    from ds_longctx.hf_loader import RoutedSPAdapter
+
     orig_init, orig_loss = deepspeed.initialize, hf_trainer.deepspeed_sp_compute_loss
+    orig_adapter = ulysses_sp.UlyssesSPDataLoaderAdapter
     try:
         ds_longctx.enable()
         ds_longctx.enable()
         assert deepspeed.initialize is integration._routed_initialize
         assert hf_trainer.deepspeed_sp_compute_loss is integration._sp_compute_loss
         assert integration._ORIGINALS["initialize"] is orig_init  # not wrapped twice
+        assert integration._ORIGINALS["sp_adapter"] is orig_adapter
+        # Accelerate's call builds the router; with no ds_longctx engine built it resolves to DeepSpeed's
+        routed = ulysses_sp.UlyssesSPDataLoaderAdapter([{"input_ids": torch.zeros(1, 4)}], sp_rank=0, sp_group=None,
+                                                       sp_world_size=2, device="cpu")
+        assert isinstance(routed, RoutedSPAdapter) and len(routed) == 2
+        assert isinstance(routed._resolve(), orig_adapter)
     finally:
         ds_longctx.disable()
     assert deepspeed.initialize is orig_init and hf_trainer.deepspeed_sp_compute_loss is orig_loss
+    assert ulysses_sp.UlyssesSPDataLoaderAdapter is orig_adapter
     ds_longctx.disable()  # no-op
 
 

@@ -1,0 +1,58 @@
+"""Unit tests (no processes spawned) for the batch checks of ds_longctx's SP data loader adapter
+(ds_longctx/hf_loader.py): what it accepts from TRL's padding-free collator, how it pads a row to a
+multiple of SP, and the batches it refuses. The adapter's collectives run in tests/test_ecosystem.py."""
+import pytest
+import torch
+
+from ds_longctx.config import ConfigError
+from ds_longctx.data import shard_batch
+from ds_longctx.hf_loader import _checked_batch
+
+
+def trl_padding_free(doc_lens, seed=0):
+    """What trl.trainer.sft_trainer.DataCollatorForLanguageModeling(padding_free=True) returns for one row."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 64, (sum(doc_lens),), generator=g).tolist()
+    return DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(
+        [{"input_ids": ids, "seq_lengths": list(doc_lens)}])
+
+
+def test_trl_padding_free_row_keeps_its_documents():
+    batch = trl_padding_free([5, 11, 16])  # 32 tokens, a boundary on the SP=2 shard edge (16)
+    assert "cu_seq_lens_q" in batch and "seq_idx" in batch
+    out = _checked_batch(batch, 2)
+    assert not any(k in out for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "seq_idx"))
+    shards = [shard_batch(out, r, 2) for r in range(2)]
+    assert shards[0]["doc_cu_seqlens"].tolist() == [[0, 5, 16, 32]] == shards[1]["doc_cu_seqlens"].tolist()
+    # TRL ignores each document's first label; the last target of shard 0 is token 16's label (-100)
+    assert shards[0]["shift_labels"][0, -1] == -100 and shards[0]["shift_labels"][0, 4] == -100
+    assert torch.equal(torch.cat([s["input_ids"] for s in shards], 1), batch["input_ids"])
+
+
+def test_odd_row_is_padded_with_one_ignored_document():
+    batch = trl_padding_free([5, 10])  # 15 tokens
+    out = _checked_batch(batch, 2)
+    assert out["input_ids"].shape == (1, 16) and out["attention_mask"][0].tolist() == [1] * 15 + [0]
+    s1 = shard_batch(out, 1, 2)
+    assert s1["doc_cu_seqlens"].tolist() == [[0, 5, 15, 16]]
+    assert s1["shift_labels"][0, -2:].tolist() == [-100, -100]  # last real token's target is padding
+    even = trl_padding_free([5, 11])  # a multiple of SP: unchanged
+    checked = _checked_batch(even, 2)
+    assert torch.equal(checked["input_ids"], even["input_ids"]) and "attention_mask" not in checked
+
+
+def test_batches_the_adapter_cannot_take_are_named():
+    batch = trl_padding_free([5, 11])
+    with pytest.raises(ConfigError, match=r"batch.cu_seq_lens_q: gives document boundaries \[0, 4, 16\]"):
+        _checked_batch(dict(batch, cu_seq_lens_q=torch.tensor([0, 4, 16], dtype=torch.int32)), 2)
+    with pytest.raises(ConfigError, match="batch.cu_seq_lens_q: .*without position_ids"):
+        _checked_batch({k: v for k, v in batch.items() if k != "position_ids"}, 2)
+    with pytest.raises(ConfigError, match=r"batch.token_type_ids: has the sequence dimension"):
+        _checked_batch(dict(batch, token_type_ids=torch.zeros_like(batch["input_ids"])), 2)
+    with pytest.raises(ConfigError, match=r"batch.input_ids: expected a \[batch, seq\] tensor"):
+        _checked_batch({"input_ids": torch.zeros(8, dtype=torch.long)}, 2)
+    with pytest.raises(ConfigError, match="batch.attention_mask: sample 0 is not right-padded"):
+        _checked_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
+                        "attention_mask": torch.tensor([[0, 1, 1, 1]])}, 2)
