@@ -124,6 +124,30 @@ def check_sp_wiring(ds_config: dict, mpu, from_accelerate: bool) -> None:
                           "or pass DeepSpeed's mpu, or set sequence_parallel_size to 1")
 
 
+def check_accelerate_layout(ds_config: dict, mpu) -> None:
+    """Accelerate derives train_batch_size from ParallelismConfig.data_parallel_size (accelerate's
+    _prepare_deepspeed), which counts only the dp sizes the user declared: SP=2 on 4 ranks without
+    dp_replicate_size=2 reaches DeepSpeed as a batch-size mismatch naming neither. Say what to set."""
+    import torch.distributed as dist
+
+    if mpu is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        sp = int(mpu.get_sequence_parallel_world_size())
+        tbs, micro = int(ds_config["train_batch_size"]), int(ds_config["train_micro_batch_size_per_gpu"])
+        gas = int(ds_config.get("gradient_accumulation_steps", 1))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return  # DeepSpeed checks what is missing or not a number
+    world = dist.get_world_size()
+    declared = tbs // max(1, micro * gas)
+    if sp > 1 and world % sp == 0 and declared * sp != world:
+        raise ConfigError("parallelism_config", f"sp_size={sp} x data-parallel size {declared} covers {declared * sp} "
+                          f"of the {world} ranks (Accelerate sets train_batch_size={tbs} from the dp sizes declared "
+                          "in ParallelismConfig)",
+                          f"pass ParallelismConfig(sp_backend='deepspeed', sp_size={sp}, "
+                          f"dp_replicate_size={world // sp}) so that sp_size x dp sizes = {world}")
+
+
 def _routed_initialize(*args, **kwargs):
     original = _ORIGINALS.get("initialize")
     if original is None:  # disabled while a reference to us was kept somewhere
@@ -141,9 +165,12 @@ def _routed_initialize(*args, **kwargs):
         ds_config = load_ds_config(config, bound.get("args"))
     except ConfigError:
         return original(*args, **kwargs)  # DeepSpeed reports its own config problems
-    check_sp_wiring(ds_config, bound.get("mpu"), _called_from_accelerate())
+    from_accelerate = _called_from_accelerate()
+    check_sp_wiring(ds_config, bound.get("mpu"), from_accelerate)
     if SECTION not in ds_config:
         return original(*args, **kwargs)
+    if from_accelerate:
+        check_accelerate_layout(ds_config, bound.get("mpu"))
     from .initialize import initialize
 
     _inside.depth = getattr(_inside, "depth", 0) + 1

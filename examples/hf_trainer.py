@@ -70,8 +70,12 @@ class StepLossTrainer:
 def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = True, use_ds_longctx: bool = True,
           steps: int = 3, seq_len: int = 32, samples: int = 8, lr: float = 0.05, seed: int = 0, max_grad_norm=0.0,
           output_dir: str = "/tmp/ds_longctx_hf_trainer", micro_batch: int = 1, record_params: bool = False,
-          parallelism_config: bool = True, config: dict | None = None, data_seed: int | None = 0):
-    """Train ``steps`` SGD steps; returns {"losses": [...], "before"/"after": params (if asked)}."""
+          parallelism_config: bool = True, config: dict | None = None, data_seed: int | None = 0,
+          dp_replicate_size: int | None = None, sample_order: list | None = None):
+    """Train ``steps`` SGD steps; returns {"losses": [...], "before"/"after": params (if asked)}.
+
+    ``dp_replicate_size``: data-parallel replicas of the SP groups (world = sp x this); Accelerate needs
+    it declared. ``sample_order``: read the samples sequentially in this order (default: shuffled)."""
     from transformers import Trainer, TrainingArguments
 
     import ds_longctx
@@ -84,9 +88,12 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
     if sp > 1 and parallelism_config:
         from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
 
+        dp = {} if dp_replicate_size is None else {"dp_replicate_size": dp_replicate_size}
         kw["parallelism_config"] = ParallelismConfig(
-            sp_backend="deepspeed", sp_size=sp,
+            sp_backend="deepspeed", sp_size=sp, **dp,
             sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation=model.config._attn_implementation))
+    if sample_order is not None:
+        kw["train_sampling_strategy"] = "sequential"
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=micro_batch, max_steps=steps, learning_rate=lr,
         # optim="sgd": plain SGD, so parameter deltas are lr x gradient and compare gradients. (Passing
@@ -97,6 +104,8 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
         report_to=[], seed=seed, data_seed=data_seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         deepspeed=config if config is not None else ds_config(sp, attention, memory_stack, use_ds_longctx), **kw)
     data = RandomTokens(samples, seq_len, model.config.vocab_size, seed=seed)
+    if sample_order is not None:
+        data = torch.utils.data.Subset(data, sample_order)
     trainer_cls = type("Trainer", (StepLossTrainer, Trainer), {})
     trainer = trainer_cls(model=model, args=args, train_dataset=data)
     trainer.step_losses = []
