@@ -10,7 +10,7 @@ reads dim 1 of every tensor, which TRL's 1-D ``cu_seq_lens_q`` does not have.
 
 :class:`SPTurnsAdapter` keeps DeepSpeed's contract (same constructor, same order: the SP group takes
 turns on each rank's batch, so an SP=N world trains the samples in the one-process order, and
-``len`` is ``len(dl) * N``) and shards with :func:`ds_longctx.data.shard_batch`: every rank gets the
+``len`` is ``len(dl) * N``, ``len(dl)`` once a loader is found replicated) and shards with :func:`ds_longctx.data.shard_batch`: every rank gets the
 sample's ``doc_cu_seqlens``, so attention runs per document. Each turn's batch goes from its owner
 to the group by broadcast (after one small all-gather of shapes), so ranks may hold rows of any
 length. A row whose length is not a multiple of SP is padded at the end with one ignored document.
