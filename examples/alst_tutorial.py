@@ -119,4 +119,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    import ds_longctx
+
+    # an error on any rank ends the job; no interpreter finalization at the end (gloo/NCCL threads can
+    # abort it: ds_longctx/runtime.py)
+    ds_longctx.run(main)
