@@ -33,6 +33,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from .attention.documents import document_structure
 from .errors import ConfigError
 
 # TRL's padding-free collator (trl.trainer.sft_trainer.DataCollatorForLanguageModeling) adds these
@@ -59,9 +60,7 @@ def _varlen_checked(batch: dict) -> dict:
                               "ds_longctx reads document boundaries from position_ids restarting per document",
                               "use TRL's padding-free collator as is (one flattened row with position_ids), or "
                               "drop cu_seq_lens_* and give position_ids")
-        p = pos[0].detach().to("cpu", torch.long)
-        starts = [0] + ((p[1:] - p[:-1]) != 1).nonzero().flatten().add(1).tolist() if p.numel() else []
-        want = starts + [p.numel()]
+        want = document_structure(ids, pos)[0][0].tolist()  # shard_batch's own reading of position_ids
         got = cu.detach().to("cpu", torch.long).flatten().tolist()
         if got != want:
             raise ConfigError(f"batch.{key}", f"gives document boundaries {got[:8]}{'...' if len(got) > 8 else ''} "
@@ -208,7 +207,11 @@ class SPTurnsAdapter:
                               "(a loader sharded over data-parallel ranks only, each sample trained once) and "
                               "now different ones", "give the SP ranks of a group either always the same "
                               "batches or always different ones")
-        for r, d in enumerate(descs[:1] if self.replicated else descs):
+        if self.replicated:  # every rank holds this very batch: shard it, nothing to send
+            local = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            self.micro_batches.append(shard_batch(local, self.sp_rank, sp))
+            return
+        for r, d in enumerate(descs):
             src = dist.get_global_rank(self.sp_group, r)
             full = {}
             for k, (kind, *spec) in d.items():
@@ -245,7 +248,7 @@ class RoutedSPAdapter:
         return self._impl
 
     def __len__(self):
-        return len(self.dl) * self._args[3]
+        return len(self._impl) if self._impl is not None else len(self.dl) * self._args[3]
 
     def __iter__(self):
         return self

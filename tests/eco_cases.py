@@ -69,3 +69,14 @@ def delta_errors(ref, got):
         errs[n] = float(beyond.norm() / d_ref[n].norm())
         raw[n] = float((d_got[n] - d_ref[n]).norm() / d_ref[n].norm())
     return errs, raw
+
+
+def config_error(call, *args, **kwargs):
+    """The message of the ConfigError ``call(*args, **kwargs)`` raises, or None when it returns."""
+    from ds_longctx.errors import ConfigError
+
+    try:
+        call(*args, **kwargs)
+    except ConfigError as e:
+        return str(e)
+    return None

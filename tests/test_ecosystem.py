@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from eco_cases import ProcessState, delta_errors, deltas
+from eco_cases import ProcessState, config_error, delta_errors, deltas
 
 STEPS = 3
 TOL = 1e-5  # see _assert_same_training
@@ -61,8 +61,6 @@ def _trainer_sp2(rank, world):
     import hf_trainer
     import transformers.trainer as hf_trainer_mod
 
-    from ds_longctx.config import ConfigError
-
     state = ProcessState()
     out = {}
     kw = dict(sp=2, record_params=True, steps=STEPS, output_dir=f"/tmp/ds_longctx_test_sp{rank}")
@@ -90,11 +88,7 @@ def _trainer_sp2(rank, world):
         integration.enable = real_enable
     state.reset()
     # silent case: SP keys + enable() but no ParallelismConfig -> the Trainer would run plain DP
-    try:
-        hf_trainer.train(attention="ulysses", parallelism_config=False, **kw)
-        out["no_pc"] = None
-    except ConfigError as e:
-        out["no_pc"] = str(e)
+    out["no_pc"] = config_error(hf_trainer.train, attention="ulysses", parallelism_config=False, **kw)
     state.reset()
     return out
 
@@ -131,7 +125,6 @@ def _adapter_errors(rank):
     replicated over the SP group gives each batch once."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
 
-    from ds_longctx.config import ConfigError
     from ds_longctx.hf_loader import SPTurnsAdapter
 
     pss.initialize_sequence_parallel(2)
@@ -150,11 +143,7 @@ def _adapter_errors(rank):
     out["replicated"] = [b["input_ids"].tolist() for b in rep]
     for key, batches in (("bad_key", [bad]), ("ran_out", [row(8)] * (2 if rank == 0 else 1)),
                          ("replicated_then_not", [same, row(8)])):
-        try:
-            list(SPTurnsAdapter(batches, rank, group, 2, "cpu"))
-            out[key] = None
-        except ConfigError as e:
-            out[key] = str(e)
+        out[key] = config_error(lambda: list(SPTurnsAdapter(batches, rank, group, 2, "cpu")))
     return out
 
 
@@ -162,7 +151,6 @@ def _alst_trl_mpu(rank, world):
     import alst_tutorial
     import trl_sft
 
-    from ds_longctx.config import ConfigError
 
     state = ProcessState()
     out = {"alst_deepspeed": alst_tutorial.run(use_ds_longctx=False)}
@@ -205,12 +193,8 @@ def _alst_trl_mpu(rank, world):
     from tiny_models import build, tiny_config
 
     pss.initialize_sequence_parallel(2)
-    try:
-        ds_longctx.initialize(model=build(tiny_config()), mpu=pss, config={
-            "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 1, "long_context": {}})
-        out["mpu_mismatch"] = None
-    except ConfigError as e:
-        out["mpu_mismatch"] = str(e)
+    out["mpu_mismatch"] = config_error(ds_longctx.initialize, model=build(tiny_config()), mpu=pss, config={
+        "train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 1, "long_context": {}})
     state.reset()
     return out
 

@@ -24,20 +24,14 @@ def _one_process(rank, world):
 
 def _dp_sp(rank, world):
     import hf_trainer
-    from eco_cases import ProcessState
-
-    from ds_longctx.config import ConfigError
+    from eco_cases import ProcessState, config_error
 
     state = ProcessState()
     kw = dict(sp=2, record_params=True, steps=STEPS, sample_order=list(range(4)),
               output_dir=f"/tmp/ds_longctx_test_dpsp{rank}")
     out = {"trained": hf_trainer.train(dp_replicate_size=2, **kw)}  # untied attention + memory stack
     state.reset()
-    try:
-        hf_trainer.train(**kw)
-        out["undeclared"] = None
-    except ConfigError as e:
-        out["undeclared"] = str(e)
+    out["undeclared"] = config_error(hf_trainer.train, **kw)
     state.reset()
     return out
 
