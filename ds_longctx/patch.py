@@ -63,6 +63,11 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
     tiled = lc.tiled_loss
     if tiled.enabled:
         from .memory.tiling import tiled_causal_lm_loss_sum
+    # lm_head parameters the model uses elsewhere too (tied input embeddings: Llama-3.2, Gemma, Qwen small)
+    uses = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    tied = tuple(p for p in model.lm_head.parameters() if uses.get(id(p), 0) > 1)
     orig_forward = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
@@ -87,7 +92,8 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
         hidden = out.last_hidden_state
         logits = None
         if tiled.enabled:
-            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group)
+            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group,
+                                                       shared=tied)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
         return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled)

@@ -32,7 +32,7 @@ CASES = {
 }
 
 
-def _engine_step(lc: dict):
+def _engine_step(lc: dict, tied: bool = False):
     import ds_longctx
     from ds_longctx.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
@@ -41,7 +41,7 @@ def _engine_step(lc: dict):
     from tiny_models import build, tiny_config
 
     config = ds_config(3, 2, dict(lc, attention={"implementation": "ulysses"}))
-    model = build(tiny_config(**MODEL), seed=0)
+    model = build(tiny_config(**MODEL, tie_word_embeddings=tied), seed=0)
     engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                             config=config)
     before = full_params(engine.module)
@@ -56,12 +56,29 @@ def _engine_step(lc: dict):
     return loss.item(), {n: after[n] - before[n] for n in after}, stats
 
 
+TIED_CASES = ("off", "loss_3", "all")  # lm_head's weight is the input embedding's (Llama-3.2, Gemma, small Qwen)
+
+
 def _switches_worker(rank, world):
-    return {name: _engine_step(lc) for name, lc in CASES.items()}
+    out = {name: _engine_step(lc) for name, lc in CASES.items()}
+    out.update({f"tied_{name}": _engine_step(CASES[name], tied=True) for name in TIED_CASES})
+    return out
 
 
 def test_each_switch_and_all_match_all_off_under_zero3_sp2():
     results = run_distributed(_switches_worker, 2, timeout=400)
+    for rank, out in enumerate(results):
+        # tied embeddings: the tiled loss's lm_head gradient and the embedding's are reduced once, summed
+        # (reduced after the last tile as well, ZeRO-3 asserted on the parameter twice in one bucket)
+        ref_loss, ref_deltas, _ = out["tied_off"]
+        emb = [n for n in ref_deltas if "embed_tokens" in n]
+        assert emb and "lm_head.weight" not in ref_deltas and ref_deltas[emb[0]].abs().max() > 0
+        for name in TIED_CASES[1:]:
+            loss, deltas, _ = out[f"tied_{name}"]
+            assert math.isclose(loss, ref_loss, rel_tol=1e-6), (rank, name, loss, ref_loss)
+            for n, ref in ref_deltas.items():
+                torch.testing.assert_close(deltas[n], ref, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} tied {name} {n}: {m}")
     layer_bytes = 1 * (SEQ // 2) * 32 * 4
     for rank, out in enumerate(results):
         ref_loss, ref_deltas, _ = out["off"]

@@ -225,8 +225,8 @@ class TiledLMLossSum(torch.autograd.Function):
     last tile. Trailing tensor inputs are anchors only (they get no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, lm_head, shards, params, *anchors):
-        ctx.lm_head, ctx.shards, ctx.params = lm_head, shards, params
+    def forward(ctx, hidden, labels, lm_head, shards, params, shared, *anchors):
+        ctx.lm_head, ctx.shards, ctx.params, ctx.shared = lm_head, shards, params, shared
         ctx.n_anchors = len(anchors)
         ctx.save_for_backward(hidden, labels)
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
@@ -241,6 +241,10 @@ class TiledLMLossSum(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, labels = ctx.saved_tensors
         lm_head, shards, params = ctx.lm_head, ctx.shards, ctx.params
+        # a parameter the model also uses elsewhere (tied input embedding) gets its other gradient later in
+        # this backward: it must not be reduced after the last tile too (ZeRO-3 asserts on a parameter
+        # reduced twice in one bucket), so it is marked ready only at the end and reduced once, with the sum
+        own = [p for p in params if not any(p is q for q in ctx.shared)]
         need_x = ctx.needs_input_grad[0]
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
@@ -249,7 +253,8 @@ class TiledLMLossSum(torch.autograd.Function):
         row = 0
         try:
             for i, (xp, yp) in enumerate(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0))):
-                _mark_ready(params, i == shards - 1)
+                _mark_ready(params, False)
+                _mark_ready(own, i == shards - 1)
                 xp = xp.detach().requires_grad_(need_x)
                 with torch.enable_grad():
                     loss = _ce_sum(lm_head, xp, yp)
@@ -262,17 +267,18 @@ class TiledLMLossSum(torch.autograd.Function):
         finally:
             _mark_ready(params, True)
         x_out = x_grad.view_as(hidden) if need_x else None
-        return (x_out, None, None, None, None) + (None,) * ctx.n_anchors
+        return (x_out, None, None, None, None, None) + (None,) * ctx.n_anchors
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
-                             shards: Union[int, str] = "auto", group=None):
+                             shards: Union[int, str] = "auto", group=None, shared: Sequence[torch.Tensor] = ()):
     """(fp32 sum of CE over valid tokens, number of valid tokens) without [seq, vocab] logits.
 
     hidden [b, s_local, h]; shift_labels [b, s_local] with -100 = ignore. Shards with no valid label
     contribute exactly 0 (a CE *sum*, never a mean, so never NaN). ``shards`` "auto" is
     ceil(s_local / h) MAX-agreed over every rank (``group`` is accepted for the engine's call but the
     agreement is world-wide: ZeRO-3's lm_head all-gathers span DP x SP, not just the SP group).
+    ``shared``: lm_head parameters the model also uses elsewhere (tied embeddings).
     """
     if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
         raise ValueError(f"tiled_causal_lm_loss_sum: hidden {tuple(hidden.shape)} must be [b, s, h] and "
@@ -286,6 +292,6 @@ def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shi
     anchor = ()
     if params and not hidden.requires_grad and torch.is_grad_enabled():
         anchor = (hidden.new_empty(0).requires_grad_(True),)
-    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, *anchor)
+    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, tuple(shared), *anchor)
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count
