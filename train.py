@@ -332,6 +332,8 @@ def main(argv=None):
                "tflops": prof["tflops_per_gpu"], "peak_mem_bytes": prof["peak_memory_bytes"],
                "host_rss_bytes": host_rss_bytes(), "lr": engine.get_lr()[0] if engine.get_lr() else None,
                "step_time_s": dt}
+        if "peak_reserved_bytes" in prof:
+            rec["peak_reserved_bytes"] = prof["peak_reserved_bytes"]
         if "artifacts" in prof:
             rec["profile_artifacts"] = prof["artifacts"]
         if metrics:

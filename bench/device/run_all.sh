@@ -1,28 +1,65 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU checks (bench/device/README.md). Runs on the lent machine from the repo
-# root with .whl carried:   bash bench/device/run_all.sh attention   (then: bash bench/device/run_all.sh memory)
-# Writes JSON and logs under $OUT (what comes back). Each step has its own time limit so one slow step
-# cannot eat the call's 10 minutes.
+# Every GPU check of issue 21 in ONE device command (bench/device/README.md). On the lent machine, from the
+# repo root with .whl carried:
+#     bash bench/device/run_all.sh            # whole budget: RUN_ALL_BUDGET seconds (default 530)
+# On CPU, before any device time is spent (tiny sizes, same code paths where the CPU has them):
+#     bash bench/device/run_all.sh --dry-run
+# Results go to $OUT (at most 8 files come back): env.txt, attention.json, checks.json, train_metrics.jsonl,
+# train_plan.json, long.json, log.txt. Each step writes as it goes and has a limit cut to what is left of
+# the budget, so a slow step cannot take the later ones with it.
 set -uo pipefail
+cd "$(dirname "$0")/../.."
+DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-python3 -c "import torch, deepspeed, transformers, pydantic; print(torch.__version__, torch.version.cuda, deepspeed.__version__, transformers.__version__, pydantic.VERSION)" | tee "$OUT/versions.txt"
-step() {  # step NAME SECONDS CMD...
-    local name=$1 secs=$2; shift 2
-    echo "== $name ($(date -u +%T), limit ${secs}s): $*"
-    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"; tail -3 "$OUT/$name.log"
+BUDGET=${RUN_ALL_BUDGET:-530}; T0=$(date +%s)
+LOG="$OUT/log.txt"; : > "$LOG"
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
+step() {  # step NAME MAX_SECONDS CMD...: runs CMD under min(MAX, what is left - 5 s), output into log.txt
+    local name=$1 max=$2; shift 2
+    local lim; lim=$(left); lim=$(( lim - 5 < max ? lim - 5 : max ))
+    if [ "$lim" -lt 20 ]; then echo "== $name: skipped, ${lim}s left" | tee -a "$LOG"; return; fi
+    echo "== $name ($(date -u +%T), limit ${lim}s): $*" | tee -a "$LOG"
+    timeout -k 5 "$lim" "$@" >> "$LOG" 2>&1; local rc=$?
+    echo "== $name rc=$rc after $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 }
-case "${1:-attention}" in
-  attention)  # kernel parity vs fp32 + untied vs tied speed/memory (issue 13's targets: >= 0.97x @128K)
-    step gpu_attention_short 200 python3 bench/gpu_attention.py --seq 32768 --steps 3 --json "$OUT/gpu_attention_32k.json"
-    step gpu_attention_long 330 python3 bench/gpu_attention.py --seq 131072 --steps 3 --hpc 1 8 --json "$OUT/gpu_attention_128k.json"
-    ;;
-  memory)     # memory stack ablation (incl. the block Function and the pinned arena) + planner vs max_memory_*
-    step gpu_memory_stack 300 python3 bench/gpu_memory_stack.py --out "$OUT/gpu_memory_stack.json"
-    step gpu_planner_check 240 python3 bench/gpu_planner_check.py --out "$OUT/gpu_planner_check.json"
-    ;;
-  *) echo "usage: run_all.sh attention|memory"; exit 2 ;;
-esac
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ $DRY = 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >> "$LOG" 2>&1 || { echo "wheel install failed"; tail -20 "$LOG"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+    export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    PY=python3
+    { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nproc; free -g; df -h /tmp; } \
+        > "$OUT/env.txt" 2>&1
+    ATT="--seq 32768 131072 --hpc 1 8 --steps 3"; VL="--varlen-seq 32768 131072 --docs 64 --steps 3"
+    TRAIN_CFG=ds_configs/llama3.2-1b-1gpu.json; TRAIN_MODEL=ds_configs/models/llama3.2-1b.json
+    TRAIN_ARGS="--seq-len 131072 --steps 3 --eval-samples 0"; NGPU=1
+    LONG="--seq 524288 --hpc 1 --steps 1 --minimal"
+else
+    export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
+    PY=python; DRYF=--dry-run
+    echo "dry run on $(hostname)" > "$OUT/env.txt"
+    ATT="$DRYF"; VL="$DRYF"
+    TRAIN_CFG=ds_configs/tiny-cpu.json; TRAIN_MODEL=ds_configs/models/tiny-llama.json
+    TRAIN_ARGS="--seq-len 256 --steps 2 --eval-samples 0"; NGPU=2
+    LONG="$DRYF --minimal"
+fi
+$PY -c "import torch, deepspeed, transformers, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'pydantic', pydantic.VERSION)" \
+    2>&1 | tail -1 | tee -a "$OUT/env.txt"
+
+# a/b: kernels vs fp32, native GQA probes, untied vs tied at 32K and 128K (u=1, 8), auto's measured choice
+step attention 200 $PY bench/gpu_checks.py --part kernels,attention $ATT --out "$OUT/attention.json"
+# c/d/e: varlen vs per-document loop (64 docs), block Function vs HF in bf16, pinned arena bit-exact
+step checks 110 $PY bench/gpu_checks.py --part varlen,block,arena $VL --out "$OUT/checks.json"
+# f: train.py, world 1, NCCL (gloo on the dry run), ZeRO-3, full stack, ~1B Llama, 3 steps; the planner's
+# prediction for the same config and length first (CPU work, seconds)
+step plan 60 bash -c "$PY -m ds_longctx.planner.cli plan --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL \
+    --gpus $NGPU --gpu-mem h100 --host-mem none --seq-len $(echo $TRAIN_ARGS | awk '{print $2}') --json \
+    > $OUT/train_plan.json"
+step train 170 $PY -m deepspeed.launcher.runner --num_gpus $NGPU --master_port 29561 train.py \
+    --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL $TRAIN_ARGS --no-progress \
+    --metrics "$OUT/train_metrics.jsonl"
+# what is left: tied vs untied at 512K (u=1)
+step long 200 $PY bench/gpu_checks.py --part attention $LONG --out "$OUT/long.json"
+echo "== done after $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
+ls -la "$OUT"

@@ -282,14 +282,16 @@ class DocumentBackend(Backend):
     """A kernel backend run per document of head-sharded q/k/v [b, S, h, d] (S = the whole sequence).
 
     Forward writes each document's out and LSE into the [b, S, h, d] / [b, h, S] results, so the
-    untied backward (which calls ``backward`` with the saved LSE) is unchanged. On CPU (and for the
-    CUDA dense backends without a varlen form) it is a loop over documents: the per-document kernel
-    calls are exactly the dense kernel on each document. With flash-attn installed on CUDA, one
-    varlen call covers the whole batch (NOT run in CI: no GPU there).
+    untied backward (which calls ``backward`` with the saved LSE) is unchanged. On CPU it is a loop over
+    documents: the per-document kernel calls are exactly the dense kernel on each document. On CUDA
+    (fp16/bf16) one varlen call covers every document of the batch: flash-attn's when the kernel is
+    flash_attention_2, else torch's own (``aten._flash_attention_forward`` with ``cum_seq_q/k``), so no
+    flash-attn install is needed (NOT run in CI: no GPU there).
     """
 
-    def __init__(self, inner: Backend, docs: Documents):
-        self.inner, self.docs = inner, docs
+    def __init__(self, inner: Backend, docs: Documents, varlen: bool = True):
+        # varlen=False: the per-document loop on CUDA too (the GPU bench's reference for the varlen call)
+        self.inner, self.docs, self.varlen = inner, docs, varlen
         self.name = f"{inner.name}+documents"
         self.device_type = inner.device_type
         self.native_gqa = True
@@ -301,8 +303,12 @@ class DocumentBackend(Backend):
 
     def forward(self, q, k, v, causal: bool, scale: float):
         self._check(q)
-        if _varlen_ok(q, self.inner):
+        if hasattr(self.inner, "choose"):  # measured "auto": every rank measures at the same call, packed or not
+            self.inner.choose(q, k, v, causal, scale)
+        if self.varlen and _varlen_ok(q, self.inner):
             return _fa2_varlen_forward(q, k, v, self.docs, causal, scale)
+        if self.varlen and _torch_varlen_ok(q):
+            return _torch_varlen_forward(q, k, v, self.docs, causal, scale)
         b, S, h, d = q.shape
         out = torch.empty(b, S, h, d, dtype=q.dtype, device=q.device)
         lse = None
@@ -317,8 +323,10 @@ class DocumentBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         self._check(q)
-        if _varlen_ok(q, self.inner):
+        if self.varlen and _varlen_ok(q, self.inner):
             return _fa2_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale)
+        if self.varlen and _torch_varlen_ok(q):
+            return _torch_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for i, spans in enumerate(self.docs.bounds):
             for a, e in spans:
@@ -349,6 +357,80 @@ def _cu_flat(docs: Documents, device):
         edges += [i * docs.seq_len + e for _, e in spans]
     longest = max(e - a for spans in docs.bounds for a, e in spans)
     return torch.tensor(edges, dtype=torch.int32, device=device), longest
+
+
+def _torch_varlen_ok(q) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_args(docs: Documents, device):
+    """(cu_seqlens int32 [n+1] over the flattened [b*S] tokens, longest document): what a varlen kernel
+    is given for ``docs``. Pure bookkeeping, tested on CPU."""
+    return _cu_flat(docs, device)
+
+
+def _expand_kv(q, t):
+    rep = q.shape[2] // t.shape[2]
+    return t.repeat_interleave(rep, dim=2) if rep > 1 else t
+
+
+def _lse_to_bhs(lse, docs, b, S, h):
+    """The varlen LSE as [b, h, S]: [h, b*S] (current flash kernels) or [docs, h, longest] (padded, older)."""
+    if tuple(lse.shape) == (h, b * S):
+        return lse.view(h, b, S).transpose(0, 1)
+    out = torch.empty(b, h, S, dtype=lse.dtype, device=lse.device)
+    n = 0
+    for i, spans in enumerate(docs.bounds):
+        for a, e in spans:
+            out[i, :, a:e] = lse[n, :, :e - a]
+            n += 1
+    return out
+
+
+def _lse_from_bhs(lse, like_shape, docs, b, S, h):
+    if tuple(like_shape) == (h, b * S):
+        return lse.transpose(0, 1).reshape(h, b * S).contiguous()
+    out = torch.zeros(like_shape, dtype=lse.dtype, device=lse.device)
+    n = 0
+    for i, spans in enumerate(docs.bounds):
+        for a, e in spans:
+            out[n, :, :e - a] = lse[i, :, a:e]
+            n += 1
+    return out
+
+
+_RAW_LSE_SHAPE = {}  # (documents, heads, longest) -> the varlen LSE's own shape (a property of the torch build)
+
+
+def _torch_varlen_forward(q, k, v, docs, causal, scale):
+    # k/v expanded to q's heads (like TorchCUDAFlash: native GQA of the aten op is not part of its contract)
+    b, S, h, d = q.shape
+    cu, mx = _cu_flat(docs, q.device)
+    qf, kf, vf = (t.reshape(b * S, h, d) for t in (q, _expand_kv(q, k), _expand_kv(q, v)))
+    res = torch.ops.aten._flash_attention_forward(qf, kf, vf, cu, cu, mx, mx, 0.0, causal, False, scale=scale)
+    _RAW_LSE_SHAPE[(cu.numel() - 1, h, mx)] = tuple(res[1].shape)
+    return res[0].view(b, S, h, d), _lse_to_bhs(res[1], docs, b, S, h)
+
+
+def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
+    b, S, h, d = q.shape
+    hk = k.shape[2]
+    cu, mx = _cu_flat(docs, q.device)
+    raw_shape = _RAW_LSE_SHAPE.get((cu.numel() - 1, h, mx))
+    if raw_shape is None:
+        raise RuntimeError(f"varlen attention backward for {docs} without its forward")
+    flat = lambda t: t.reshape(b * S, h, d)  # noqa: E731
+    qf, kf, vf = flat(q), flat(_expand_kv(q, k)), flat(_expand_kv(q, v))
+    of, dof = flat(out), flat(dout.contiguous())
+    raw = _lse_from_bhs(lse, raw_shape, docs, b, S, h)
+    rng = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: the rng state is never read
+    unused = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(dof, qf, kf, vf, of, raw, cu, cu, mx, mx, 0.0, causal,
+                                                         rng, unused, scale=scale)
+    dq, dk, dv = dq.view(b, S, h, d), dk.view(b, S, h, d), dv.view(b, S, h, d)
+    if hk < h:
+        dk, dv = (t.view(b, S, hk, h // hk, d).sum(3) for t in (dk, dv))
+    return dq, dk, dv
 
 
 def _fa2_varlen_forward(q, k, v, docs, causal, scale):

@@ -231,6 +231,7 @@ BACKENDS: Dict[str, Type[Backend]] = {}
 _AUTO_ORDER: Dict[str, Tuple[str, ...]] = {}
 _OVERRIDES: Dict[str, Type[Backend]] = {}  # device type -> the backend every kernel name resolves to
 _INSTANCES: Dict[type, Backend] = {}
+_MEASURED: Dict[str, "MeasuredChoice"] = {}  # device type -> the "auto" of that device (several candidates)
 _CONFIG_NAMES: Tuple[str, ...] = ()  # backends a config may name (the rest are reached via "auto"/"sdpa")
 
 
@@ -261,14 +262,137 @@ def overridden(device_type: str, cls: Type[Backend]):
         _INSTANCES.pop(cls, None)
 
 
-for _cls, _auto, _named in ((FlashAttn3, True, True), (FlashAttn2, True, True), (TorchCUDAFlash, True, False),
-                            (TorchCUDAcuDNN, False, False), (TorchCPUFlash, True, False)):
+# CUDA "auto" measures every available candidate (MeasuredChoice); this order only breaks exact ties
+for _cls, _auto, _named in ((FlashAttn3, True, True), (FlashAttn2, True, True), (TorchCUDAcuDNN, True, True),
+                            (TorchCUDAFlash, True, True), (TorchCPUFlash, True, False)):
     register_backend(_cls, auto=_auto, config_name=_named)
 
 
+# ---------------------------------------------------------------------------------------------
+# "auto" by measurement. Kernel speed on a GPU depends on the torch/cuDNN/flash build, the chip and the
+# shape (the H200 run: torch's flash op at ~310 TFLOP/s where tied SDPA's cuDNN ran ~520), so a fixed
+# order is wrong somewhere; the choice is measured once per call signature instead.
+# ---------------------------------------------------------------------------------------------
+
+MEASURE_MAX_TOKENS = 32768  # time on a prefix of at most this many tokens: at 5M tokens one stage is seconds,
+                            # and the ranking of kernels at 32K already holds at long sequences (same tiles)
+
+
+def _cuda_timer(fn, reps: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after one warm-up, with CUDA events."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _world_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over every rank of the job (one collective), or ``t`` without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+class MeasuredChoice(Backend):
+    """'auto' where several backends are available: at the first call of a signature (dtype, causal,
+    head_dim, query and kv heads; not the length) each candidate's forward + backward is timed once on the
+    call's own inputs (a prefix of at most MEASURE_MAX_TOKENS tokens), the per-candidate times are summed
+    over every rank of the job (one collective: every rank then picks the same kernel), and the fastest
+    is used for that signature from then on. A candidate that raises is out for the signature. The
+    choice and its times are logged on rank 0 and kept in ``choices``.
+
+    ``timer(fn) -> seconds`` and ``agree(tensor) -> tensor`` are injectable (CPU tests); defaults: CUDA
+    events and an all-reduce over the default group. Every rank must reach a new signature at the same
+    point of the program (same model, same layer order): attention calls do, packed ones included
+    (``DocumentBackend`` measures the dense kernel before its varlen call).
+    """
+
+    native_gqa = True  # each candidate handles GQA itself
+
+    def __init__(self, candidates, timer=None, agree=None):
+        if not candidates:
+            raise ValueError("MeasuredChoice needs at least one candidate backend")
+        self.candidates = list(candidates)
+        self.device_type = self.candidates[0].device_type
+        self.name = "auto"
+        self.timer = timer or _cuda_timer
+        self.agree = agree or _world_sum
+        self.choices = {}  # signature -> {"kernel": name, "seconds": {name: s or None}}
+        self._chosen = {}  # signature -> Backend
+
+    @staticmethod
+    def signature(q, k, causal: bool):
+        # no sequence length: ranks of different data-parallel replicas (or documents of a packed sample) see
+        # different lengths, and a signature one rank meets alone would leave the others in the collective
+        return (str(q.dtype), bool(causal), q.shape[-1], q.shape[2], k.shape[2])
+
+    def _time(self, cand, q, k, v, causal, scale) -> float:
+        n = min(q.shape[1], MEASURE_MAX_TOKENS)
+        qs, ks, vs = q[:, :n], k[:, :n], v[:, :n]
+
+        def step():
+            o, lse = cand.forward(qs, ks, vs, causal, scale)
+            cand.backward(o, qs, ks, vs, o, lse, causal, scale)  # dout = out: any tensor of the right shape
+
+        return float(self.timer(step))
+
+    def choose(self, q, k, v, causal: bool, scale: float) -> Backend:
+        sig = self.signature(q, k, causal)
+        if sig in self._chosen:
+            return self._chosen[sig]
+        secs = []
+        for cand in self.candidates:
+            try:
+                secs.append(self._time(cand, q, k, v, causal, scale))
+            except Exception:  # noqa: BLE001 - a kernel that cannot run this signature is out for it
+                secs.append(float("inf"))
+        t = self.agree(torch.tensor(secs, dtype=torch.float64, device=q.device)).cpu().tolist()
+        best = min(range(len(t)), key=lambda i: (t[i], i))
+        if t[best] == float("inf"):
+            raise RuntimeError(f"attention 'auto': no candidate kernel ran q {tuple(q.shape)} {q.dtype}, k "
+                               f"{tuple(k.shape)} (tried {[c.name for c in self.candidates]}); name a kernel in "
+                               f"{KERNEL_KEY} to see its error")
+        chosen = self.candidates[best]
+        self._chosen[sig] = chosen
+        self.choices[sig] = {"kernel": chosen.name,
+                             "seconds": {c.name: (None if s == float("inf") else s) for c, s in zip(self.candidates, t)}}
+        _log_choice(sig, self.choices[sig])
+        return chosen
+
+    def forward(self, q, k, v, causal: bool, scale: float):
+        _check(self, q, k, v)
+        return self.choose(q, k, v, causal, scale).forward(q, k, v, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+        sig = self.signature(q, k, causal)
+        if sig not in self._chosen:
+            raise RuntimeError(f"attention 'auto': backward of a signature {sig} whose forward never ran")
+        return self._chosen[sig].backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _log_choice(sig, choice):
+    import logging
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    times = ", ".join(f"{n} {'-' if s is None else f'{s * 1e3:.2f} ms'}" for n, s in choice["seconds"].items())
+    logging.getLogger("ds_longctx").info("attention 'auto' for %s: %s (%s)", sig, choice["kernel"], times)
+
+
 def kernel_names() -> Tuple[str, ...]:
-    """Values ``long_context.attention.kernel`` accepts: "auto", the named backends, and "sdpa" (torch's
-    flash kernel for the tensors' device)."""
+    """Values ``long_context.attention.kernel`` accepts: "auto" (measured on CUDA, see MeasuredChoice), the
+    named backends (sdpa_cuda_cudnn: cuDNN's fused attention; sdpa_cuda_flash: torch's bundled FA2), and
+    "sdpa" (torch's flash kernel for the tensors' device)."""
     return ("auto",) + _CONFIG_NAMES + ("sdpa",)
 
 
@@ -303,11 +427,15 @@ def get_backend(name: str, device: torch.device) -> Backend:
     if dev in _OVERRIDES:
         return _instance(_OVERRIDES[dev])
     if name == "auto":
-        for cand in _AUTO_ORDER.get(dev, ()):
-            if BACKENDS[cand].available():
-                return _instance(BACKENDS[cand])
-        raise ConfigError(KERNEL_KEY, f"no attention kernel with LSE is available for {dev} tensors",
-                          "run on CPU or CUDA with torch>=2.3")
+        found = [BACKENDS[c] for c in _AUTO_ORDER.get(dev, ()) if BACKENDS[c].available()]
+        if not found:
+            raise ConfigError(KERNEL_KEY, f"no attention kernel with LSE is available for {dev} tensors",
+                              "run on CPU or CUDA with torch>=2.3")
+        if len(found) == 1:
+            return _instance(found[0])
+        if dev not in _MEASURED:  # one per device type: its choices hold for the whole job
+            _MEASURED[dev] = MeasuredChoice([_instance(c) for c in found])
+        return _MEASURED[dev]
     if name == "sdpa":
         cand = {"cpu": "sdpa_cpu_flash", "cuda": "sdpa_cuda_flash"}.get(dev)
         if cand is None or not BACKENDS[cand].available():
@@ -335,5 +463,5 @@ def reference_attention(q, k, v, causal: bool, scale: float):
     return out.transpose(1, 2), lse
 
 
-__all__ = ["Backend", "BACKENDS", "available_backends", "check_kernel", "get_backend", "reference_attention",
+__all__ = ["Backend", "BACKENDS", "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
            "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]

@@ -183,6 +183,8 @@ class StepProfiler:
                "tflops_per_gpu": f["total"] * samples / self.sp / dt / 1e12 if dt > 0 else 0.0,
                "attention_flops_fraction": f["attention"] / f["total"] if f["total"] else 0.0,
                "peak_memory_bytes": int(peak), "peak_memory_source": source}
+        if self.cuda:  # what the caching allocator held (allocated + its slack): what an OOM is about
+            rec["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
         if self._profiled(step):
             rec["artifacts"] = self._finish_artifacts(step)
         self.history.append(rec)
