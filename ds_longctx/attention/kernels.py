@@ -98,7 +98,9 @@ class TorchCPUFlash(Backend):
 class TorchCUDAFlash(Backend):
     """aten._scaled_dot_product_flash_attention (+ _backward): torch's bundled FA2, fp16/bf16 only."""
     name = "sdpa_cuda_flash"
-    native_gqa = False  # the aten op's GQA support is not part of its contract; expand to be safe
+    # measured on an H100, torch 2.11+cu130 (bench/results/gpu_checks_h100.json, native_gqa_probe): the op takes
+    # 2 and 1 kv heads for 8 query heads, forward and backward, as exact as with expanded heads
+    native_gqa = True
     device_type = "cuda"
 
     @staticmethod
@@ -122,7 +124,7 @@ class TorchCUDAFlash(Backend):
 class TorchCUDAcuDNN(Backend):
     """aten._scaled_dot_product_cudnn_attention (+ _backward): cuDNN's fused attention, fp16/bf16."""
     name = "sdpa_cuda_cudnn"
-    native_gqa = False
+    native_gqa = True  # measured like sdpa_cuda_flash (H100, torch 2.11+cu130, cuDNN 9.19): GQA 8/2 and 8/1 exact
     device_type = "cuda"
 
     @staticmethod
