@@ -191,8 +191,10 @@ def install_tiled_mlp(model, tm_cfg, group=None):
     mlps = find_mlps(model)
     if not mlps:
         raise ConfigError("long_context.tiled_mlp.enabled",
-                          f"{type(model).__name__} has no supported MLP ({', '.join(SUPPORTED_MLPS)})",
-                          "set long_context.tiled_mlp.enabled=false for this model")
+                          f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
+                          f"(supported: {', '.join(SUPPORTED_MLPS)})",
+                          "set long_context.tiled_mlp.enabled=false for this model (its MLP then runs untiled: "
+                          "exact, with the whole shard's MLP activations in memory)")
     state = TilingState(tm_cfg.shards, group)
     for m in mlps:
         m.forward = (lambda mod: (lambda x: tiled_mlp_forward(mod, x, state)))(m)
