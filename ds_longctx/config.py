@@ -318,8 +318,8 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     than the sequence (or of unknown coverage: no sequence_length), other layer types, bidirectional
     attention, and flex_attention (its BlockMask is built for the local shard). Never advise dropping the
     window: the pretrained model attends through it."""
-    from .models.windows import is_bidirectional, restricted_layers
     from .models import text_config
+    from .models.windows import is_bidirectional, restricted_layers
 
     key = f"{SECTION}.attention.implementation"
     name = getattr(text_config(model_config), "model_type", None) or type(model_config).__name__
@@ -340,11 +340,13 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
             raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
                               "computes full causal attention over the gathered sequence",
                               f"this layer type is not supported under sequence parallelism; {_NOT_YET_UNDER_SP}")
+        what = "window" if group.kind == "sliding_attention" else "chunking"
         length = (f"shorter than long_context.sequence_length {seq_len}" if seq_len is not None else
                   "and long_context.sequence_length is not set, so nothing shows it covers every sample")
-        fix = f"sliding-window attention is not supported under sequence parallelism yet; {_NOT_YET_UNDER_SP}"
+        fix = (f"{group.kind.replace('_', ' ')} is not supported under sequence parallelism yet; "
+               f"{_NOT_YET_UNDER_SP}")
         if seq_len is None:
             fix += (f", or set long_context.sequence_length if every sample has at most {group.span} tokens (a "
-                    "window covering the whole sample is exact)")
+                    f"{what} covering the whole sample is exact)")
         raise ConfigError(key, f"the {name} model has {group.describe()}, {length}; {impl!r} computes full causal "
-                          "attention over the gathered sequence, so the window would be silently dropped", fix)
+                          f"attention over the gathered sequence, so the {what} would be silently dropped", fix)

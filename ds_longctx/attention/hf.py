@@ -220,7 +220,8 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         raise ValueError("untied attention needs position_embeddings (cos, sin) from the model's rotary embedding")
     b, s, _ = hidden_states.shape
     docs = kwargs.get(DOCS_KWARG)
-    _check_window(_sliding_window(self, facts), s * state.sp, getattr(self, "layer_idx", None))  # first: HF's mask of a windowed layer is not causal
+    # the window first: HF's mask of a windowed layer is not plain causal, and the window is the reason
+    check_window(_sliding_window(self, facts), s * state.sp, getattr(self, "layer_idx", None))
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s)
     if self.training and getattr(self, "attention_dropout", 0.0):
@@ -294,7 +295,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
     docs = kwargs.get(DOCS_KWARG)
-    _check_window(sliding_window, s * state.sp, getattr(module, "layer_idx", None))
+    check_window(sliding_window, s * state.sp, getattr(module, "layer_idx", None))
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -311,7 +312,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
 _LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version, verdict
 
 
-def _check_window(window, global_len, layer=None, impl="untied_ulysses"):
+def check_window(window, global_len, layer=None, impl="untied_ulysses"):
     """Same verdict on every rank (equal shard lengths), raised before the layer's first all-to-all."""
     if window and window < global_len:
         where = f"layer {layer}" if layer is not None else "this layer"

@@ -19,7 +19,7 @@ def install_ulysses(model, group) -> registry.Installation:
 
     from ..config import check_sp_attention_pattern
     from ..models import text_config
-    from .hf import _check_window
+    from .hf import check_window
 
     impl = model.config._attn_implementation
     tc = text_config(model.config)
@@ -35,7 +35,7 @@ def install_ulysses(model, group) -> registry.Installation:
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
         # HF passes the layer's window (None on full-attention layers): refused unless it covers the sequence
-        _check_window(kwargs.get("sliding_window"), query.shape[2] * uattn.world_size,
+        check_window(kwargs.get("sliding_window"), query.shape[2] * uattn.world_size,
                       getattr(module, "layer_idx", None), "ulysses")
         bs = query.shape[0]
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction

@@ -176,7 +176,8 @@ def classify_forward(cls) -> Tuple[str, List[str]]:
     odd = [line for line in before if line not in _BEFORE_LM_HEAD]
     if odd:
         _refuse(name, f"its forward changes the hidden state before lm_head ({odd[0]!r})")
-    ends = [j for j in range(i + 1, len(lines)) if lines[j] == "loss = None" or lines[j].startswith("if labels is not None")]
+    ends = [j for j in range(i + 1, len(lines))
+            if lines[j] == "loss = None" or lines[j].startswith("if labels is not None")]
     if not ends:
         _refuse(name, "its forward's loss computation could not be found after lm_head")
     j = ends[0]
