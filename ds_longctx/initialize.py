@@ -89,6 +89,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
     check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
+    from .models.logits import describe_logit_path
+
+    describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective
 
     if lc.attention.heads_per_chunk == "auto":
         ds_config = _resolve_auto(ds_config, model_config, world)

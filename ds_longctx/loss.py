@@ -11,9 +11,19 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor):
+def lm_logits(lm_head: torch.nn.Module, hidden: torch.Tensor, logit_fn=None) -> torch.Tensor:
+    """fp32 logits as the model's forward makes them: ``lm_head``, then the model's own logit transform
+    (``models.logits.logit_transform``: soft-capping, scaling; None = identity) in lm_head's dtype, as HF
+    applies it, then the upcast its loss makes."""
+    logits = lm_head(hidden)
+    if logit_fn is not None:
+        logits = logit_fn(logits)
+    return logits.float()
+
+
+def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor, logit_fn=None):
     """Untiled reference: materialises [b, s_local, vocab] logits."""
-    logits = lm_head(hidden).float()
+    logits = lm_logits(lm_head, hidden, logit_fn)
     labels = shift_labels.to(logits.device)
     loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")

@@ -57,7 +57,9 @@ def _sp_of(group) -> int:
 def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
     from .compat import causal_lm_output
+    from .models.logits import logit_transform
 
+    logit_fn = logit_transform(model)  # the model's own lm_head -> loss transform (ConfigError if unknown)
     sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
     sp = _sp_of(group)
     tiled = lc.tiled_loss
@@ -93,9 +95,9 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
         logits = None
         if tiled.enabled:
             loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group,
-                                                       shared=tied)
+                                                       logit_fn, shared=tied)
         else:
-            loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels)
+            loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels, logit_fn)
         return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled)
 
     model.forward = types.MethodType(forward, model)

@@ -82,11 +82,24 @@ class Documents:
 # ---------------------------------------------------------------------------------------------
 
 
+def custom_mask_error(mask) -> ConfigError:
+    """The one refusal of a custom (not [batch, seq] padding) attention mask. Never "drop the mask": a
+    prefix-LM or other custom pattern would then silently train causal-only."""
+    shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+    return ConfigError("batch.attention_mask", f"is a custom attention mask ({shape}); custom 4-D masks are not "
+                       "supported under sequence parallelism, nor by ds_longctx's batch sharding (attention there "
+                       "is causal, per document)",
+                       "for document masking, pack the documents and mark them with position_ids restarting at 0 "
+                       f"per document (or '{LENS_KEY}', or '{BATCH_KEY}' from ds_longctx.data.shard_batch); a mask of "
+                       "another pattern (prefix-LM, ...) has no SP path yet: at sequence_parallel_size 1 with "
+                       "long_context.attention.implementation 'none', call the model (engine(**batch)) with the "
+                       "full batch and its mask, which transformers applies exactly")
+
+
 def _right_padding_lengths(mask: torch.Tensor) -> List[int]:
     """Number of real tokens per sample of a [b, S] 0/1 mask; only right padding is accepted."""
     if mask.dim() != 2:
-        raise ConfigError("batch.attention_mask", f"expected a [batch, seq] padding mask, got shape "
-                          f"{tuple(mask.shape)}", "pass a 2-D 0/1 mask (right padding) or no mask")
+        raise custom_mask_error(mask)
     m = mask.bool()
     n_real = m.sum(1)
     ar = torch.arange(m.shape[1], device=m.device)
@@ -201,6 +214,12 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
         doc_lens = kwargs.pop(LENS_KEY, None)
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            if sp == 1 and not own_attention and cu is None and doc_lens is None:
+                # SP=1 on transformers' own attention: HF applies the custom mask itself, exactly
+                return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             labels=labels, shift_labels=shift_labels, **kwargs)
+            raise custom_mask_error(attention_mask)  # before any collective (same batch structure on every rank)
         if cu is None and doc_lens is None and _simulated(input_ids):
             # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
             return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

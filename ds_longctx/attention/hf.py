@@ -220,9 +220,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         raise ValueError("untied attention needs position_embeddings (cos, sin) from the model's rotary embedding")
     b, s, _ = hidden_states.shape
     docs = kwargs.get(DOCS_KWARG)
+    # the window first: HF's mask of a windowed layer is not plain causal, and the window is the reason
+    check_window(_sliding_window(self, facts), s * state.sp, getattr(self, "layer_idx", None))
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s)
-    _check_window(_sliding_window(self, facts), s * state.sp)
     if self.training and getattr(self, "attention_dropout", 0.0):
         raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 "
                          f"(got {self.attention_dropout})")
@@ -294,9 +295,9 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
     docs = kwargs.get(DOCS_KWARG)
+    check_window(sliding_window, s * state.sp, getattr(module, "layer_idx", None))
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s)
-    _check_window(sliding_window, s * state.sp)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
                                   backend=kernels.get_backend(state.kernel, q.device), causal=True,
@@ -311,10 +312,17 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
 _LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version, verdict
 
 
-def _check_window(window, global_len):
-    if window is not None and window < global_len:
-        raise ValueError(f"untied attention is full causal; this layer has a sliding window of {window} tokens, "
-                         f"shorter than the {global_len}-token sequence")
+def check_window(window, global_len, layer=None, impl="untied_ulysses"):
+    """Same verdict on every rank (equal shard lengths), raised before the layer's first all-to-all."""
+    if window and window < global_len:
+        where = f"layer {layer}" if layer is not None else "this layer"
+        raise ConfigError("long_context.attention.implementation",
+                          f"{where} has a sliding window of {window} tokens, shorter than the {global_len}-token "
+                          f"sequence; {impl!r} computes full causal attention over the gathered sequence, so the "
+                          "window would be silently dropped",
+                          "sliding-window attention is not supported under sequence parallelism yet; train with "
+                          "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
+                          "transformers' own attention runs it exactly")
 
 
 def _check_mask(mask, s_local):

@@ -17,10 +17,14 @@ def install_ulysses(model, group) -> registry.Installation:
     """Route ``model``'s attention through DeepSpeed's Ulysses for ``group`` (SP > 1). No collectives."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+    from ..config import check_sp_attention_pattern
     from ..models import text_config
+    from .hf import check_window
 
     impl = model.config._attn_implementation
     tc = text_config(model.config)
+    if impl == "flex_attention":  # refused by initialize already; here too for direct callers of patch_model
+        check_sp_attention_pattern("ulysses", model.config, None)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     uattn = UlyssesSPAttentionHF(
         attn=document_core(registry.original(impl), impl), batch_size=1, attn_head_count=tc.num_attention_heads,
@@ -30,6 +34,9 @@ def install_ulysses(model, group) -> registry.Installation:
     uattn.core_attn_implementation = impl
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        # HF passes the layer's window (None on full-attention layers): refused unless it covers the sequence
+        check_window(kwargs.get("sliding_window"), query.shape[2] * uattn.world_size,
+                      getattr(module, "layer_idx", None), "ulysses")
         bs = query.shape[0]
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
             uattn.batch_size = bs
@@ -37,7 +44,8 @@ def install_ulysses(model, group) -> registry.Installation:
                 shape = list(getattr(uattn, name))
                 shape[1] = bs
                 setattr(uattn, name, torch.Size(shape))
-        # HF built the mask for the local shard; attention runs causal over the gathered sequence.
+        # HF built the mask for the local shard; attention runs causal over the gathered sequence (flex_attention,
+        # whose BlockMask would carry causality, and windowed layers are refused above).
         return uattn(module, query, key, value, None, *args, **kwargs)
 
     # Same interception as DeepSpeed's register_with_transformers (the core key is overridden, which

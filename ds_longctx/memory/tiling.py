@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..loss import IGNORE_INDEX
+from ..loss import IGNORE_INDEX, lm_logits
 from ..models import mlp_class_names
 
 # decoder MLPs whose forward is pointwise over tokens (gate/up/down SwiGLU), so row tiling is exact
@@ -191,8 +191,10 @@ def install_tiled_mlp(model, tm_cfg, group=None):
     mlps = find_mlps(model)
     if not mlps:
         raise ConfigError("long_context.tiled_mlp.enabled",
-                          f"{type(model).__name__} has no supported MLP ({', '.join(SUPPORTED_MLPS)})",
-                          "set long_context.tiled_mlp.enabled=false for this model")
+                          f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
+                          f"(supported: {', '.join(SUPPORTED_MLPS)})",
+                          "set long_context.tiled_mlp.enabled=false for this model (its MLP then runs untiled: "
+                          "exact, with the whole shard's MLP activations in memory)")
     state = TilingState(tm_cfg.shards, group)
     for m in mlps:
         m.forward = (lambda mod: (lambda x: tiled_mlp_forward(mod, x, state)))(m)
@@ -213,8 +215,8 @@ def uninstall_tiled_mlp(mlps, hooks):
 # ---------------------------------------------------------------------------------------------
 
 
-def _ce_sum(lm_head, x, y):
-    logits = lm_head(x).float()
+def _ce_sum(lm_head, x, y, logit_fn=None):
+    logits = lm_logits(lm_head, x, logit_fn)
     return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -225,8 +227,8 @@ class TiledLMLossSum(torch.autograd.Function):
     last tile. Trailing tensor inputs are anchors only (they get no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, lm_head, shards, params, shared, *anchors):
-        ctx.lm_head, ctx.shards, ctx.params, ctx.shared = lm_head, shards, params, shared
+    def forward(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, *anchors):
+        ctx.lm_head, ctx.shards, ctx.params, ctx.shared, ctx.logit_fn = lm_head, shards, params, shared, logit_fn
         ctx.n_anchors = len(anchors)
         ctx.save_for_backward(hidden, labels)
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
@@ -234,7 +236,7 @@ class TiledLMLossSum(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.no_grad():
             for xp, yp in zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0)):
-                total += _ce_sum(lm_head, xp, yp)
+                total += _ce_sum(lm_head, xp, yp, logit_fn)
         return total
 
     @staticmethod
@@ -257,7 +259,7 @@ class TiledLMLossSum(torch.autograd.Function):
                 _mark_ready(own, i == shards - 1)
                 xp = xp.detach().requires_grad_(need_x)
                 with torch.enable_grad():
-                    loss = _ce_sum(lm_head, xp, yp)
+                    loss = _ce_sum(lm_head, xp, yp, ctx.logit_fn)
                 if loss.requires_grad:
                     torch.autograd.backward(loss, g)
                 if need_x and xp.grad is not None:
@@ -267,17 +269,19 @@ class TiledLMLossSum(torch.autograd.Function):
         finally:
             _mark_ready(params, True)
         x_out = x_grad.view_as(hidden) if need_x else None
-        return (x_out, None, None, None, None, None) + (None,) * ctx.n_anchors
+        return (x_out, None, None, None, None, None, None) + (None,) * ctx.n_anchors
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
-                             shards: Union[int, str] = "auto", group=None, shared: Sequence[torch.Tensor] = ()):
+                             shards: Union[int, str] = "auto", group=None, logit_fn=None,
+                             shared: Sequence[torch.Tensor] = ()):
     """(fp32 sum of CE over valid tokens, number of valid tokens) without [seq, vocab] logits.
 
     hidden [b, s_local, h]; shift_labels [b, s_local] with -100 = ignore. Shards with no valid label
     contribute exactly 0 (a CE *sum*, never a mean, so never NaN). ``shards`` "auto" is
     ceil(s_local / h) MAX-agreed over every rank (``group`` is accepted for the engine's call but the
     agreement is world-wide: ZeRO-3's lm_head all-gathers span DP x SP, not just the SP group).
+    ``logit_fn``: the model's own logit transform (``models.logits.logit_transform``), None = identity.
     ``shared``: lm_head parameters the model also uses elsewhere (tied embeddings).
     """
     if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
@@ -292,6 +296,6 @@ def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shi
     anchor = ()
     if params and not hidden.requires_grad and torch.is_grad_enabled():
         anchor = (hidden.new_empty(0).requires_grad_(True),)
-    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, tuple(shared), *anchor)
+    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, tuple(shared), logit_fn, *anchor)
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count

@@ -1,6 +1,8 @@
 """Per-architecture knowledge, in one place: where attention keeps q/k/v/o, q/k-norm and its sliding
 window (fused untied attention), which MLP is pointwise over tokens (tiled MLP), which RMSNorms have
 Llama's formula (memory-efficient RMSNorm), what a decoder layer's children are (the planner's tags).
+What every causal LM does to its logits between lm_head and the loss is read in ``logits.py``; which
+layers attend other than full causal (sliding windows, chunks) in ``windows.py``.
 
 Adding an architecture = one file defining an ``Architecture`` + one line in ``ARCHITECTURES`` + a
 tiny config in tests/tiny_models.py (tests/test_models.py checks that the three agree).

@@ -1,0 +1,213 @@
+"""Attention the SP paths would compute differently is refused (issue 19), with a fix that does not lead to
+wrong training: sliding windows (Gemma2/3 layer_types, Qwen2 use_sliding_window, Mistral), flex_attention,
+custom 4-D masks. Pure checks and SP=1 forwards in one process; real transformers configs and tiny models."""
+import pytest
+import torch
+
+from eco_cases import config_error
+
+SMALL = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+             vocab_size=64, intermediate_size=48, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _lc(impl, sp=2, seq=None, **extra):
+    from ds_longctx.config import parse
+
+    section = {"attention": {"implementation": impl}, **extra}
+    if seq is not None:
+        section["sequence_length"] = seq
+    return parse({"sequence_parallel_size": sp, "long_context": section})
+
+
+def _check(impl, cfg, sp=2, seq=None, attn="sdpa"):
+    from ds_longctx.config import check_against
+
+    cfg._attn_implementation = attn
+    return config_error(check_against, _lc(impl, sp, seq), cfg, sp)
+
+
+def _gemma3(**kw):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**SMALL, sliding_window=8, **kw)  # default pattern: layers 0 and 1 slide
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "untied_ulysses"])
+def test_sliding_window_refused_under_sp(impl):
+    e = _check(impl, _gemma3(), seq=32)
+    assert e is not None and e.startswith("long_context.attention.implementation")
+    assert "sliding window of 8 tokens" in e and "layers [0, 1]" in e and "shorter than" in e and "32" in e
+    fix = e.split("Fix:")[1]
+    assert "'none' at sequence_parallel_size 1" in fix and "drop" not in fix and "remove" not in fix
+    # a window covering the whole configured sequence is exactly full causal attention
+    assert _check(impl, _gemma3(), seq=8) is None
+
+
+def test_window_rules_per_model():
+    from transformers import Gemma2Config, MistralConfig, Qwen2Config
+
+    # Qwen2 carries sliding_window but uses it only with use_sliding_window, on layers >= max_window_layers
+    assert _check("ulysses", Qwen2Config(**SMALL)) is None
+    e = _check("ulysses", Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+               seq=64)
+    assert "sliding window of 16 tokens on layers [1]" in e
+    # Gemma2: alternating layer_types
+    e = _check("untied_ulysses", Gemma2Config(**{**SMALL, "num_hidden_layers": 4}, sliding_window=16), seq=64)
+    assert "layers [0, 2]" in e
+    # Mistral: one window on every layer; without sequence_length nothing shows it covers the samples
+    e = _check("ulysses", MistralConfig(**SMALL, sliding_window=4096))
+    assert "4096 tokens on layers [0, 1]" in e and "long_context.sequence_length is not set" in e
+    assert "set long_context.sequence_length if every sample has at most 4096 tokens" in e
+    assert _check("ulysses", MistralConfig(**SMALL, sliding_window=4096), seq=4096) is None
+    assert _check("ulysses", MistralConfig(**SMALL, sliding_window=None)) is None
+    # SP=1 on "ulysses" is transformers' own attention (exact); untied at SP=1 is ours (refused)
+    assert _check("ulysses", _gemma3(), sp=1, seq=32) is None
+    assert "sliding window of 8" in _check("untied_ulysses", _gemma3(), sp=1, seq=32)
+    assert "bidirectionally" in _check("ulysses", _gemma3(use_bidirectional_attention=True), seq=8)
+
+
+def test_flex_attention_refused_under_sp():
+    from transformers import LlamaConfig
+
+    e = _check("ulysses", LlamaConfig(**SMALL), attn="flex_attention")
+    assert e.startswith("model.config._attn_implementation") and "flex_attention" in e and "sdpa" in e.split("Fix:")[1]
+    assert _check("ulysses", LlamaConfig(**SMALL), sp=1, attn="flex_attention") is None
+
+
+def test_gemma3_tiled_mlp_fix_leads_to_the_window_refusal():
+    """The tiled-MLP error's fix (tiled_mlp off) must not lead to wrong training: under SP the window is
+    refused by initialize's check (which runs before the memory stack is installed)."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_longctx.patch import patch_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_gemma3(), attn_implementation="sdpa")
+    e = config_error(patch_model, model, _lc("none", sp=1, tiled_mlp={"enabled": True}))
+    assert e.startswith("long_context.tiled_mlp.enabled") and "enabled=false" in e
+    assert "sliding window of 8" in _check("ulysses", _gemma3(), seq=32)
+
+
+def _tiny(cfg):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_untied_forward_names_the_window(fuse):
+    """patch_model without initialize's check: the untied forward itself refuses the window, naming it."""
+    from transformers import MistralConfig
+
+    from ds_longctx.patch import patch_model
+
+    model = _tiny(MistralConfig(**SMALL, sliding_window=8))
+    lc = _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses", "heads_per_chunk": 1,
+                                                "fuse_projections": fuse})
+    handle = patch_model(model, lc)
+    try:
+        ids = torch.randint(0, 64, (1, 16))
+        e = config_error(lambda: model(input_ids=ids, labels=ids))
+    finally:
+        handle.remove()
+    assert e is not None and "sliding window of 8 tokens" in e and "layer 0" in e and "'none'" in e
+
+
+def _prefix_lm_mask(b, s, prefix):
+    allowed = torch.ones(s, s, dtype=torch.bool).tril()
+    allowed[:prefix, :prefix] = True
+    return allowed.expand(b, 1, s, s).clone()
+
+
+def test_custom_4d_mask_refused_without_drop_advice():
+    from ds_longctx.data import shard_batch
+
+    ids = torch.randint(0, 64, (1, 16))
+    mask = _prefix_lm_mask(1, 16, 6)
+    e = config_error(shard_batch, {"input_ids": ids, "attention_mask": mask}, 0, 2)
+    assert e.startswith("batch.attention_mask") and "custom 4-D masks are not supported under sequence parallelism" in e
+    fix = e.split("Fix:")[1]
+    assert "position_ids restarting at 0" in fix and "drop" not in fix and "no mask" not in fix
+
+
+def test_custom_4d_mask_at_sp1_none_is_hf_exact():
+    """The refusal's fix: at SP=1 with implementation 'none' the full batch's custom mask reaches
+    transformers, and the loss equals the unpatched model's."""
+    from transformers import LlamaConfig
+
+    from ds_longctx.patch import patch_model
+
+    model = _tiny(LlamaConfig(**SMALL))
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    mask = _prefix_lm_mask(2, 16, 6)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        causal = model(input_ids=ids, labels=ids).loss
+    assert abs(ref.item() - causal.item()) > 1e-4  # the mask matters
+    handle = patch_model(model, _lc("none", sp=1))
+    try:
+        with torch.no_grad():
+            got = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    finally:
+        handle.remove()
+    handle = patch_model(model, _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses",
+                                                                       "heads_per_chunk": 1}))
+    try:  # our own attention (untied, even at SP=1) cannot apply it: refused, not dropped
+        e = config_error(lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
+        assert e is not None and "custom 4-D masks are not supported" in e
+    finally:
+        handle.remove()
+
+
+def _sp2_worker(rank, world):
+    """Each case must be a ConfigError on every rank, before any collective (else the other rank hangs)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+
+    import ds_longctx
+    from ds_longctx import comm
+    from ds_longctx.data import shard_batch
+    from ds_longctx.patch import patch_model
+    from sp_cases import ds_config
+
+    out = {}
+    ulysses = {"attention": {"implementation": "ulysses"}}
+    # initialize: the window refused by the config check, on every rank
+    out["initialize"] = config_error(ds_longctx.initialize, model=_tiny(Gemma3TextConfig(**SMALL, sliding_window=8)),
+                                     config=ds_config(0, 2, ulysses), model_parameters=None)
+    comm.initialize_groups(2)
+    group = comm.sp_group()
+    lc = _lc("ulysses", sp=2)
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    shard = shard_batch({"input_ids": ids}, rank, 2)
+    shard.pop("doc_cu_seqlens", None)
+    # patch_model directly (no config check): the Ulysses wrapper refuses the window per layer
+    model = _tiny(MistralConfig(**SMALL, sliding_window=8))
+    handle = patch_model(model, lc, group)
+    out["runtime_window"] = config_error(lambda: model(**shard))
+    handle.remove()
+    # a hand-cut shard with a custom 4-D mask (was a raw RuntimeError in the contiguity check)
+    model = _tiny(LlamaConfig(**SMALL))
+    handle = patch_model(model, lc, group)
+    mask = _prefix_lm_mask(1, 8, 3)
+    out["mask_4d"] = config_error(lambda: model(**shard, attention_mask=mask))
+    out["ok_loss"] = model(**shard).loss.item()  # and the plain shard still trains
+    handle.remove()
+    flex = _tiny(LlamaConfig(**SMALL))
+    flex.config._attn_implementation = "flex_attention"
+    out["flex"] = config_error(patch_model, flex, lc, group)
+    return out
+
+
+@pytest.mark.distributed
+def test_refusals_at_sp2_on_every_rank():
+    from dist_utils import run_distributed
+
+    for out in run_distributed(_sp2_worker, 2):
+        assert "sliding window of 8 tokens on layers [0, 1]" in out["initialize"], out["initialize"]
+        assert "layer 0 has a sliding window of 8 tokens, shorter than the 16-token sequence" in out["runtime_window"]
+        assert "'ulysses'" in out["runtime_window"]
+        assert out["mask_4d"] is not None and "custom 4-D masks are not supported" in out["mask_4d"]
+        assert out["flex"] is not None and "flex_attention" in out["flex"]
+        assert out["ok_loss"] > 0
