@@ -365,8 +365,34 @@ def part_arena(dev, dtype, args):
     return offload_check()
 
 
+def part_nvme(dev, dtype, args):
+    """The NVMe file target (DeepSpeed's async_io op) on this machine's disk, bit-exact vs no offload over
+    3 steps, then no file left behind. Needs the op built (libaio: run_all.sh carries and unpacks it)."""
+    import shutil
+    import tempfile
+
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    b = AsyncIOBuilder()
+    if not b.is_compatible():
+        return {"skipped": "DeepSpeed's async_io op is not compatible here (libaio not found)"}
+    t0 = time.time()
+    b.load()
+    built_s = time.time() - t0
+    from gpu_memory_stack import offload_check
+
+    path = tempfile.mkdtemp(prefix="ds_longctx_nvme_", dir=args.nvme_dir)
+    try:
+        res = offload_check("nvme", nvme_path=path, steps=3 if dev.type == "cuda" else 2, device=dev.type)
+        res["left_behind"] = sorted(os.listdir(path))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+    res["aio_build_or_load_s"] = round(built_s, 1)
+    return res
+
+
 PARTS = {"kernels": part_kernels, "attention": part_attention, "varlen": part_varlen, "block": part_block,
-         "arena": part_arena}
+         "arena": part_arena, "nvme": part_nvme}
 
 
 def main(argv=None):
@@ -379,6 +405,7 @@ def main(argv=None):
     p.add_argument("--varlen-seq", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--docs", type=int, default=64, help="varlen: documents per sample")
     p.add_argument("--kernel-seq", type=int, default=1000)
+    p.add_argument("--nvme-dir", default="/tmp", help="nvme: where the activation files go")
     p.add_argument("--block-hidden", type=int, default=1024)
     p.add_argument("--block-seq", type=int, default=4096)
     p.add_argument("--minimal", action="store_true", help="attention: tied (SDPA default) and untied [auto] only")

@@ -93,40 +93,52 @@ def run_row(args, name, lc):
     return out
 
 
-def offload_check():
-    """On CUDA, through the pinned side-stream target: checkpoint+offload gives bit-identical loss and
-    gradients to checkpointing alone, moves every layer input once each way, frees the host copies."""
+def offload_check(target: str = "cpu", nvme_path: str = None, steps: int = 1, device: str = "cuda"):
+    """On CUDA, through the pinned side-stream target (``target`` "cpu") or the NVMe file target ("nvme",
+    files under ``nvme_path``): checkpoint+offload gives bit-identical loss and gradients to checkpointing
+    alone at every one of ``steps`` steps, moves every layer input once each way, frees the host copies."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                       num_hidden_layers=4, vocab_size=1024, intermediate_size=512, tie_word_embeddings=False)
-    ids = torch.randint(0, 1024, (2, 2048), generator=torch.Generator().manual_seed(3)).cuda()
+    ids = torch.randint(0, 1024, (2, 2048), generator=torch.Generator().manual_seed(3)).to(device)
     out = {}
     for reentrant in (False, True):
         res = {}
-        for offload in ("none", "cpu"):
+        for offload in ("none", target):
             torch.manual_seed(0)
-            with torch.device("cuda"):
+            with torch.device(device):
                 model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32, attn_implementation="sdpa")
             model.train()
-            lc = {"activation_checkpointing": {"enabled": True, "offload": offload, "use_reentrant": reentrant},
+            ac = {"enabled": True, "offload": offload, "use_reentrant": reentrant}
+            if offload == "nvme":
+                ac["nvme_path"] = nvme_path
+            lc = {"activation_checkpointing": ac,
                   "tiled_mlp": {"enabled": True, "shards": 3}, "tiled_loss": {"enabled": True, "shards": 5}}
             install(model, lc)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.cuda.synchronize()
-            res[offload] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()},
-                            model._ds_longctx_memory.stats())
-        (l0, g0, _), (l1, g1, st) = res["none"], res["cpu"]
+            losses, grads = [], []
+            for _ in range(steps):  # later steps reuse the first step's host blocks / file slots
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                losses.append(loss.detach())
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            res[offload] = (losses, grads, model._ds_longctx_memory.stats())
+        (l0s, g0s, _), (l1s, g1s, st) = res["none"], res[target]
+        l0, g0, l1, g1 = l0s[-1], g0s[-1], l1s[-1], g1s[-1]
+        every_step = all(torch.equal(a, b) for a, b in zip(l0s, l1s)) and all(
+            torch.equal(a[n], b[n]) for a, b in zip(g0s, g1s) for n in a)
         layer_bytes = ids.numel() * cfg.hidden_size * 4
         out[f"reentrant={reentrant}"] = {
             "loss_equal": bool(torch.equal(l0, l1)),
             "grads_equal": all(torch.equal(g0[n], g1[n]) for n in g0),
             "max_grad_diff": max(float((g0[n] - g1[n]).abs().max()) for n in g0),
-            "offloaded_ok": st["offloaded_tensors"] == cfg.num_hidden_layers
-            and st["offloaded_bytes"] == cfg.num_hidden_layers * layer_bytes
-            and st["restored_tensors"] == cfg.num_hidden_layers,
-            "host_freed": st["host_bytes"] == 0, "stats": st,
+            "offloaded_ok": st["offloaded_tensors"] == cfg.num_hidden_layers * steps
+            and st["offloaded_bytes"] == cfg.num_hidden_layers * layer_bytes * steps
+            and st["restored_tensors"] == cfg.num_hidden_layers * steps,
+            "host_freed": st["host_bytes"] == 0, "steps": steps, "bit_equal_every_step": every_step, "stats": st,
         }
     return out
 

@@ -13,3 +13,6 @@ python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --
     "pydantic==$PYD" "pydantic-core==$CORE" annotated-types typing-inspection hjson
 python -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 ls -la .whl && du -sh .whl
+# libaio (runtime + headers) for DeepSpeed's async_io op there: Debian's debs, unpacked by run_all.sh
+grep -qx '/.aio/' .git/info/exclude || echo '/.aio/' >> .git/info/exclude
+rm -rf .aio && mkdir .aio && (cd .aio && apt-get download libaio-dev libaio1) && ls -la .aio

@@ -5,7 +5,7 @@
 # On CPU, before any device time is spent (tiny sizes, same code paths where the CPU has them):
 #     bash bench/device/run_all.sh --dry-run
 # Results go to $OUT (at most 8 files come back): env.txt, attention.json, checks.json, train_metrics.jsonl,
-# train_plan.json, long.json, log.txt. Each step writes as it goes and has a limit cut to what is left of
+# train_plan.json, nvme.json, long.json, log.txt. Carry [".whl", ".aio"]. Each step writes as it goes and has a limit cut to what is left of
 # the budget, so a slow step cannot take the later ones with it.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +27,15 @@ if [ $DRY = 0 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         >> "$LOG" 2>&1 || { echo "wheel install failed"; tail -20 "$LOG"; exit 1; }
     export PYTHONPATH=/tmp/site:$PWD TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+    # libaio for DeepSpeed's async_io op (NVMe offload): the image lacks it; .aio/ carries Debian's debs
+    # (bench/device/fetch_wheels.sh), unpacked outside / and found through the compiler's search paths
+    if ls .aio/*.deb >/dev/null 2>&1; then
+        mkdir -p /tmp/aioroot && for f in .aio/*.deb; do dpkg -x "$f" /tmp/aioroot; done
+        A=/tmp/aioroot/usr; L=$A/lib/x86_64-linux-gnu
+        export CFLAGS="-I$A/include" LDFLAGS="-L$L" CPATH=$A/include LIBRARY_PATH=$L LD_LIBRARY_PATH=$L:${LD_LIBRARY_PATH:-}
+    fi
+    # DeepSpeed 0.19.8's op builder cannot parse the image's arch list ("9.0a": ValueError '0a'), seen 2026-11-26
+    export TORCH_CUDA_ARCH_LIST=9.0
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     PY=python3
     { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nproc; free -g; df -h /tmp; } \
@@ -34,7 +43,7 @@ if [ $DRY = 0 ]; then
     ATT="--seq 32768 131072 --hpc 1 8 --steps 3"; VL="--varlen-seq 32768 131072 --docs 64 --steps 3"
     TRAIN_CFG=ds_configs/llama3.2-1b-1gpu.json; TRAIN_MODEL=ds_configs/models/llama3.2-1b.json
     TRAIN_ARGS="--seq-len 131072 --steps 3 --eval-samples 0"; NGPU=1
-    LONG="--seq 524288 --hpc 1 --steps 1 --minimal"
+    LONG="--seq 524288 --hpc 1 8 --steps 1 --minimal"; NV=""
 else
     export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
     PY=python; DRYF=--dry-run
@@ -42,7 +51,7 @@ else
     ATT="$DRYF"; VL="$DRYF"
     TRAIN_CFG=ds_configs/tiny-cpu.json; TRAIN_MODEL=ds_configs/models/tiny-llama.json
     TRAIN_ARGS="--seq-len 256 --steps 2 --eval-samples 0"; NGPU=2
-    LONG="$DRYF --minimal"
+    LONG="$DRYF --minimal"; NV="$DRYF"
 fi
 $PY -c "import torch, deepspeed, transformers, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'pydantic', pydantic.VERSION)" \
     2>&1 | tail -1 | tee -a "$OUT/env.txt"
@@ -59,6 +68,8 @@ step plan 60 bash -c "$PY -m ds_longctx.planner.cli plan --deepspeed_config $TRA
 step train 170 $PY -m deepspeed.launcher.runner --num_gpus $NGPU --master_port 29561 train.py \
     --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL $TRAIN_ARGS --no-progress \
     --metrics "$OUT/train_metrics.jsonl"
+# g: NVMe offload through DeepSpeed's async_io op on this machine's disk (builds the op first)
+step nvme 120 $PY bench/gpu_checks.py --part nvme $NV --out "$OUT/nvme.json"
 # what is left: tied vs untied at 512K (u=1)
 step long 200 $PY bench/gpu_checks.py --part attention $LONG --out "$OUT/long.json"
 echo "== done after $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
