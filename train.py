@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import sys
 
@@ -23,9 +24,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL_CONFIG = os.path.join(HERE, "ds_configs", "models", "tiny-llama.json")
 
 
+def _logger():
+    """train.py's lines on stdout under the ``ds_longctx`` logger (quiet them all with
+    ``logging.getLogger("ds_longctx").setLevel(logging.WARNING)``)."""
+    log = logging.getLogger("ds_longctx.train")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[ds_longctx] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+        if logging.getLogger("ds_longctx").level == logging.NOTSET:
+            logging.getLogger("ds_longctx").setLevel(logging.INFO)
+    return log
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True)
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
+                   help="the ds_config.json: DeepSpeed's keys plus the long_context section (see ds_configs/)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="HF model id or local path (pretrained weights)")
@@ -33,8 +49,9 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", help="tokenizer for --data files (default: --model)")
     p.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
                    "long_context.sequence_length or 512)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train (default: 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random init and the copy task's data: the same "
+                   "seed gives the same weights and samples for every SP degree, ZeRO stage and process count")
     p.add_argument("--data", default="copy", help="built-in task name ('copy') or a .jsonl/.txt file")
     p.add_argument("--concat-documents", action="store_true", help="--data FILE: plain concatenation, attention "
                    "across documents (default: packed, position_ids restart per document, document-masked attention)")
@@ -42,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--save", help="save a checkpoint here at the end")
     p.add_argument("--resume", help="resume from a checkpoint saved with --save")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (rank 0 still logs the layout "
+                   "and the final loss)")
     return p.parse_args(argv)
 
 
@@ -307,9 +325,9 @@ def main(argv=None):
         bar = tqdm(total=args.steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout,
                    mininterval=1.0)
     if rank == 0:
-        print(f"[ds_longctx] world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
-              f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
-              f"zero_stage={engine.zero_optimization_stage()}", flush=True)
+        _logger().info(f"world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
+                       f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
+                       f"zero_stage={engine.zero_optimization_stage()}")
     loss_value = float("nan")
     for step in range(start + 1, args.steps + 1):
         profiler.start_step(step)
@@ -341,15 +359,16 @@ def main(argv=None):
             metrics.flush()
         if bar:
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                            tflops=f"{rec['tflops']:.3f}", peak=f"{rec['peak_mem_bytes'] / 2**20:.0f}MiB")
+                            flops=f"{rec['tflops']:.1f}T/s" if rec["tflops"] >= 1 else f"{rec['tflops'] * 1e3:.1f}G/s",
+                            peak=f"{rec['peak_mem_bytes'] / 2**20:.0f}MiB")
             bar.update(1)
     if bar:
         bar.close()
     if lc.profile.enabled:
         path = profiler.write_summary()
         if rank == 0:
-            print(f"[ds_longctx] profile: per-step records in {path}, traces of steps "
-                  f"{sorted(lc.profile.steps)} in {lc.profile.output_dir}", flush=True)
+            _logger().info(f"profile: per-step records in {path}, traces of steps "
+                           f"{sorted(lc.profile.steps)} in {lc.profile.output_dir}")
     if args.save:
         tag = f"step{args.steps}"
         record = dict(run_layout, step=args.steps, micro_batches_consumed=args.steps * gas)
@@ -363,8 +382,8 @@ def main(argv=None):
                             start_index=len(dataset) - args.eval_samples)
         if rank == 0:
             chance = 1.0 / (model.config.vocab_size - 2)
-            print(f"[ds_longctx] final loss {loss_value:.4f} (no-attention floor ln(V-2) = "
-                  f"{dataset.chance_loss:.4f}); copy accuracy {acc:.3f} (chance {chance:.3f})", flush=True)
+            _logger().info(f"final loss {loss_value:.4f} (no-attention floor ln(V-2) = "
+                           f"{dataset.chance_loss:.4f}); copy accuracy {acc:.3f} (chance {chance:.3f})")
     if metrics:
         metrics.close()
     return loss_value

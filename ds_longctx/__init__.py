@@ -31,6 +31,15 @@ def disable() -> None:
 
 
 def plan(*args, **kwargs):
+    """Plan one training step's memory without running it: ``plan(ds_config, model_config, world_size=8,
+    gpu_mem="80GiB", seq_len=None, host_mem=None, reserve="2GiB", ...)`` -> ``PlanResult``.
+
+    ``ds_config`` is a dict or a ds_config.json path, ``model_config`` a HF config or config.json path (or
+    ``model="org/name"``); ``seq_len`` defaults to ``long_context.sequence_length``. One rank's step runs on
+    fake tensors through the same ``patch_model`` code training uses, plus ZeRO model-state arithmetic:
+    ``result.fits``, ``result.peak_device_bytes`` (max of the backward and optimizer-step peaks),
+    ``result.breakdown`` and ``result.host_bytes_per_node``. Same as ``ds-longctx plan``; see
+    :func:`ds_longctx.planner.plan`."""
     from .planner import plan as _plan
 
     return _plan(*args, **kwargs)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .attention.documents import document_structure
 from .errors import ConfigError
+from .loss import IGNORE_INDEX
 
 # TRL's padding-free collator (trl.trainer.sft_trainer.DataCollatorForLanguageModeling) adds these
 # for flash-attention varlen kernels and linear-attention layers. The same boundaries follow from
@@ -89,7 +90,7 @@ def _padded_to_multiple(batch: dict, sp: int) -> dict:
     out["input_ids"] = cat(ids, 0)
     for key in ("labels", "shift_labels"):
         if key in batch:
-            out[key] = cat(batch[key], -100)
+            out[key] = cat(batch[key], IGNORE_INDEX)
     if "position_ids" in batch:
         out["position_ids"] = cat(batch["position_ids"], 0)  # replaced by shard_batch for the tail
     return out

@@ -26,8 +26,7 @@ from .patch import patch_model
 logger = logging.getLogger("ds_longctx")
 
 
-def init_distributed(ds_config: Optional[dict] = None, distributed_port: Optional[int] = None,
-                     dist_init_required: Optional[bool] = None):
+def init_distributed(distributed_port: Optional[int] = None, dist_init_required: Optional[bool] = None):
     """Start the process group from whichever launcher started us (env vars, MPI or SLURM)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -85,7 +84,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     ds_config = compat.resolve_sp_with_mpu(ds_config, mpu)  # accept DeepSpeed's / Accelerate's mpu
     lc = parse(ds_config)
     sp = lc.sequence_parallel_size
-    init_distributed(ds_config, distributed_port, dist_init_required)
+    init_distributed(distributed_port, dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
     check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
@@ -142,7 +141,7 @@ def model_init(config, args: Any = None):
     if zero_stage(ds_config) != 3:
         yield
         return
-    init_distributed(ds_config)
+    init_distributed()
     hf_ds = HfDeepSpeedConfig(ds_config)
     try:
         yield hf_ds

@@ -236,8 +236,10 @@ def _trl_metrics_output(loss, inputs):
 
     import torch
 
+    from .loss import IGNORE_INDEX
+
     labels = inputs.get("shift_labels")
-    mask = labels != -100
+    mask = labels != IGNORE_INDEX
     nan = torch.full(mask.shape, float("nan"), device=mask.device)
     return types.SimpleNamespace(loss=loss, label_mask=mask, entropy=nan, is_top1=nan, log_probs=None,
                                  aux_loss=None)

@@ -12,12 +12,14 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; pri
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
 HOSTARGS=()
+# not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
+launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
 if [[ -n "${HOSTFILE:-}" ]]; then
-  python -m ds_longctx.launch check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
+  launch_tool check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
   # mpirun's hostfile syntax is the same "host slots=N"
   HOSTARGS=(--hostfile "$HOSTFILE")
 else
-  python -m ds_longctx.launch layout --deepspeed_config "$CFG" --world "$NP"
+  launch_tool layout --deepspeed_config "$CFG" --world "$NP"
 fi
 # MASTER_PORT, when set, is the rendezvous port of this job (ds_longctx honours it under MPI)
 PORTARGS=()

@@ -10,8 +10,10 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; pri
 # (remote nodes get it only through .deepspeed_env: add a TORCH_EXTENSIONS_DIR=... line there)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
+# not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
+launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
 # refuse a hostfile whose slots do not tile the SP groups before any rank starts
-python -m ds_longctx.launch check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
+launch_tool check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
 MASTER_ADDR=${MASTER_ADDR:-$(awk '!/^#/ && NF {print $1; exit}' "$HOSTFILE")}
 exec deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
   train.py "$@"

@@ -12,5 +12,7 @@ fi
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; print(sys.prefix)')/torch_extensions}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
-python -m ds_longctx.launch layout --deepspeed_config "$CFG" --world "$NUM_GPUS"
+# not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
+launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
+launch_tool layout --deepspeed_config "$CFG" --world "$NUM_GPUS"
 exec deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" train.py "$@"

@@ -53,7 +53,8 @@ def _worker(rank, world, path):
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_io op needs libaio-dev")
+@pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_io op needs libaio-dev "
+                    "(apt-get install libaio-dev, then bash tools/setup.sh builds the op)")
 def test_nvme_offload_zero3_sp2_bit_equal_and_cleaned_up(tmp_path):
     results = run_distributed(_worker, 2, str(tmp_path), timeout=500)
     layer_bytes = (SEQ // 2) * 32 * 4

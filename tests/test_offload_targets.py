@@ -49,7 +49,7 @@ def _aio_available():
 
 
 needs_aio = pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_io op needs libaio-dev "
-                               "(.ci/run installs it as root on Debian)")
+                               "(apt-get install libaio-dev, then bash tools/setup.sh builds the op)")
 
 
 def _compare_over_steps(target_ac, steps, reentrant, offload_target=None):

@@ -9,7 +9,7 @@ hidden states as the only positional argument) and wrap the checkpoint call in o
 from __future__ import annotations
 
 import contextlib
-import functools
+import weakref
 from typing import Callable, ContextManager, List, Optional
 
 import torch
@@ -83,13 +83,18 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
     keep = min(len(layers), getattr(ac_cfg, "keep_on_device", 0)) if offloader is not None else 0
     plain = _checkpoint_fn(ac_cfg.use_reentrant, None)
     for i, layer in enumerate(layers):
+        _PREVIOUS.setdefault(layer, (layer.__dict__.get("gradient_checkpointing", _ABSENT),
+                                     layer.__dict__.get("_gradient_checkpointing_func", _ABSENT)))
         layer._gradient_checkpointing_func = plain if i >= len(layers) - keep else fn
         layer.gradient_checkpointing = True
-    if ac_cfg.use_reentrant and hasattr(model, "enable_input_require_grads"):
-        # reentrant checkpoint only backpropagates into a block whose tensor input requires grad;
-        # with frozen embeddings (PEFT) it would silently drop every parameter gradient
-        model.enable_input_require_grads()
     hooks = []
+    if (ac_cfg.use_reentrant and hasattr(model, "enable_input_require_grads")
+            and not getattr(model, "_require_grads_hooks", None)):
+        # reentrant checkpoint only backpropagates into a block whose tensor input requires grad;
+        # with frozen embeddings (PEFT) it would silently drop every parameter gradient. Undone with
+        # the other hooks (a model that had it on before keeps it).
+        model.enable_input_require_grads()
+        hooks.append(_InputRequireGradsUndo(model))
     if offloader is not None:
         # the last layer's input is needed first in backward: start its H2D as soon as forward
         # leaves the decoder stack, so it overlaps the final norm, lm_head and loss
@@ -151,7 +156,28 @@ class _Undo:
         self.offloader.defer_prefetch = False
 
 
+class _InputRequireGradsUndo:
+    """A hook handle that turns off the input-gradient hooks install_checkpointing turned on."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def remove(self):
+        self.model.disable_input_require_grads()
+
+
+# each checkpointed layer's own gradient_checkpointing / _gradient_checkpointing_func before the first
+# install (_ABSENT: the layer had none of its own), put back by uninstall_checkpointing
+_ABSENT = object()
+_PREVIOUS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def uninstall_checkpointing(layers):
+    """Give each layer back the checkpointing flag and function it had before install_checkpointing."""
     for layer in layers:
-        layer.gradient_checkpointing = False
-        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        flag, func = _PREVIOUS.pop(layer, (_ABSENT, _ABSENT))
+        for name, value in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
+            if value is _ABSENT:
+                layer.__dict__.pop(name, None)  # the class attribute (gradient_checkpointing = False) shows again
+            else:
+                setattr(layer, name, value)

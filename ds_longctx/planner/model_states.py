@@ -166,7 +166,8 @@ def compute(ds_config: dict, params: ParamInfo, world_size: int) -> ModelStates:
         put("device", "params", P * lp)
         if stage == 1:
             put("device", "grads", P * lp)
-        elif _bool(zero, "contiguous_gradients", True) or True:
+        else:  # ZeRO-2, contiguous_gradients or not: the IPG bucket buffer, or the bucket's full-size grads
+            # waiting for their reduction (about the same bytes)
             put("device", "zero buffers", _int(zero, "reduce_bucket_size", int(5e8), "zero_optimization.") * lp)
         put(opt_where, "grads", part * 4)
         if mixed:
