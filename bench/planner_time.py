@@ -32,9 +32,13 @@ LC = {"attention": {"implementation": "untied_ulysses", "kernel": "auto", "heads
       "rms_norm": {"enabled": True}}
 
 
-def ds_config(seq):
+VARIANTS = {"full": {}, "no-checkpointing": {"activation_checkpointing": {"enabled": False}},
+            "untied-u2": {"attention": dict(LC["attention"], heads_per_chunk=2)}}
+
+
+def ds_config(seq, variant="full"):
     return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "sequence_parallel_size": 1,
-            "long_context": dict(LC, sequence_length=seq)}
+            "long_context": dict(LC, sequence_length=seq, **VARIANTS[variant])}
 
 
 def _median(f, reps):
@@ -68,7 +72,7 @@ def cpu_rates(seq):
                  sources={"all": "measured by bench/planner_time.py on this machine"})
 
 
-def measure(seq, reps):
+def measure(seq, reps, variant):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ds_longctx.config import parse
@@ -79,7 +83,7 @@ def measure(seq, reps):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     model.train()
-    patched = patch_model(model, parse(ds_config(seq)), None, 1.0)
+    patched = patch_model(model, parse(ds_config(seq, variant)), None, 1.0)
     ids = torch.randint(0, MODEL["vocab_size"], (1, seq))
     pos = torch.arange(seq).unsqueeze(0)
 
@@ -93,10 +97,10 @@ def measure(seq, reps):
     return secs
 
 
-def predict(seq, rates):
+def predict(seq, rates, variant):
     from ds_longctx.planner import Planner, load_model_config
 
-    p = Planner(ds_config(seq), load_model_config(dict(MODEL)), 1, gpu_mem="1TiB", reserve="0", device="cpu",
+    p = Planner(ds_config(seq, variant), load_model_config(dict(MODEL)), 1, gpu_mem="1TiB", reserve="0", device="cpu",
                 full_depth=True, target=rates)
     return p.run(seq).time
 
@@ -105,21 +109,25 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["full"], choices=sorted(VARIANTS),
+                    help="configurations compared at each length (the first is the ratios' base)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     rates = cpu_rates(max(a.seqs))
     rows = []
     for seq in a.seqs:
-        t = predict(seq, rates)
-        m = measure(seq, a.reps)
-        rows.append({"seq": seq, "measured_s": m, "predicted_s": t["seconds"], "parts": t["parts"]})
-        print(f"seq {seq}: measured {m:.3f} s, predicted {t['seconds']:.3f} s ({t['seconds'] / m:.2f}x); "
-              f"{ {k: round(v, 3) for k, v in t['parts'].items()} }", flush=True)
+        for variant in a.variants:
+            t = predict(seq, rates, variant)
+            m = measure(seq, a.reps, variant)
+            rows.append({"seq": seq, "variant": variant, "measured_s": m, "predicted_s": t["seconds"], "parts": t["parts"]})
+            print(f"seq {seq} {variant}: measured {m:.3f} s, predicted {t['seconds']:.3f} s ({t['seconds'] / m:.2f}x); "
+                  f"{ {k: round(v, 3) for k, v in t['parts'].items()} }", flush=True)
     base = rows[0]
     for r in rows[1:]:
         mr, pr = r["measured_s"] / base["measured_s"], r["predicted_s"] / base["predicted_s"]
         r["ratio_measured"], r["ratio_predicted"] = mr, pr
-        print(f"ratio {r['seq']}/{base['seq']}: measured {mr:.2f}, predicted {pr:.2f} ({100 * (pr / mr - 1):+.1f}%)")
+        print(f"ratio {r['seq']} {r['variant']} / {base['seq']} {base['variant']}: measured {mr:.3f}, predicted "
+              f"{pr:.3f} ({100 * (pr / mr - 1):+.1f}%)")
     out = {"machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
                       f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
            "date": time.strftime("%Y-%m-%d"), "command": "python bench/planner_time.py " + " ".join(sys.argv[1:]),
