@@ -40,21 +40,40 @@ class Backend:
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
         raise NotImplementedError
 
+    # True: the planner's stand-in, whose kernel is the ops' fake (it never runs on real tensors)
+    fake_only = False
+
+    def _through_op(self) -> bool:
+        # registered backends (and the planner's stand-in) run as the custom ops below, so fake tensors, torch's
+        # FlopCounterMode and torch.compile see one op with a fake and a FLOP formula; a subclass defined
+        # elsewhere (tests) is called directly
+        return self.fake_only or BACKENDS.get(self.name) is type(self)
+
+    def fwd(self, q, k, v, causal, scale):
+        if self._through_op():
+            return torch.ops.ds_longctx.attention_forward(q, k, v, causal, float(scale), self.name)
+        return self._fwd(q, k, v, causal, scale)
+
+    def bwd(self, dout, q, k, v, out, lse, causal, scale):
+        if self._through_op():
+            return torch.ops.ds_longctx.attention_backward(dout, q, k, v, out, lse, causal, float(scale), self.name)
+        return self._bwd(dout, q, k, v, out, lse, causal, scale)
+
     def forward(self, q, k, v, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
         _check(self, q, k, v)
         rep = q.shape[2] // k.shape[2]
         if rep > 1 and not self.native_gqa:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        return self._fwd(q, k, v, causal, scale)
+        return self.fwd(q, k, v, causal, scale)
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         rep = q.shape[2] // k.shape[2]
         if rep > 1 and not self.native_gqa:
             b, s, hk, d = k.shape
             ke, ve = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-            dq, dk, dv = self._bwd(dout, q, ke, ve, out, lse, causal, scale)
+            dq, dk, dv = self.bwd(dout, q, ke, ve, out, lse, causal, scale)
             return dq, dk.view(b, s, hk, rep, d).sum(3), dv.view(b, s, hk, rep, d).sum(3)
-        return self._bwd(dout, q, k, v, out, lse, causal, scale)
+        return self.bwd(dout, q, k, v, out, lse, causal, scale)
 
 
 def _check(backend, q, k, v):
@@ -225,6 +244,78 @@ class FlashAttn3(Backend):
         _call_by_name(fa3._flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse,
                       dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal)
         return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels as custom ops (flash-attn's style): one op per direction with a fake (shapes and dtypes only,
+# what every backend returns) and a FLOP formula (the causal mask halves the square). The real kernel is the
+# named backend's _fwd/_bwd. Layout as in the module doc; out/dq/dk/dv come back as [b, s, h, d] views of
+# kernel buffers, the fakes allocate them contiguous in that shape (same bytes).
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("ds_longctx::attention_forward", mutates_args=())
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                      backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _instance(BACKENDS[backend])._fwd(q, k, v, causal, scale)
+    # a custom op may not return an input or a view of one: never the case for a kernel's fresh buffers
+    return out, lse
+
+
+@attention_forward.register_fake
+def _(q, k, v, causal, scale, backend):
+    b, s, h, _ = q.shape
+    return (torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device),
+            torch.empty(b, h, s, dtype=torch.float32, device=q.device))
+
+
+@torch.library.custom_op("ds_longctx::attention_backward", mutates_args=())
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, causal: bool, scale: float,
+                       backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _instance(BACKENDS[backend])._bwd(dout, q, k, v, out, lse, causal, scale)
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, out, lse, causal, scale, backend):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(v.shape, dtype=v.dtype, device=v.device))
+
+
+def backward_workspace_bytes(q_shape, k_shape, itemsize: int) -> int:
+    """Device memory a flash-attention-2 backward holds during the call besides its results (flash_api.cpp
+    mha_bwd): an fp32 dq accumulator, the fp32 softmax_d row sums, and head-expanded dk/dv under GQA. What
+    the planner charges a GPU attention backward (the CPU kernel's is not modelled). Layout [b, s, h, d]."""
+    b, s, h, d = q_shape
+    work = 4 * b * s * h * d + 4 * b * h * s
+    if k_shape[2] != h:
+        work += 2 * b * k_shape[1] * h * k_shape[3] * itemsize
+    return work
+
+
+def _register_flop_formulas():
+    from torch.utils.flop_counter import register_flop_formula
+
+    from ..measure.flops import attention_flops, register_attention
+
+    fwd, bwd = torch.ops.ds_longctx.attention_forward, torch.ops.ds_longctx.attention_backward
+
+    @register_flop_formula(fwd)
+    def _fwd_flops(q, k, v, causal, scale, backend, *args, out_shape=None, **kwargs) -> int:
+        b, s, h, d = q
+        return attention_flops(b, h, s, k[1], d, causal, backward=False)
+
+    @register_flop_formula(bwd)
+    def _bwd_flops(dout, q, k, v, out, lse, causal, scale, backend, *args, out_shape=None, **kwargs) -> int:
+        b, s, h, d = q
+        return attention_flops(b, h, s, k[1], d, causal, backward=True)
+
+    register_attention(fwd, backward=False)
+    register_attention(bwd, backward=True)
+
+
+_register_flop_formulas()
 
 
 # The registration seam: backends by name, the per-device "auto" order, and per-device overrides.

@@ -34,8 +34,23 @@ def tile_starts(x, rows: int, step: int):
     from .tiling import _is_fake
 
     if _is_fake(x):
-        return range(0, min(rows, 1))
+        return _Representative(rows, step)
     return range(0, rows, step)
+
+
+class _Representative:
+    """The first tile alone, its FLOPs and bytes standing for all tiles' (measure/flops.representing)."""
+
+    def __init__(self, rows: int, step: int):
+        self.rows, self.step = rows, step
+
+    def __iter__(self):
+        if self.rows <= 0:
+            return
+        from ..measure.flops import representing
+
+        with representing(self.rows / min(self.rows, self.step)):
+            yield 0
 
 
 def rms_norm_rows(x, weight, eps: float):

@@ -14,6 +14,7 @@ Why not DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` (ulysses_sp.py):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List, Optional, Sequence, Union
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, lm_logits
+from ..measure.flops import representing
 from ..models import mlp_class_names
 
 # decoder MLPs whose forward is pointwise over tokens (gate/up/down SwiGLU), so row tiling is exact
@@ -99,13 +101,15 @@ class TiledRowsFunction(torch.autograd.Function):
         out = None
         row = 0
         pieces = torch.tensor_split(flat, shards, dim=0)
+        work = contextlib.nullcontext()
         if _is_fake(flat):
             # under the planner's fake tensors only the first (largest) shard runs: a shard keeps nothing
             # once done (results go into preallocated rows; the planner drops each full weight gradient
             # as it is accumulated), so it alone shows the loop's peak, and the others would only
-            # multiply the simulation's fake ops
+            # multiply the simulation's fake ops; its FLOPs and bytes stand for every shard's
             pieces = pieces[:1]
-        with torch.no_grad():
+            work = representing(flat.shape[0] / max(1, pieces[0].shape[0]))
+        with torch.no_grad(), work:
             for piece in pieces:
                 y = fn(module, piece)
                 if out is None:  # allocated once the output width and dtype are known
@@ -123,25 +127,33 @@ class TiledRowsFunction(torch.autograd.Function):
         flat = x.detach().reshape(-1, x.shape[-1])
         g = grad_out.reshape(-1, grad_out.shape[-1])
         x_grad = torch.zeros_like(flat) if need_x else None
-        row = 0
         try:
             pairs = zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(g, shards, 0))
+            work = contextlib.nullcontext()
             if _is_fake(flat):
                 # the planner's fake tensors: one shard shows the loop's peak (see forward)
                 pairs = [next(pairs)]
-            for i, (piece, g_piece) in enumerate(pairs):
-                _mark_ready(params, i == shards - 1)
-                piece = piece.detach().requires_grad_(need_x)
-                with torch.enable_grad():
-                    y = fn(module, piece)
-                if y.requires_grad:
-                    torch.autograd.backward(y, g_piece)
-                if need_x and piece.grad is not None:
-                    x_grad[row:row + piece.shape[0]].copy_(piece.grad)
-                row += piece.shape[0]
+                work = representing(flat.shape[0] / max(1, pairs[0][0].shape[0]))
+            with work:
+                _tiles_backward(pairs, fn, module, shards, params, need_x, x_grad)
         finally:
             _mark_ready(params, True)
         return (x_grad.view_as(x) if need_x else None), None, None, None, None
+
+
+def _tiles_backward(pairs, fn, module, shards, params, need_x, x_grad):
+    """Recompute and backpropagate each (input tile, output-gradient tile); input gradients into x_grad's rows."""
+    row = 0
+    for i, (piece, g_piece) in enumerate(pairs):
+        _mark_ready(params, i == shards - 1)
+        piece = piece.detach().requires_grad_(need_x)
+        with torch.enable_grad():
+            y = fn(module, piece)
+        if y.requires_grad:
+            torch.autograd.backward(y, g_piece)
+        if need_x and piece.grad is not None:
+            x_grad[row:row + piece.shape[0]].copy_(piece.grad)
+        row += piece.shape[0]
 
 
 def _class_forward(module, x):

@@ -42,6 +42,8 @@ def _parser():
     q.add_argument("--json", action="store_true", help="one JSON object on stdout")
     q.add_argument("--full-depth", action="store_true", help="simulate every layer (default: 2 and 3 layers, "
                    "extrapolated; --max-context re-checks at full depth)")
+    q.add_argument("--target", default="h100", help="rates for the predicted step time and MFU: h100 (default; "
+                   "measured GEMM/attention/HBM/PCIe rates) or h200 (planner/rates.py names each rate's source)")
     q.add_argument("--device", choices=("meta", "cpu"), default="meta", help=argparse.SUPPRESS)
     return p
 
@@ -54,12 +56,13 @@ def _row(r: PlanResult, max_seq=None) -> dict:
 
 
 def _table(rows, title_col="config", show_max=False) -> str:
-    head = [title_col, "seq", "fits", "peak"] + list(CATS) + ["host/rank"]
+    head = [title_col, "seq", "fits", "peak"] + list(CATS) + ["host/rank", "step s", "MFU"]
     lines = []
     for label, r, mx in rows:
         seq = fmt_tokens(mx if show_max else r.sequence_length)
         cells = [label, seq, "yes" if r.fits else "NO", fmt_bytes(r.peak_device_bytes)]
         cells += [fmt_bytes(r.breakdown.get(c, 0)) for c in CATS] + [fmt_bytes(r.host_bytes)]
+        cells += [f"{r.time['seconds']:.3g}", f"{100 * r.time['mfu']:.1f}%"] if r.time else ["-", "-"]
         lines.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -84,8 +87,21 @@ def _detail(r: PlanResult) -> str:
         from .host import describe
 
         lines += describe(r.offload)
+    lines += _time_lines(r.time)
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
+
+
+def _time_lines(t: dict) -> list:
+    if not t:
+        return []
+    tf = sum(t["flops"].values()) / 1e12
+    parts = ", ".join(f"{k} {v:.3g}s" for k, v in sorted(t["parts"].items(), key=lambda kv: -kv[1]))
+    return [f"predicted step on {t['target']} (planner/rates.py): {t['seconds']:.3g} s, MFU {100 * t['mfu']:.1f}% "
+            f"({t['model_flops'] / 1e12:.4g} model TFLOP per GPU), {t['tokens_per_s']:.4g} tokens/s per GPU; "
+            f"{tf:.4g} TFLOP executed (recompute included)",
+            f"  compute {t['compute_s']:.3g} s, overlapped transfers {t['overlapped_s']:.3g} s (offload, ZeRO), "
+            f"serial transfers {t['serial_s']:.3g} s (all-to-all, optimizer offload): {parts}"]
 
 
 _COLORS = {"model_states": "#4c4c4c", "attention": "#1f77b4", "mlp": "#ff7f0e", "loss": "#2ca02c", "other": "#9467bd"}
@@ -200,7 +216,7 @@ def _run_plan(a, out) -> int:
     a.host_mem = _host_mem(a.host_mem)
     for label, cfg in configs:
         p = Planner(cfg, mc, a.gpus, a.gpu_mem, a.host_mem, a.reserve, a.gpus_per_node, a.device, a.full_depth,
-                    params=params)
+                    params=params, target=a.target)
         params = p.params
         if a.max_context:
             mx, r = p.max_context(label=label)

@@ -86,6 +86,7 @@ class PlanResult:
     activation_peak_bytes: int = 0  # sum(breakdown): model states + activations at the backward's peak
     step_peak_bytes: int = 0        # inside optimizer.step(): model states + step-only buffers, no activations
     budget_source: str = ""
+    time: Dict = field(default_factory=dict)  # planner/rates.py StepTime on the target: seconds, mfu, parts, ...
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -178,13 +179,18 @@ def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple
     lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
     if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
-        return r.breakdown, r.peak_host, [L], False, r.seconds
+        return r.breakdown, r.peak_host, [L], False, r.seconds, r.work
     a = simulate_step(model_config, ds_config, lc, world, seq, lo, device=device, batch_size=bs)
     b = simulate_step(model_config, ds_config, lc, world, seq, hi, device=device, batch_size=bs)
     k = L - lo
     br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
     host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
-    return br, host, [lo, hi], True, a.seconds + b.seconds
+    # the step's work is affine in depth too (every layer does the same work)
+    work = {}
+    for key in set(a.work) | set(b.work):
+        wa, wb = a.work.get(key, (0.0, 0.0)), b.work.get(key, (0.0, 0.0))
+        work[key] = tuple(max(0.0, x + k * (y - x)) for x, y in zip(wa, wb))
+    return br, host, [lo, hi], True, a.seconds + b.seconds, work
 
 
 class Planner:
@@ -192,7 +198,7 @@ class Planner:
 
     def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
                  reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
-                 full_depth: bool = False, params: Optional[ms.ParamInfo] = None):
+                 full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100"):
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
         self.model_config = model_config
         self.world = int(world_size)
@@ -208,6 +214,9 @@ class Planner:
             raise ConfigError("--gpu-mem", f"the budget {fmt_bytes(self.budget)} leaves nothing after the "
                               f"reserve {fmt_bytes(self.reserve)}", "give the device memory, e.g. 80GiB")
         self.gpus_per_node = gpus_per_node or min(self.world, 8)
+        from .rates import target_rates
+
+        self.rates = target_rates(target) if target else None
         self.device = device
         self.full_depth = full_depth
         self.lc = parse(self.ds_config)
@@ -230,8 +239,8 @@ class Planner:
         lc, sp = self.lc, self.lc.sequence_parallel_size
         check_against(lc, self.model_config, self.world, seq_len)
         fd = self.full_depth if full_depth is None else full_depth
-        br, host_act, layers, extrap, secs = _steps(self.model_config, self.ds_config, self.sim_lc, self.world,
-                                                    seq_len, self.device, fd)
+        br, host_act, layers, extrap, secs, work = _steps(self.model_config, self.ds_config, self.sim_lc, self.world,
+                                                          seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
         act_peak = sum(breakdown.values())
         # the activations are gone before optimizer.step() allocates its step-only buffers
@@ -256,6 +265,7 @@ class Planner:
             notes.append(f"host memory {fmt_bytes(host_node)} per node is over --host-mem {fmt_bytes(self.host_budget)}"
                          + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
                             f"/node)" if rec else "; no offload target fits"))
+        timing = self._step_time(work, hs, seq_len) if self.rates is not None else None
         return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
                           peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
                           host_bytes=int(host_total), host_bytes_per_node=int(host_node),
@@ -265,7 +275,40 @@ class Planner:
                           extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label,
                           nvme_bytes_per_node=int(sum(hs.nvme.values()) * self.gpus_per_node), offload=hs.offload,
                           activation_peak_bytes=int(act_peak), step_peak_bytes=int(self.step_peak),
-                          budget_source=self.budget_source)
+                          budget_source=self.budget_source, time=timing.to_dict() if timing else {})
+
+    def _step_time(self, work, hs, seq_len: int):
+        """Predicted step seconds, MFU and tokens/s on ``self.rates`` (planner/rates.py)."""
+        from ..measure.profiler import attention_width, flops_per_sample
+        from .rates import step_time
+
+        tc = text_config(self.model_config)
+        lc, W, per_node = self.lc, self.world, self.gpus_per_node
+        sp = lc.sequence_parallel_size
+        bs = _micro_batch(self.ds_config)
+        lp = 4 if self.states.model_dtype == "fp32" else 2
+        P = self.params.total
+        traffic: Dict[str, float] = {}
+        if self.states.zero_stage == 3 and W > 1:
+            share = P * lp * (W - 1) / W
+            # forward, backward, and again for the checkpoint recompute (ZeRO-3 releases a module's params after
+            # its forward)
+            gathers = 3 if lc.activation_checkpointing.enabled else 2
+            traffic.update(zero3_gather=gathers * share, zero3_reduce=share, zero3_internode=W > per_node)
+        elif self.states.zero_stage in (1, 2) and W > 1:
+            traffic.update(zero3_reduce=P * lp * (W - 1) / W, zero3_internode=W > per_node)
+        off = hs.host.get("offloaded activations", 0)
+        if off:
+            traffic["offload_host"] = 2.0 * off  # out in forward, back in backward
+        nvme = hs.nvme.get("offloaded activations", 0)
+        if nvme:
+            traffic["offload_nvme"] = 2.0 * nvme * per_node  # the node's drives serve every rank of the node
+        zero = self.ds_config.get("zero_optimization") or {}
+        if ((zero.get("offload_optimizer") or {}).get("device") or "none") != "none":
+            traffic["optimizer_offload"] = P / W * (4 + lp)  # fp32 grad partition out, updated params back
+        emb = tc.vocab_size * tc.hidden_size
+        model = flops_per_sample(seq_len, P - emb, tc.num_hidden_layers, attention_width(tc))["total"] * bs / sp
+        return step_time(work, traffic, self.rates, model, seq_len * bs / sp, a2a_internode=sp > per_node)
 
     def max_context(self, granularity: Optional[int] = None, limit: int = 1 << 27, label: str = ""):
         """Largest S (a multiple of SP) whose step fits, and the PlanResult at it (None when none fits)."""

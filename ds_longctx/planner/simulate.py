@@ -31,6 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..attention import kernels as _kernels  # noqa: F401  (registers the ds_longctx attention ops)
+from ..measure import flops as _flops
 from ..models import layer_role, text_config
 
 CATEGORIES = ("attention", "mlp", "loss", "other")
@@ -116,6 +118,11 @@ class Accountant(TorchDispatchMode):
         self.host_scope = False
         self._last_bwd = "other"
         self._keep: list = []
+        # work of the step (measure/flops.py): (kind, phase, key) -> [flops, bytes]; phase forward / backward /
+        # recompute (a forward op run inside backward: checkpoint recompute, tiled recompute, attention recompute)
+        self.work: Dict[tuple, List[float]] = {}
+        self.in_backward = False
+        self.recomputing = 0
 
     def ignore(self, tensors):
         """Storages that existed before the step (parameters, buffers): views of them are not new."""
@@ -173,6 +180,38 @@ class Accountant(TorchDispatchMode):
         else:
             me._host -= nbytes
 
+    def _phase(self, func) -> str:
+        if not self.in_backward:
+            return "forward"
+        if _flops.is_backward_attention(func._overloadpacket):
+            return "backward"
+        if func._overloadpacket in _flops.ATTENTION or self.recomputing or torch.is_grad_enabled():
+            return "recompute"
+        return "backward"
+
+    def _count(self, func, args, kwargs, out):
+        cost = _flops.op_cost(func, args, kwargs, out)
+        if cost is None:
+            return
+        kind, key, flops, nbytes = cost
+        scale = _flops.current_scale()
+        slot = self.work.setdefault((kind, self._phase(func), key), [0.0, 0.0])
+        slot[0] += flops * scale
+        slot[1] += nbytes * scale
+
+    def _transient(self, func, args):
+        """Memory a kernel holds only during its call (the GPU attention backward's workspace): peak only."""
+        if func._overloadpacket is not _ATTN_BWD or self.device_type != "meta" or args[1].device.type != "meta":
+            return
+        from ..attention.kernels import backward_workspace_bytes
+
+        work = backward_workspace_bytes(tuple(args[1].shape), tuple(args[2].shape), args[1].element_size())
+        if self._dev + work > self.peak_device:
+            self.peak_device = self._dev + work
+            self.peak_breakdown = {c: self.live.get(("device", c), 0) for c in CATEGORIES}
+            self.peak_breakdown[self.category()] += work
+            self.host_at_peak = self._host
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
             # what FakeTensor's own dispatch answers (fake_tensor.py), without the trip through the
@@ -189,17 +228,21 @@ class Accountant(TorchDispatchMode):
                 # attention's GEMMs into send buffers and gradient accumulations are such ops).
                 res = _mutated_results(func, written, args, kwargs)
                 if res is not _NOT_SHORT:
+                    self._count(func, args, kwargs, res)
                     return res
         out = func(*args, **kwargs)
+        self._count(func, args, kwargs, out)
         if getattr(func, "is_view", False):  # a view allocates nothing (its base may predate the step)
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
+        self._transient(func, args)
         return out
 
 
 _NOT_SHORT = object()
+_ATTN_BWD = torch.ops.ds_longctx.attention_backward
 _PRIM_DEVICE = torch.ops.prim.device.default
 _WRITTEN: Dict[object, Optional[tuple]] = {}
 
@@ -325,9 +368,11 @@ class _Tagger:
         checkpointed layer function, forward and recompute alike (memory/checkpointing.py's
         around_checkpointed_runs seam; child attention/MLP hooks still push theirs)."""
         self.acct.stack.append("other")
+        self.acct.recomputing += self.acct.in_backward
         try:
             yield
         finally:  # checkpoint's early stop raises out of the recompute
+            self.acct.recomputing -= self.acct.in_backward
             self.acct.stack.pop()
 
     def _hook(self, module, tag, push: bool, after: Optional[str] = None):
@@ -356,39 +401,28 @@ class _Tagger:
             h.remove()
 
 
-def _flash_fwd(q, k, v):
-    """Memory of a CUDA flash forward: the output and an fp32 LSE. Layout [b, h, s, d]."""
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(q.shape[0], q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
-    return out, lse
-
-
-def _flash_bwd(q, k, v):
-    """Memory of flash-attention-2's backward (flash_api.cpp mha_bwd): dq/dk/dv, an fp32 dq
-    accumulator and softmax_d (both alive for the call), and head-expanded dk/dv under GQA, reduced
-    to the KV heads at the end. Layout [b, h, s, d]."""
-    b, h, s, d = q.shape
-    work = [torch.empty(b, h, s, d, dtype=torch.float32, device=q.device),
-            torch.empty(b, h, s, dtype=torch.float32, device=q.device)]
-    dq = torch.empty_like(q)
-    if k.shape[1] != h:
-        work += [torch.empty(b, h, k.shape[2], d, dtype=k.dtype, device=k.device) for _ in range(2)]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    del work
-    return dq, dk, dv
+_SIM_KERNEL = "planner_meta_flash"
 
 
 class _MetaFlash(torch.autograd.Function):
+    """HF's SDPA call on the meta stand-in as the GPU's flash kernel: the ds_longctx attention ops (their fakes:
+    out + fp32 LSE saved; their FLOP formulas; the backward's workspace charged by the Accountant). Layout
+    [b, h, s, d] in, the ops' [b, s, h, d] inside."""
+
     @staticmethod
-    def forward(ctx, q, k, v):
-        out, lse = _flash_fwd(q, k, v)
+    def forward(ctx, q, k, v, causal):
+        out, lse = torch.ops.ds_longctx.attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          causal, 1.0, _SIM_KERNEL)
+        ctx.causal = causal
         ctx.save_for_backward(q, k, v, out, lse)
-        return out
+        return out.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        return _flash_bwd(q, k, v)
+        dq, dk, dv = torch.ops.ds_longctx.attention_backward(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),
+                                                             v.transpose(1, 2), out, lse, ctx.causal, 1.0, _SIM_KERNEL)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
 
 
 @contextlib.contextmanager
@@ -404,7 +438,7 @@ def _flash_sdpa_on_meta(device: str):
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type == "meta" and attn_mask is None:
-            return _MetaFlash.apply(query, key, value)
+            return _MetaFlash.apply(query, key, value, bool(is_causal))
         return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                     enable_gqa=enable_gqa)
 
@@ -421,21 +455,14 @@ def _meta_backend_class():
     from ..attention import kernels
 
     class MetaFlash(kernels.Backend):
-        name = "planner_meta_flash"
+        name = _SIM_KERNEL
         native_gqa = True
         device_type = "meta"
+        fake_only = True  # runs as the attention ops' fakes (kernels.py), never on real tensors
 
         @staticmethod
         def available() -> bool:
             return True
-
-        def _fwd(self, q, k, v, causal, scale):  # [b, s, h, d] like the other backends
-            out, lse = _flash_fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return out.transpose(1, 2), lse
-
-        def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-            dq, dk, dv = _flash_bwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-            return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
     return MetaFlash
 
@@ -467,6 +494,8 @@ class StepMemory:
     num_layers: int
     seconds: float
     notes: List[str] = field(default_factory=list)
+    # (kind, phase, key) -> (flops, bytes) of the step (Accountant.work; measure/flops.py)
+    work: Dict[tuple, tuple] = field(default_factory=dict)
 
 
 def with_layers(model_config, num_layers: int):
@@ -540,12 +569,14 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
                 out = model(input_ids=ids, position_ids=pos, shift_labels=labels)
                 loss = out.loss
                 del out
+                acct.in_backward = True
                 loss.backward()
                 del loss, ids, pos, labels
         finally:
             tagger.remove()
         res = StepMemory(acct.peak_device, acct.peak_breakdown, acct.host_at_peak, acct.peak_host, num_layers,
                          time.perf_counter() - t0)
+        res.work = {k: tuple(v) for k, v in acct.work.items()}
         res.memory_stats = handle.stats() if handle is not None else {}
         patched.remove()
         del model, patched

@@ -1,0 +1,142 @@
+#!/usr/bin/env python
+"""Planner's predicted step time vs a measured CPU step (issue 20 item 2): the RATIO between two configurations.
+
+One process, world 1, fp32 on CPU, a small Llama (hidden 256, 4 heads of 64, 2 kv heads, 4 layers, MLP 1024,
+vocab 2048), our full stack through ``patch_model`` (untied attention u=1, checkpointing, tiled MLP and loss,
+memory-efficient RMSNorm). Measured: forward + backward (what the planner simulates), median of --reps after
+one warm-up. Predicted: the planner with device="cpu" and this machine's own rates, measured here first (fp32
+GEMM, copy bandwidth, the CPU flash attention op's fwd+bwd rate at head_dim 64).
+
+    python bench/planner_time.py [--seqs 2048 8192] [--json bench/results/planner_time_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+MODEL = dict(model_type="llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_hidden_layers=4, vocab_size=2048, intermediate_size=1024, max_position_embeddings=65536,
+             rms_norm_eps=1e-6, tie_word_embeddings=False)
+LC = {"attention": {"implementation": "untied_ulysses", "kernel": "auto", "heads_per_chunk": 1, "fuse_projections": True},
+      "activation_checkpointing": {"enabled": True, "offload": "none"},
+      "tiled_mlp": {"enabled": True, "shards": "auto"}, "tiled_loss": {"enabled": True, "shards": "auto"},
+      "rms_norm": {"enabled": True}}
+
+
+VARIANTS = {"full": {}, "no-checkpointing": {"activation_checkpointing": {"enabled": False}},
+            "untied-u2": {"attention": dict(LC["attention"], heads_per_chunk=2)}}
+
+
+def ds_config(seq, variant="full"):
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "sequence_parallel_size": 1,
+            "long_context": dict(LC, sequence_length=seq, **VARIANTS[variant])}
+
+
+def _median(f, reps):
+    f()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2]
+
+
+def cpu_rates(seq):
+    from ds_longctx.planner.rates import Rates
+
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    gemm = 2 * 1024 ** 3 / _median(lambda: a @ b, 5) / 1e12
+    x = torch.empty(2 ** 24)
+    y = torch.empty_like(x)
+    hbm = 2 * x.nbytes / _median(lambda: y.copy_(x), 5) / 1e9
+    q = torch.randn(1, 1, seq, 64)
+    aten = torch.ops.aten
+
+    def attn():
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)[:2]
+        aten._scaled_dot_product_flash_attention_for_cpu_backward(o, q, q, q, o, lse, 0.0, True, scale=0.125)
+
+    att = 3.5 * 2 * seq * seq * 64 / _median(attn, 3) / 1e12
+    return Rates(name="this-cpu", peak_tflops=gemm, gemm_tflops=gemm, attention_tflops={64: att}, hbm_gbps=hbm,
+                 a2a_intra_gbps=1e9, a2a_inter_gbps=1e9, pcie_gbps=hbm, nvme_gbps=hbm,
+                 sources={"all": "measured by bench/planner_time.py on this machine"})
+
+
+def measure(seq, reps, variant):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ds_longctx.config import parse
+    from ds_longctx.patch import patch_model
+
+    d = dict(MODEL)
+    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model.train()
+    patched = patch_model(model, parse(ds_config(seq, variant)), None, 1.0)
+    ids = torch.randint(0, MODEL["vocab_size"], (1, seq))
+    pos = torch.arange(seq).unsqueeze(0)
+
+    def step():
+        loss = model(input_ids=ids, position_ids=pos, shift_labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    secs = _median(step, reps)
+    patched.remove()
+    return secs
+
+
+def predict(seq, rates, variant):
+    from ds_longctx.planner import Planner, load_model_config
+
+    p = Planner(ds_config(seq, variant), load_model_config(dict(MODEL)), 1, gpu_mem="1TiB", reserve="0", device="cpu",
+                full_depth=True, target=rates)
+    return p.run(seq).time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=["full"], choices=sorted(VARIANTS),
+                    help="configurations compared at each length (the first is the ratios' base)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rates = cpu_rates(max(a.seqs))
+    rows = []
+    for seq in a.seqs:
+        for variant in a.variants:
+            t = predict(seq, rates, variant)
+            m = measure(seq, a.reps, variant)
+            rows.append({"seq": seq, "variant": variant, "measured_s": m, "predicted_s": t["seconds"], "parts": t["parts"]})
+            print(f"seq {seq} {variant}: measured {m:.3f} s, predicted {t['seconds']:.3f} s ({t['seconds'] / m:.2f}x); "
+                  f"{ {k: round(v, 3) for k, v in t['parts'].items()} }", flush=True)
+    base = rows[0]
+    for r in rows[1:]:
+        mr, pr = r["measured_s"] / base["measured_s"], r["predicted_s"] / base["predicted_s"]
+        r["ratio_measured"], r["ratio_predicted"] = mr, pr
+        print(f"ratio {r['seq']} {r['variant']} / {base['seq']} {base['variant']}: measured {mr:.3f}, predicted "
+              f"{pr:.3f} ({100 * (pr / mr - 1):+.1f}%)")
+    out = {"machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+                      f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+           "date": time.strftime("%Y-%m-%d"), "command": "python bench/planner_time.py " + " ".join(sys.argv[1:]),
+           "rates": {"gemm_tflops": rates.gemm_tflops, "hbm_gbps": rates.hbm_gbps,
+                     "attention_tflops_d64": rates.attention_tflops[64]}, "rows": rows}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""FLOPs and bytes of one dispatched op: what the planner's accountant adds up into a step's work.
+
+FLOPs come from torch's own formula table (``torch.utils.flop_counter.flop_registry``, the table
+``FlopCounterMode`` reads; our custom ops register theirs with ``register_flop_formula``), so a fake
+step is counted exactly as ``FlopCounterMode`` would count the real one. Bytes are the logical sizes
+of an op's tensor inputs and outputs (each read or written once): the traffic a memory-bound op
+cannot avoid. Nothing here knows rates; planner/rates.py turns the work into seconds.
+
+Kinds: ``attention`` (attention kernels, keyed by head_dim: their speed depends on it), ``gemm``
+(mm/addmm/bmm/baddbmm, keyed by arithmetic intensity rounded to a power of two, so a time model can
+tell compute-bound from memory-bound GEMMs), ``other`` (every other op that reads or writes tensors:
+norms, RoPE, softmax-free elementwise work, copies; bytes only) and ``a2a`` (all-to-all bytes sent).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+
+GEMMS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
+# torch's fused attention ops (their registered formulas count the full S x S square: torch ignores the
+# causal mask, see flop_counter.sdpa_flop), ours register causal-aware formulas (attention/kernels.py)
+_TORCH_ATTENTION = tuple(getattr(aten, n) for n in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward") if hasattr(aten, n))
+ATTENTION = set(_TORCH_ATTENTION)
+_BACKWARD_ATTENTION = {p for p in _TORCH_ATTENTION if str(p).endswith("backward")}
+_A2A = ("alltoall_base_", "alltoall_")
+_SKIP = frozenset({aten.size, aten.stride, aten.numel, aten.dim, aten.sym_size, aten.sym_stride, aten.sym_numel,
+                   aten.is_contiguous, aten.storage_offset, aten.sym_storage_offset, aten.empty, aten.empty_like,
+                   aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.detach, aten.alias,
+                   aten._local_scalar_dense})
+
+_SCALE = contextvars.ContextVar("ds_longctx_work_scale", default=1.0)
+
+
+def register_attention(packet, backward: bool) -> None:
+    """Mark a custom attention op's packet (forward or backward) for the ``attention`` kind."""
+    ATTENTION.add(packet)
+    if backward:
+        _BACKWARD_ATTENTION.add(packet)
+
+
+def is_backward_attention(packet) -> bool:
+    return packet in _BACKWARD_ATTENTION
+
+
+@contextlib.contextmanager
+def representing(factor: float):
+    """The ops inside stand for ``factor`` times their work (one row tile run in place of all of them on
+    the planner's fake tensors: the FLOPs and bytes of row-pointwise work scale with the rows)."""
+    tok = _SCALE.set(_SCALE.get() * float(factor))
+    try:
+        yield
+    finally:
+        _SCALE.reset(tok)
+
+
+def current_scale() -> float:
+    return _SCALE.get()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensor_bytes(obj) -> int:
+    return sum(_nbytes(t) for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
+
+
+def intensity_bucket(flops: float, nbytes: int) -> int:
+    """FLOPs per byte rounded down to a power of two (a GEMM's place on the roofline)."""
+    if nbytes <= 0 or flops <= 0:
+        return 0
+    return 1 << max(0, int(math.log2(flops / nbytes)))
+
+
+def op_cost(func, args, kwargs, out) -> Optional[Tuple[str, object, float, float]]:
+    """(kind, key, flops, bytes) of one op (before any ``representing`` scale), or None for ops that move no
+    data (metadata queries, views, allocations)."""
+    packet = func._overloadpacket
+    name = packet.__name__
+    if name in _A2A:
+        # c10d.alltoall_base_(output, input, group, ...): what this rank sends
+        return "a2a", "all_to_all", 0.0, float(_nbytes(args[1])) if isinstance(args[1], torch.Tensor) else 0.0
+    if packet in _SKIP or getattr(func, "is_view", False) or packet.__module__ == "c10d":
+        return None
+    nbytes = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+    formula = flop_registry.get(packet)
+    if packet in ATTENTION:
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        q = args[1] if packet in _BACKWARD_ATTENTION else args[0]  # backward ops take grad_out first
+        return "attention", int(q.shape[-1]), flops, float(nbytes)
+    if packet in GEMMS and formula is not None:
+        flops = float(formula(*args, **kwargs, out_val=out))
+        return "gemm", intensity_bucket(flops, nbytes), flops, float(nbytes)
+    if nbytes == 0:
+        return None
+    flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+    return "other", "", flops, float(nbytes)
+
+
+def causal_pairs(s_q: int, s_k: int, causal: bool) -> int:
+    """Query-key pairs an attention kernel computes: all of them, or under a causal mask aligned to the
+    bottom right (query i sees keys up to i + s_k - s_q) only those not masked."""
+    if not causal:
+        return s_q * s_k
+    off = s_k - s_q
+    full = max(0, min(s_q, -off))  # leading rows with no key (s_q > s_k): nothing
+    rows = s_q - full
+    first = off + full + 1  # keys seen by the first row that sees any
+    last = off + s_q
+    if rows <= 0 or last <= 0:
+        return 0
+    # rows see first, first+1, ..., capped at s_k
+    capped_from = max(0, s_k - first + 1)  # rows before the cap
+    n_lin = min(rows, capped_from)
+    lin = n_lin * first + n_lin * (n_lin - 1) // 2
+    return lin + (rows - n_lin) * s_k
+
+
+def attention_flops(b: int, h_q: int, s_q: int, s_k: int, d: int, causal: bool, backward: bool) -> int:
+    """QK^T and PV (2 GEMMs, 2 FLOPs per multiply-add) over the unmasked pairs; backward 5 GEMMs (scores
+    recomputed, dV, dP, dQ, dK) = 2.5x forward, torch's convention (flop_counter.sdpa_backward_flop_count)."""
+    fwd = 4 * b * h_q * d * causal_pairs(s_q, s_k, causal)
+    return fwd * 5 // 2 if backward else fwd
+
+
+__all__ = ["ATTENTION", "GEMMS", "attention_flops", "causal_pairs", "current_scale", "intensity_bucket", "op_cost",
+           "register_attention", "representing"]
