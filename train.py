@@ -14,8 +14,10 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import os
 import sys
+import zipfile
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--save", help="save a checkpoint here at the end")
     p.add_argument("--resume", help="resume from a checkpoint saved with --save")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
+    p.add_argument("--allow-beyond-max-position", action="store_true", help="train with --seq-len above the "
+                   "model's max_position_embeddings on purpose (context extension); refused otherwise")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (rank 0 still logs the layout "
                    "and the final loss)")
     return p.parse_args(argv)
@@ -119,6 +123,10 @@ def validate_args(args, lc):
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
         raise _config_error("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")
+    for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        _check_local_or_hub(flag, value)
+    if lc.profile.enabled:
+        _check_writable_dir("long_context.profile.output_dir", lc.profile.output_dir)
     if args.metrics:
         _check_writable_file("--metrics", args.metrics)
     if args.save:
@@ -130,8 +138,43 @@ def validate_args(args, lc):
         if not os.access(existing, os.W_OK | os.X_OK):
             raise _config_error("--save", f"{existing!r} is not writable", "give a directory this user can write")
     if args.resume:
-        read_checkpoint_layout(args.resume)  # raises when there is no readable checkpoint
+        find_resume_tag(args.resume)  # raises when there is no usable checkpoint
     return seq_len
+
+
+def _check_local_or_hub(flag, value):
+    """A value that can only be a local path (absolute, ./ ../ ~, or more than one '/': a hub id is
+    'org/name') must exist; otherwise transformers reports 'Repo id must be in the form ...'."""
+    if not value or os.path.exists(os.path.expanduser(value)):
+        return
+    if os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1:
+        raise _config_error(flag, f"local path {value!r} does not exist", "give an existing model directory, or a "
+                            "hub id of the form 'org/name'")
+
+
+def _check_writable_dir(key, path):
+    """``path`` exists as a writable directory or can be created (checked at start, not at step 2)."""
+    path = os.path.abspath(path)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise _config_error(key, f"{existing!r} is not a directory", "give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _config_error(key, f"{existing!r} is not writable by this user", "give a directory this user can write")
+
+
+def check_max_position(args, model_config, seq_len):
+    """--seq-len above the model's max_position_embeddings is refused unless asked for: RoPE models run but
+    see positions they were never trained on (RoPE-scaled configs already state their scaled length)."""
+    from ds_longctx.models import text_config
+
+    mpe = getattr(text_config(model_config), "max_position_embeddings", None)
+    if isinstance(mpe, int) and seq_len > mpe and not args.allow_beyond_max_position:
+        flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
+        raise _config_error(flag, f"{seq_len} is above the model's max_position_embeddings {mpe}",
+                            f"use at most {mpe}, set rope_scaling/max_position_embeddings in the model config, or pass "
+                            "--allow-beyond-max-position to train past it on purpose (context extension)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,20 +194,135 @@ LAYOUT_FLAGS = {"world_size": "the number of processes", "sequence_parallel_size
                 "batches_per_epoch": "--data (the dataset's size)"}
 
 
-def read_checkpoint_layout(path):
-    """The layout record of the checkpoint DeepSpeed would load from ``path`` (its ``latest`` tag)."""
-    latest = os.path.join(path, "latest")
-    if not os.path.isfile(latest):
-        raise _config_error("--resume", f"{path!r} holds no checkpoint (no 'latest' file)",
+MODEL_KEYS = ("model_type", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
+
+
+def model_facts(model_config):
+    """The shape facts a checkpoint must share with the model it is loaded into."""
+    from ds_longctx.models import text_config
+
+    tc = text_config(model_config)
+    heads = getattr(tc, "num_attention_heads", None)
+    hidden = getattr(tc, "hidden_size", None)
+    head_dim = getattr(tc, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    return {"model_type": getattr(tc, "model_type", None), "layers": getattr(tc, "num_hidden_layers", None),
+            "heads": heads, "kv_heads": getattr(tc, "num_key_value_heads", None) or heads, "head_dim": head_dim,
+            "hidden": hidden, "vocab": getattr(tc, "vocab_size", None)}
+
+
+def _tag_files(tag_dir):
+    """{relative path: size} of every file of a saved tag (the layout record excepted)."""
+    out = {}
+    for root, _, names in os.walk(tag_dir):
+        for n in names:
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, tag_dir)
+            if rel != LAYOUT_FILE:
+                out[rel] = os.path.getsize(full)
+    return out
+
+
+def _atomic_write(path, text):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_tag(path, tag):
+    """(record, None) for a complete, readable tag, else (None, the problem naming its file)."""
+    tag_dir = os.path.join(path, tag)
+    if not os.path.isdir(tag_dir):
+        return None, f"tag directory {tag_dir!r} does not exist"
+    rec_path = os.path.join(tag_dir, LAYOUT_FILE)
+    if not os.path.isfile(rec_path):
+        return None, (f"{rec_path!r} is missing (the save did not finish, or the checkpoint was not saved by this "
+                      "train.py)")
+    try:
+        with open(rec_path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{rec_path!r} is not a valid layout record ({e})"
+    files = record.get("files")
+    if isinstance(files, dict):
+        for rel, size in sorted(files.items()):
+            full = os.path.join(tag_dir, rel)
+            if not os.path.isfile(full):
+                return None, f"{full!r} is missing"
+            if os.path.getsize(full) != size:
+                return None, f"{full!r} has {os.path.getsize(full)} bytes, {size} were saved (truncated or replaced)"
+    for rel in sorted(files if isinstance(files, dict) else _tag_files(tag_dir)):
+        full = os.path.join(tag_dir, rel)
+        if rel.endswith((".pt", ".bin")):
+            try:  # torch.save's zip archive: reading its directory catches truncation and foreign bytes cheaply
+                zipfile.ZipFile(full).close()
+            except (zipfile.BadZipFile, OSError) as e:
+                return None, f"{full!r} is not a readable torch checkpoint file ({e})"
+    return record, None
+
+
+def find_resume_tag(path):
+    """(tag, record, note) of the checkpoint --resume loads: the tag in ``latest`` when it is complete and
+    readable, else the newest complete tag (``note`` says why and which); a ConfigError when none is."""
+    if not os.path.isdir(path):
+        raise _config_error("--resume", f"{path!r} holds no checkpoint (no such directory)",
                             "give the directory passed to --save")
-    with open(latest) as f:
-        tag = f.read().strip()
-    rec = os.path.join(path, tag, LAYOUT_FILE)
-    if not os.path.isfile(rec):
-        raise _config_error("--resume", f"checkpoint {os.path.join(path, tag)!r} has no {LAYOUT_FILE} (not saved "
-                            "by this train.py)", "resume a checkpoint saved by train.py --save")
-    with open(rec) as f:
-        return json.load(f)
+    latest = os.path.join(path, "latest")
+    problem = None
+    tag = None
+    if os.path.isfile(latest):
+        try:
+            with open(latest) as f:
+                tag = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            problem = f"{latest!r} cannot be read ({e})"
+        if tag is not None:
+            if not tag or os.sep in tag:
+                problem = f"{latest!r} does not name a tag (holds {tag!r})"
+            else:
+                record, problem = check_tag(path, tag)
+                if problem is None:
+                    return tag, record, None
+    candidates = []
+    for name in os.listdir(path):
+        if name == tag or not os.path.isdir(os.path.join(path, name)):
+            continue
+        record, _ = check_tag(path, name)
+        if record is not None:
+            candidates.append((int(record.get("step", -1)), name, record))
+    if not candidates:
+        if problem is None:
+            raise _config_error("--resume", f"{path!r} holds no checkpoint (no 'latest' file)",
+                                "give the directory passed to --save")
+        raise _config_error("--resume", f"checkpoint {tag!r} in {path!r}: {problem}, and no other complete checkpoint "
+                            "is there", "resume a complete checkpoint saved by train.py --save, or start a new run")
+    step, best, record = max(candidates)
+    why = problem or "there is no 'latest' file"
+    note = (f"--resume: {why}; resuming from {os.path.join(path, best)!r} (step {step}), the newest complete "
+            "checkpoint")
+    return best, record, note
+
+
+def read_checkpoint_layout(path):
+    """The layout record of the checkpoint --resume would load from ``path``."""
+    return find_resume_tag(path)[1]
+
+
+def check_resume_model(saved, current, path):
+    """A checkpoint of another model is refused before any tensor is loaded (same shapes with other head
+    counts would otherwise load silently)."""
+    saved_model = saved.get("model")
+    if not isinstance(saved_model, dict):
+        return  # an older record: DeepSpeed's loader checks the tensor shapes
+    diffs = [k for k in MODEL_KEYS if saved_model.get(k) != current.get(k)]
+    if diffs:
+        what = ", ".join(f"{k} {saved_model.get(k)!r} in the checkpoint vs {current.get(k)!r} now" for k in diffs)
+        raise _config_error("--resume", f"{path} holds a different model: {what}",
+                            "resume with the model (--model / --model-config) the checkpoint was saved with")
 
 
 def check_resume_layout(saved, current, path):
@@ -202,10 +360,27 @@ def host_rss_bytes():
 def load_model_config(path):
     from transformers import CONFIG_MAPPING
 
-    with open(_model_config_path(path)) as f:
-        d = json.load(f)
+    path = _model_config_path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _config_error("--model-config", f"{path} is not valid JSON ({e})", "give a HF config.json") from None
+    if not isinstance(d, dict):
+        raise _config_error("--model-config", f"{path} holds a JSON {type(d).__name__}, not an object",
+                            "give a HF config.json")
+    model_type = d.pop("model_type", None)
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        what = "has no \"model_type\"" if model_type is None else f"has model_type {model_type!r}, which " \
+            "this transformers does not know"
+        raise _config_error("--model-config", f"{path} {what}", "set \"model_type\" to a transformers model type "
+                            "(e.g. \"llama\", \"qwen2\")")
     attn = d.pop("attn_implementation", "sdpa")
-    cfg = CONFIG_MAPPING[d.pop("model_type")](**d)
+    try:
+        cfg = CONFIG_MAPPING[model_type](**d)
+    except (TypeError, ValueError) as e:
+        raise _config_error("--model-config", f"{path} is not a valid {model_type} config ({e})",
+                            "fix the config.json fields") from None
     cfg._attn_implementation = attn
     return cfg
 
@@ -240,6 +415,24 @@ def build_dataset(args, model_config, seq_len):
     return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(name), seq_len,
                             documents=not args.concat_documents, vocab_size=text_config(model_config).vocab_size,
                             tokenizer_name=name)
+
+
+def _reserve_nvme(engine, model_config, lc, seq_len, micro, ds_config):
+    """offload='nvme': reserve every rank's layer-input bytes on its drive before step 1, agreed over the
+    job (a full drive is one clear error on every rank, not a failed write at step 1)."""
+    from ds_longctx.memory import get_memory_handle
+    from ds_longctx.memory.nvme import NVMeTarget, _align, reserve_on_every_rank
+    from ds_longctx.models import text_config
+
+    handle = get_memory_handle(engine)
+    target = getattr(getattr(handle, "offloader", None), "target", None)
+    if not isinstance(target, NVMeTarget):
+        return
+    ac = lc.activation_checkpointing
+    offloaded = max(0, len(handle.checkpointed_layers) - ac.keep_on_device)
+    half = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
+    per_layer = micro * (seq_len // lc.sequence_parallel_size) * text_config(model_config).hidden_size * (2 if half else 4)
+    reserve_on_every_rank(target, offloaded * _align(per_layer))
 
 
 @torch.no_grad()
@@ -279,8 +472,18 @@ def main(argv=None):
     if not args.model:  # a config far beyond the model (the tiny preset given an 8B config): say so now
         from ds_longctx.compat import check_model_scale
 
-        check_model_scale(lc, load_model_config(args.model_config or DEFAULT_MODEL_CONFIG), seq_len,
+        model_config = load_model_config(args.model_config or DEFAULT_MODEL_CONFIG)
+        check_model_scale(lc, model_config, seq_len,
                           f"--model-config {args.model_config}" if args.model_config else None)
+    else:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(args.model)
+    check_max_position(args, model_config, seq_len)
+    resume = None
+    if args.resume:  # every rank reads the same files: the same verdict everywhere, before any collective
+        resume = find_resume_tag(args.resume)
+        check_resume_model(resume[1], model_facts(model_config), os.path.join(args.resume, resume[0]))
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,
@@ -305,9 +508,15 @@ def main(argv=None):
                   "data": args.data, "concat_documents": args.concat_documents, "batches_per_epoch": len(loader)}
     start = 0
     if args.resume:
-        saved = read_checkpoint_layout(args.resume)
+        tag, saved, note = resume
         check_resume_layout(saved, run_layout, args.resume)  # before load_checkpoint: same verdict on every rank
-        _, client = engine.load_checkpoint(args.resume)
+        if note and rank == 0:
+            print(f"[ds_longctx] warning: {note}", file=sys.stderr, flush=True)
+        try:
+            _, client = engine.load_checkpoint(args.resume, tag=tag)
+        except Exception as e:  # DeepSpeed's and torch's load errors name no file
+            raise _config_error("--resume", f"loading {os.path.join(args.resume, tag)!r} failed "
+                                f"({type(e).__name__}: {e})", "resume another tag or start a new run") from None
         if client is None:
             raise _config_error("--resume", f"DeepSpeed found no checkpoint in {args.resume!r}",
                                 "give the directory passed to --save")
@@ -316,6 +525,7 @@ def main(argv=None):
             raise _config_error("--steps", f"{args.steps} is not past the checkpoint's step {start}",
                                 f"give --steps > {start}")
     batches = micro_batches(loader, start * gas)
+    _reserve_nvme(engine, model.config, lc, seq_len, micro, ds_config)
 
     metrics = open(args.metrics, "a" if args.resume else "w") if args.metrics and rank == 0 else None
     bar = None
@@ -329,6 +539,7 @@ def main(argv=None):
                        f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
                        f"zero_stage={engine.zero_optimization_stage()}")
     loss_value = float("nan")
+    last_finite = None  # (step, loss)
     for step in range(start + 1, args.steps + 1):
         profiler.start_step(step)
         losses = []
@@ -357,6 +568,12 @@ def main(argv=None):
         if metrics:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
+        if not math.isfinite(loss_value):  # the same value on every rank (all-reduced): every rank stops here
+            last = f"step {last_finite[0]}: {last_finite[1]:.6g}" if last_finite else "none (the first step)"
+            raise _config_error(f"step {step}", f"the loss is {loss_value} (last finite loss: {last})",
+                                "lower the learning rate or check the data and the config (lr, loss scaling, "
+                                "bf16/fp16); --resume the last checkpoint to continue")
+        last_finite = (step, loss_value)
         if bar:
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
                             flops=f"{rec['tflops']:.1f}T/s" if rec["tflops"] >= 1 else f"{rec['tflops'] * 1e3:.1f}G/s",
@@ -371,11 +588,18 @@ def main(argv=None):
                            f"{sorted(lc.profile.steps)} in {lc.profile.output_dir}")
     if args.save:
         tag = f"step{args.steps}"
-        record = dict(run_layout, step=args.steps, micro_batches_consumed=args.steps * gas)
-        engine.save_checkpoint(args.save, tag=tag, client_state={"step": args.steps, "ds_longctx_layout": record})
-        if rank == 0:  # read back before load_checkpoint on resume (client_state only comes with the load)
-            with open(os.path.join(args.save, tag, LAYOUT_FILE), "w") as f:
-                json.dump(record, f, indent=1)
+        record = dict(run_layout, step=args.steps, micro_batches_consumed=args.steps * gas,
+                      model=model_facts(model.config))
+        # order: every rank's files, then the layout record (listing each file's size), then 'latest'; a save
+        # killed at any point leaves 'latest' on the previous complete tag (and --resume skips incomplete tags)
+        engine.save_checkpoint(args.save, tag=tag, client_state={"step": args.steps, "ds_longctx_layout": record},
+                               save_latest=False)
+        dist.barrier()
+        if rank == 0:
+            tag_dir = os.path.join(args.save, tag)
+            _atomic_write(os.path.join(tag_dir, LAYOUT_FILE), json.dumps(dict(record, files=_tag_files(tag_dir)),
+                                                                         indent=1))
+            _atomic_write(os.path.join(args.save, "latest"), tag)
         dist.barrier()
     if args.data in ("copy",) and args.eval_samples:
         acc = copy_accuracy(engine, dataset, args.eval_samples, comm.sp_rank(group), sp, group,

@@ -181,11 +181,37 @@ def load_ds_config(config: Union[str, os.PathLike, dict, None], args: Any = None
     path = os.fspath(config)
     if not os.path.exists(path):
         raise ConfigError("config", f"file {path!r} does not exist", "pass the path of a ds_config.json")
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError("config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+    if os.path.isdir(path):
+        raise ConfigError("config", f"{path!r} is a directory", "pass the path of a ds_config.json file in it")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f, object_pairs_hook=_no_duplicate_keys)
+    except json.JSONDecodeError as e:
+        raise ConfigError("config", f"{path} is not valid JSON ({e})", "fix the JSON syntax") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError("config", f"{path} is not UTF-8 text ({e.reason} at byte {e.start})",
+                          "save the config as UTF-8 JSON") from None
+    except _DuplicateKey as e:
+        raise ConfigError(e.key, f"appears more than once in {path} (JSON keeps only the last one silently)",
+                          "keep one of them") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError("config", f"{path} holds a JSON {type(cfg).__name__}, not an object",
+                          "write the config as one JSON object {...}")
+    return cfg
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key):
+        self.key = key
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
 
 
 # the top-level keys ds_longctx reads from the ds_config: its own section and DeepSpeed's SP keys
@@ -237,8 +263,9 @@ def parse(ds_config: dict) -> LongContextConfig:
         raise ConfigError("sequence_parallel_size", f"must be a positive integer, got {sp!r}",
                           "set it to the Ulysses degree, e.g. the number of GPUs per node")
     raw = ds_config.get(SECTION, {})
-    if raw is None:
-        raw = {}
+    if raw is None:  # JSON null: not "everything off" by accident (it used to be)
+        raise ConfigError(SECTION, "is null", f"give an object: {{}} for the defaults (every memory feature off), or "
+                          f"the features you want; or remove the '{SECTION}' key")
     if not isinstance(raw, dict):
         raise ConfigError(SECTION, f"expected an object, got {raw!r}", "write it as a JSON object {...}")
     try:
@@ -306,6 +333,60 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         check_sp_attention_pattern(impl, model_config, seq)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
         check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)
+    ac = cfg.activation_checkpointing
+    layers = getattr(tc, "num_hidden_layers", None)
+    if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device > layers:
+        raise ConfigError(f"{SECTION}.activation_checkpointing.keep_on_device",
+                          f"{ac.keep_on_device} is more than the model's {layers} decoder layers",
+                          f"give at most {layers} ({layers} keeps every input on the device: then offload='none' "
+                          "says the same)")
+    check_shards(cfg, seq)
+
+
+def check_shards(cfg: LongContextConfig, sequence_length: Optional[int]) -> None:
+    """A tile holds at least one row: an integer ``shards`` above the rows it splits (the sequence shard
+    of one sample, ``sequence_length / sequence_parallel_size``) is an error, not thousands of empty
+    tiles (100000 tiles made one step take minutes). Unchecked when the length is unknown."""
+    if sequence_length is None:
+        return
+    rows = sequence_length // cfg.sequence_parallel_size
+    for name in ("tiled_mlp", "tiled_loss"):
+        tc = getattr(cfg, name)
+        if tc.enabled and isinstance(tc.shards, int) and tc.shards > rows:
+            raise ConfigError(f"{SECTION}.{name}.shards", f"{tc.shards} is more than the {rows} rows it splits "
+                              f"(sequence length {sequence_length} / sequence_parallel_size "
+                              f"{cfg.sequence_parallel_size}): every tile needs at least one row",
+                              f"use 'auto' or at most {rows}")
+
+
+def check_train_batch_size(ds_config: dict, world_size: int, sp: int) -> None:
+    """DeepSpeed's batch identity, train_batch_size = micro x gas x dp with dp = world / SP, checked with
+    the SP degree (DeepSpeed's own assertion counts every rank as data parallel and names neither)."""
+    tbs = ds_config.get("train_batch_size")
+    micro = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    if not isinstance(tbs, int) or world_size % sp:
+        return  # absent or "auto" (the HF integration fills it); bad types are check_batch_sizes' job
+    dp = world_size // sp
+    m = micro if isinstance(micro, int) else None
+    g = gas if isinstance(gas, int) else None
+    if m is not None and g is not None:
+        ok, want = tbs == m * g * dp, m * g * dp
+    elif m is not None:
+        ok, want = tbs % (m * dp) == 0, m * dp
+    elif g is not None:
+        ok, want = tbs % (g * dp) == 0, g * dp
+    else:
+        ok, want = tbs % dp == 0, dp
+    if not ok:
+        parts = [f"train_micro_batch_size_per_gpu {m}" if m is not None else None,
+                 f"gradient_accumulation_steps {g}" if g is not None else None]
+        parts = " x ".join(p for p in parts + [f"data-parallel size {dp} (world {world_size} / sequence_parallel_size "
+                                               f"{sp})"] if p)
+        exact = m is not None and g is not None
+        raise ConfigError("train_batch_size", f"{tbs} is not {'' if exact else 'a multiple of '}{parts} = {want}",
+                          f"set train_batch_size to {want if exact else 'a multiple of ' + str(want)}, or leave it "
+                          "out (DeepSpeed derives it)")
 
 
 _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at sequence_parallel_size 1, where "

@@ -142,10 +142,22 @@ class LongRangeCopy(Dataset):
         return math.log(self.vocab - 2)
 
 
+def _utf8(raw: bytes, path: str, first_line: int = 1) -> str:
+    """``raw`` decoded as UTF-8, or a ConfigError naming the file, the line and the byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + raw.count(b"\n", 0, e.start)
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"--data {path} line {line}", f"is not UTF-8 (byte 0x{raw[e.start]:02x} at column {col}: "
+                          f"{e.reason})", "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+
+
 def _jsonl_texts(path: str):
     texts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = _utf8(raw, path, n)
             if not line.strip():
                 continue
             try:
@@ -198,8 +210,8 @@ class TokenFileDataset(Dataset):
         if path.endswith(".jsonl"):
             texts = _jsonl_texts(path)
         elif path.endswith(".txt"):
-            with open(path) as f:
-                texts = [f.read()]
+            with open(path, "rb") as f:
+                texts = [_utf8(f.read(), path)]
         else:
             raise ConfigError("--data", f"unsupported file type {path!r}", "use a .txt or .jsonl file")
         ids, starts = [], []

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, compat
-from .config import check_against, load_ds_config, parse
+from .config import check_against, check_train_batch_size, load_ds_config, parse
 from .data import SPDataLoader
 from .errors import ConfigError
 from .launch import master_port
@@ -88,6 +88,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
     check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
+    if mpu is None:  # Accelerate's layout (with an mpu) has its own, clearer check
+        check_train_batch_size(ds_config, world, sp)
     from .models.logits import describe_logit_path
 
     describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective

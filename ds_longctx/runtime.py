@@ -15,16 +15,25 @@ which waits for ranks that are themselves waiting for it in a gloo collective: t
 the collective times out. ``MPI_Abort`` ends every rank at once. The deepspeed launcher, torchrun and
 ``srun --kill-on-bad-exit=1`` kill the remaining ranks when one exits non-zero; a rank left waiting
 on a peer that exited gets a gloo connection error, which the guard turns into its own exit.
+
+Why cleanups have their own registry (``on_exit``): ``os._exit`` skips ``atexit``, and an error exit must
+not run users' exit handlers (they may issue collectives on a broken job), yet files such as NVMe
+activation files must go on every exit path. ``on_exit`` functions run on ``shutdown`` (any code), on
+SIGTERM/SIGINT/SIGHUP (``install_signal_handlers``: the rank ends with 128+signal after its cleanups) and
+when the launcher dies (``watch_launcher``). Only kill -9 skips them; the next run removes what it left
+(see memory/nvme.py).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
+import signal
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 # seconds an error exit may spend in MPI_Abort before the process ends itself
 _ABORT_GRACE_S = 30.0
@@ -99,6 +108,157 @@ def report(exc: BaseException) -> None:
         pass
 
 
+_cleanups: Dict[int, Callable[[], None]] = {}
+_cleanups_lock = threading.Lock()
+_ending = threading.Lock()  # the first path that ends the process holds it (signal, watch, shutdown)
+
+
+def on_exit(fn: Callable[[], None]) -> int:
+    """Run ``fn()`` on every exit path of this rank (``shutdown`` with any code, a terminating signal,
+    the launcher's death); returns a key for :func:`cancel_on_exit`. Must be quick and never raise."""
+    with _cleanups_lock:
+        key = id(fn)
+        _cleanups[key] = fn
+    return key
+
+
+def cancel_on_exit(key: int) -> None:
+    with _cleanups_lock:
+        _cleanups.pop(key, None)
+
+
+def run_cleanups() -> None:
+    with _cleanups_lock:
+        fns = list(_cleanups.values())
+        _cleanups.clear()
+    for fn in fns:
+        try:
+            fn()
+        except BaseException:  # a cleanup must never keep the process alive or hide the real error
+            pass
+
+
+def _terminate(code: int, message: str) -> None:
+    """End this rank now from a signal handler or a watch thread: message, cleanups, exit ``code``.
+    (No barrier and no MPI_Abort: the launcher is ending the other ranks, or is gone.)"""
+    if not _ending.acquire(blocking=False):
+        return  # another path is already ending the process
+    try:
+        _flush()
+        os.write(2, f"{_prefix()}ds_longctx: {message}\n".encode(errors="replace"))
+    except OSError:
+        pass
+    run_cleanups()
+    _flush()
+    os._exit(code)
+
+
+_TERM_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+def _on_signal(signum, frame):
+    name = signal.Signals(signum).name
+    _terminate(128 + signum, f"received {name}: ending this rank (exit {128 + signum})")
+
+
+def install_signal_handlers() -> bool:
+    """SIGTERM, SIGINT and SIGHUP end this rank cleanly: a one-line message, the ``on_exit`` cleanups,
+    exit code 128+signal. Only replaces default handlers (SIG_DFL, Python's KeyboardInterrupt), only from
+    the main thread; returns whether it installed them."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    for name in _TERM_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        current = signal.getsignal(sig)
+        if current in (signal.SIG_DFL, signal.default_int_handler, None) or current is _on_signal:
+            signal.signal(sig, _on_signal)
+    return True
+
+
+PR_SET_PDEATHSIG = 1
+_watching = False
+
+
+def _proc_start_time(pid: int) -> Optional[str]:
+    """Field 22 of /proc/PID/stat (start time in clock ticks): tells a live pid from a reused one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _ppid_of(pid: int) -> Optional[int]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def launcher_chain() -> list:
+    """The processes whose death must end this rank: the parent, and when the parent is DeepSpeed's
+    per-node ``deepspeed.launcher.launch``, also its parent (the ``deepspeed`` runner: SIGTERM to the
+    runner alone makes it exit without stopping launch.py, whose ranks would train on as orphans)."""
+    chain = []
+    parent = os.getppid()
+    if parent <= 1:
+        return chain
+    chain.append(parent)
+    if "deepspeed.launcher.launch" in _cmdline(parent):
+        grand = _ppid_of(parent)
+        if grand and grand > 1:
+            chain.append(grand)
+    return chain
+
+
+def watch_launcher(interval_s: float = 0.5) -> bool:
+    """End this rank (cleanups run, exit 143) when a process of :func:`launcher_chain` dies: the kernel
+    sends SIGTERM when the parent dies (PR_SET_PDEATHSIG, Linux), and a daemon thread polls the chain
+    every ``interval_s`` (the parent check also covers a parent that died before prctl). Linux only;
+    returns whether it is watching."""
+    global _watching
+    if _watching or not sys.platform.startswith("linux"):
+        return _watching
+    chain = [(pid, _proc_start_time(pid)) for pid in launcher_chain()]
+    if not chain:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # the watch thread below still ends the rank
+    first_parent = chain[0][0]
+
+    def watch():
+        import time
+
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != first_parent:
+                gone = first_parent
+            else:
+                gone = next((pid for pid, start in chain if _proc_start_time(pid) != start), None)
+            if gone is not None:
+                _terminate(143, f"the launcher process {gone} exited: ending this rank so that it does not "
+                           "train on as an orphan (exit 143)")
+                return
+
+    threading.Thread(target=watch, name="ds_longctx-launcher-watch", daemon=True).start()
+    _watching = True
+    return True
+
+
 def shutdown(code: int = 0, barrier: bool = True) -> None:
     """End this rank now, without interpreter finalization. Call it on every rank at the end of a
     training script (``ds_longctx.shutdown()``); it does not return.
@@ -118,6 +278,8 @@ def shutdown(code: int = 0, barrier: bool = True) -> None:
         except BaseException as e:  # a peer died at the very end: this is an error exit after all
             report(e)
             code = 1
+    _ending.acquire(blocking=False)  # a signal arriving now must not end the process half way
+    run_cleanups()  # on error exits too (os._exit skips atexit): NVMe activation files, ...
     _flush()
     MPI = _mpi()
     if MPI is not None:
@@ -160,7 +322,13 @@ def main_guard():
     An exception (or ``SystemExit`` with a non-zero code) prints this rank's traceback with a
     ``[rank N]`` prefix and calls ``shutdown(code)`` (exit code 1 for exceptions), so no rank is
     left waiting in a collective. ``SystemExit(0)`` ends the rank like ``shutdown(0)``.
+
+    It also installs the signal handlers (:func:`install_signal_handlers`) and the launcher watch
+    (:func:`watch_launcher`), so that SIGTERM/SIGINT or the launcher's death end the rank with its
+    cleanups.
     """
+    install_signal_handlers()
+    watch_launcher()
     try:
         yield
     except SystemExit as e:

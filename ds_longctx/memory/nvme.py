@@ -9,12 +9,29 @@ input through a small ring of staging chunks (page-locked host memory: cudaHostR
 DeepSpeed's locked tensors on CPU; ``nvme_buffer_count`` x ``CHUNK_BYTES``, so host memory does not
 grow with the layer size: the copy of chunk j+1 overlaps the drive's write of chunk j). One file per rank inside a fresh directory under ``nvme_path``, carved into exact-size slots
 that are reused from step to step (no growth while shapes stay the same); the directory is removed
-by :meth:`NVMeTarget.close`, when the target is garbage-collected, and at interpreter exit.
+by :meth:`NVMeTarget.close`, when the target is garbage-collected, at interpreter exit and on every
+exit path of ``ds_longctx.runtime`` (error exits, SIGTERM/SIGINT, the launcher's death).
+
+Faults. DeepSpeed's aio op ignores each request's result (short writes, ENOSPC, EIO are dropped), and
+its pread asserts (a native abort) when the file is shorter than the read. So: the file's space is
+reserved with ``posix_fallocate`` before any write lands in it (a full drive is a clear error naming
+the path, the bytes needed and free; :func:`reserve_on_every_rank` does it for the whole plan before
+step 1, on every rank at once); a read checks the file covers it; and each chunk's first and last 8
+bytes are kept at write time and compared after the read, so a write or read the drive silently
+dropped is an error, not stale activations (a sampled check: it catches lost and short requests, not a
+corrupted byte in the middle of a chunk).
+
+Stale directories. Each rank's directory holds ``owner.json`` (host, uid, pid and the process's start
+time). A new target removes the directories in ``nvme_path`` whose owner ran on this host under this
+uid and no longer exists (kill -9 is the only exit that skips the cleanups): never a live job's, nor
+another host's or user's.
 """
 from __future__ import annotations
 
 import collections
+import json
 import os
+import socket
 import shutil
 import tempfile
 import threading
@@ -59,6 +76,55 @@ def load_aio():
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+PREFIX = "ds_longctx_act_rank"
+MARKER = "owner.json"
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.2f} GiB)" if n >= 2**30 else f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _owner() -> dict:
+    from ..runtime import _proc_start_time
+
+    return {"host": socket.gethostname(), "uid": os.getuid(), "pid": os.getpid(),
+            "start_time": _proc_start_time(os.getpid())}
+
+
+def remove_stale_dirs(base: str) -> List[str]:
+    """Remove the activation directories under ``base`` left by dead processes of this user on this
+    host (identified by their owner.json); returns the removed paths."""
+    from ..runtime import _proc_start_time
+
+    me, removed = _owner(), []
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return removed
+    for name in names:
+        d = os.path.join(base, name)
+        if not name.startswith(PREFIX) or not os.path.isdir(d):
+            continue
+        try:
+            with open(os.path.join(d, MARKER)) as f:
+                owner = json.load(f)
+            host, uid, pid, start = owner["host"], owner["uid"], int(owner["pid"]), owner["start_time"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # no readable marker: not provably ours, leave it
+        if host != me["host"] or uid != me["uid"] or pid == me["pid"]:
+            continue
+        if _proc_start_time(pid) == start and start is not None:
+            continue  # the owner is alive: a running job's files
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
 
 
 def check_nvme_path(path: Optional[str]) -> str:
@@ -133,11 +199,18 @@ class NVMeTarget(OffloadTarget):
         self.pin = pin_memory and torch.cuda.is_available()
         if rank is None:
             rank = int(os.environ.get("RANK", "0"))
+        self.base = base
+        self.removed_stale = remove_stale_dirs(base)
         try:
-            self.dir = tempfile.mkdtemp(prefix=f"ds_longctx_act_rank{rank}_", dir=base)
+            self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{rank}_", dir=base)
+            with open(os.path.join(self.dir, MARKER), "w") as f:
+                json.dump(_owner(), f)
         except OSError as e:
+            if getattr(self, "dir", None):
+                shutil.rmtree(self.dir, ignore_errors=True)
             raise ConfigError(f"{KEY}.nvme_path", f"cannot create a directory in {base!r} ({e})",
-                              "point nvme_path at a writable directory on a local NVMe drive") from None
+                              "point nvme_path at a writable directory on a local NVMe drive with free space"
+                              ) from None
         self.file = os.path.join(self.dir, "layer_inputs.bin")
         self.handle = self._aio.aio_handle(block_size, queue_depth, False, True, intra_op_parallelism)
         self._cv = threading.Condition()
@@ -145,6 +218,14 @@ class NVMeTarget(OffloadTarget):
         self._state = {"queue": self._queue, "cv": self._cv, "thread": None, "dir": self.dir, "locked": [],
                        "free_locked": None if self.pin else self.handle.free_cpu_locked_tensor}
         self._finalizer = weakref.finalize(self, _cleanup, self._state)  # also runs at exit
+        # os._exit paths (error exits, signals, the launcher's death) skip atexit: remove the files there too
+        from ..runtime import cancel_on_exit, on_exit
+
+        directory = self.dir
+        key = on_exit(lambda: shutil.rmtree(directory, ignore_errors=True))
+        weakref.finalize(self, cancel_on_exit, key)
+        self._allocated = 0             # bytes of the file reserved with posix_fallocate
+        self._samples = {}              # slot offset -> the first/last 8 bytes of each chunk written there
         self._staging: List[torch.Tensor] = []  # used by the I/O thread only (after the probe)
         self._staging_bytes = 0         # size of each staging chunk
         self._slots_free: List[tuple] = []  # (offset, span) free in the file
@@ -234,8 +315,46 @@ class NVMeTarget(OffloadTarget):
                 off, sp = self._slots_free.pop(best)
             else:
                 off, sp = self.file_bytes, span
+                self._ensure_allocated(off + span)
                 self.file_bytes += span
         return NVMeSlot(off, nbytes, sp, shape, dtype)
+
+    def _space_error(self, need_total: int, why: str = "") -> ConfigError:
+        free = free_bytes(self.base)
+        more = max(0, need_total - self._allocated)
+        return ConfigError(f"{KEY}.nvme_path", f"{self.base!r} is too full for this rank's layer inputs: "
+                           f"{_fmt_bytes(need_total)} needed in {self.file} ({_fmt_bytes(more)} more than reserved), "
+                           f"{_fmt_bytes(free)} free{why}",
+                           "free space on that drive, point nvme_path at a larger drive, raise keep_on_device, "
+                           "or use offload='cpu'")
+
+    def _ensure_allocated(self, nbytes: int):
+        """Reserve the file's blocks up to ``nbytes`` before any write lands there (DeepSpeed's aio drops
+        ENOSPC): a full drive is an error now, naming the path, the bytes needed and free."""
+        if nbytes <= self._allocated:
+            return
+        try:
+            fd = os.open(self.file, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, self._allocated, nbytes - self._allocated)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise self._space_error(nbytes, f" ({e.strerror})") from None
+        self._allocated = nbytes
+
+    def reserve(self, nbytes: int) -> Optional[str]:
+        """Reserve ``nbytes`` of file now (the plan's NVMe bytes for this rank); returns None, or the
+        problem (the drive's free space cannot hold it) as the text of a ConfigError."""
+        nbytes = _align(nbytes)
+        if nbytes - self._allocated > free_bytes(self.base):
+            return self._space_error(nbytes).problem
+        try:
+            with self._cv:
+                self._ensure_allocated(nbytes)
+        except ConfigError as e:
+            return e.problem
+        return None
 
     def release(self, host: NVMeSlot):
         with self._cv:
@@ -294,6 +413,7 @@ class NVMeTarget(OffloadTarget):
                 side = self._stream(src.device)
                 side.wait_event(job.event)  # src was produced on the compute stream
             pending = 0
+            samples = []
             for j, (off, n) in enumerate(chunks):
                 buf = ring[j % len(ring)]
                 # the write that used this buffer ring-1 chunks ago is done: we wait for each before
@@ -305,15 +425,22 @@ class NVMeTarget(OffloadTarget):
                 else:
                     with _dispatch_free():
                         buf[:n].copy_(src[off:off + n])
+                samples.append(self._sample(buf, n))
                 if pending:
                     self._wait(pending)
                 self._io(True, buf[:_align(n)], slot.offset + off)
                 pending = 1
             if pending:
                 self._wait(pending)
+            self._samples[slot.offset] = samples
             self.writes += 1
             return
         out = job.out  # the freshly allocated device tensor, as bytes
+        size = os.path.getsize(self.file)
+        if size < slot.offset + slot.span:  # DeepSpeed's pread would abort the process (a native assert)
+            raise OSError(f"{self.file} holds {size} bytes, short of the {slot.span} bytes at offset {slot.offset} "
+                          "this layer input was written to (the file was truncated or a write was lost)")
+        samples = self._samples.get(slot.offset)
         cuda = out.device.type == "cuda"
         side = self._stream(out.device) if cuda else None
         events = [None] * len(ring)
@@ -323,6 +450,10 @@ class NVMeTarget(OffloadTarget):
                 events[b].synchronize()  # the H2D that read this buffer is done
             self._io(False, ring[b][:_align(n)], slot.offset + off)
             self._wait(1)
+            if samples is not None and self._sample(ring[b], n) != samples[j]:
+                raise OSError(f"the {n} bytes read at offset {slot.offset + off} of {self.file} differ from those "
+                              "written there (a write or read the drive failed without an error reaching "
+                              "DeepSpeed's aio): the activations would be stale")
             if cuda:
                 with torch.cuda.stream(side):
                     out[off:off + n].copy_(ring[b][:n], non_blocking=True)
@@ -334,6 +465,11 @@ class NVMeTarget(OffloadTarget):
             job.result = side.record_event()
             job.result.synchronize()  # the ring is free for the next job only once every H2D has read it
         self.reads += 1
+
+    @staticmethod
+    def _sample(buf: torch.Tensor, n: int) -> bytes:
+        with _dispatch_free():
+            return bytes(buf[:min(8, n)].tolist() + buf[max(0, n - 8):n].tolist())
 
     # -- OffloadTarget ----------------------------------------------------------------------------------
     @staticmethod
@@ -399,3 +535,24 @@ class NVMeTarget(OffloadTarget):
         """Stop the I/O thread, free the staging ring and remove this rank's directory."""
         self._finalizer()
         self._staging = []
+
+
+_SPACE_FIX = "free space on that drive, point nvme_path at a larger drive, raise keep_on_device, or use offload='cpu'"
+
+
+def reserve_on_every_rank(target: "NVMeTarget", nbytes: int, group=None) -> None:
+    """Reserve this rank's planned NVMe bytes before step 1 and agree over the job: when any rank's
+    drive is too small, every rank raises the same ConfigError naming each failing rank's path, bytes
+    needed and free (one rank raising alone would leave the others in the next collective)."""
+    import torch.distributed as dist
+
+    problem = target.reserve(nbytes) if target is not None else None
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if problem:
+            raise ConfigError(f"{KEY}.nvme_path", problem, _SPACE_FIX)
+        return
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+    if bad:
+        raise ConfigError(f"{KEY}.nvme_path", "; ".join(bad), _SPACE_FIX)

@@ -1,0 +1,98 @@
+"""Issue 22 under real launches (few and batched: each launch is ~15 s on CPU): SIGTERM to the deepspeed
+runner alone ends every rank and leaves no NVMe file; a drive too small for the plan is one clear error
+on every rank under mpirun, no file left; a save whose newest tag is incomplete resumes from the newest
+complete one and says so, and the new save writes its record before 'latest'."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_utils import free_port
+from launch_utils import ROOT, TINY_CPU, TRAIN, _env, run_train
+from test_faults import _aio_available, small_tmpfs  # noqa: F401  (fixture)
+
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def _nvme_config(tmp_path, nvme_path):
+    cfg = json.load(open(TINY_CPU))
+    cfg["long_context"]["activation_checkpointing"].update(offload="nvme", nvme_path=nvme_path)
+    path = tmp_path / "nvme.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_io op needs libaio-dev")
+def test_sigterm_to_the_runner_ends_every_rank_and_full_drive_is_one_error(tmp_path, small_tmpfs):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           TRAIN, "--deepspeed_config", _nvme_config(tmp_path, str(nvme)), "--no-progress", "--seq-len", "64",
+           "--steps", "100000", "--eval-samples", "0", "--metrics", str(metrics)]
+    runner = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()[0][-3000:]
+            time.sleep(0.5)
+        assert len(os.listdir(nvme)) == 2  # one activation directory per rank while training
+        runner.send_signal(signal.SIGTERM)  # the runner alone, as a scheduler or a wrapper's Ctrl-C does
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 20:
+            runner.poll()  # reap the runner (a zombie still counts as a member of the group)
+            try:
+                os.killpg(runner.pid, 0)  # launch.py and the ranks share the runner's process group
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        gone_s = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(runner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out = runner.communicate()[0]
+    assert gone_s < 10, (gone_s, out[-3000:])
+    assert "ds_longctx: the launcher process" in out, out[-3000:]
+    assert os.listdir(nvme) == [], out[-3000:]  # every rank removed its files on the way out
+    # a 4 MiB drive for 2 ranks x 2 layers x 1 MiB: refused before step 1 on every rank, nothing left
+    proc = run_train("--seq-len", "2048", "--steps", "1", "--eval-samples", "0", launcher="mpirun",
+                     config=_nvme_config(tmp_path, small_tmpfs), check=False, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "is too full for this rank's layer inputs: 2097152 bytes (2.0 MiB) needed in" in out, out[-3000:]
+    assert any(f"[rank {r}] ds_longctx: error: long_context.activation_checkpointing.nvme_path: rank " in out
+               for r in (0, 1)), out[-3000:]
+    assert "Traceback" not in out and "Assertion" not in out, out[-3000:]
+    assert os.listdir(small_tmpfs) == []
+
+
+def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path):
+    ck = tmp_path / "ck"
+    args = ("--seq-len", "64", "--eval-samples", "0", "--save", str(ck))
+    run_train("--steps", "2", *args, timeout=300)
+    rec = json.loads((ck / "step2" / train.LAYOUT_FILE).read_text())
+    assert rec["model"] == {"model_type": "llama", "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
+                            "hidden": 64, "vocab": 64}
+    assert rec["files"] and all(os.path.getsize(ck / "step2" / f) == n for f, n in rec["files"].items())
+    # a save killed after 'latest' moved but before the record (the old order): an incomplete newest tag
+    shutil.copytree(ck / "step2", ck / "step3")
+    (ck / "step3" / train.LAYOUT_FILE).unlink()
+    (ck / "latest").write_text("step3")
+    proc = run_train("--steps", "3", "--resume", str(ck), *args, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert (f"--resume: {str(ck / 'step3' / train.LAYOUT_FILE)!r} is missing (the save did not finish, or the "
+            f"checkpoint was not saved by this train.py); resuming from {str(ck / 'step2')!r} (step 2)") in out, \
+        out[-3000:]
+    assert (ck / "latest").read_text() == "step3" and (ck / "step3" / train.LAYOUT_FILE).exists()
+    assert train.find_resume_tag(str(ck))[0::2] == ("step3", None)
