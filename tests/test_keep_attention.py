@@ -77,14 +77,26 @@ SP1 = [  # (arch, fuse, activation_checkpointing keys, packed)
     ("qwen3", True, {"offload": "cpu"}, False),
     ("llama", True, {"offload": "cpu"}, True),
     ("llama", False, {}, True),
+    ("llama", True, {"offload": "nvme", "nvme_path": "TMP"}, True),
 ]
+
+
+def _aio_available():
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
 
 
 @pytest.mark.parametrize("arch,fuse,ac,packed", SP1,
                          ids=[f"{a}-{'fused' if f else 'function'}-{'-'.join(f'{k}={v}' for k, v in ac.items()) or 'device'}"
                               f"{'-packed' if p else ''}" for a, f, ac, p in SP1])
-def test_sp1_bit_equal_and_recompute_skips_attention(arch, fuse, ac, packed, monkeypatch):
+def test_sp1_bit_equal_and_recompute_skips_attention(arch, fuse, ac, packed, monkeypatch, tmp_path):
     from ds_longctx.patch import patch_model
+
+    if ac.get("offload") == "nvme":
+        if not _aio_available():
+            pytest.skip("DeepSpeed's async_io op needs libaio-dev (.ci/run installs it)")
+        ac = dict(ac, nvme_path=str(tmp_path))
 
     count = _CountForwards(monkeypatch)
     cfg = tiny_config(arch, **SHAPE)
