@@ -75,7 +75,8 @@ def _worker(rank, world, port, args, out_dir):
         med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
         rows.append({"seq": seq, "off_wall_s": med[False][0], "on_wall_s": med[True][0],
                      "off_cpu_s": med[False][1], "on_cpu_s": med[True][1],
-                     "ratio_wall_on_off": med[True][0] / med[False][0], "ratio_cpu_on_off": med[True][1] / med[False][1],
+                     "ratio_wall_on_off": med[True][0] / med[False][0],
+                     "ratio_cpu_on_off": med[True][1] / med[False][1],
                      "losses_bit_equal": losses[False] == losses[True], "losses_off": losses[False],
                      "losses_on": losses[True], "steps": args.steps})
     if rank == 0:

@@ -87,9 +87,12 @@ def _aio_available():
     return AsyncIOBuilder().is_compatible(verbose=False)
 
 
-@pytest.mark.parametrize("arch,fuse,ac,packed", SP1,
-                         ids=[f"{a}-{'fused' if f else 'function'}-{'-'.join(f'{k}={v}' for k, v in ac.items()) or 'device'}"
-                              f"{'-packed' if p else ''}" for a, f, ac, p in SP1])
+def _sp1_id(a, f, ac, p):
+    where = "-".join(f"{k}={v}" for k, v in ac.items()) or "device"
+    return f"{a}-{'fused' if f else 'function'}-{where}{'-packed' if p else ''}"
+
+
+@pytest.mark.parametrize("arch,fuse,ac,packed", SP1, ids=[_sp1_id(*c) for c in SP1])
 def test_sp1_bit_equal_and_recompute_skips_attention(arch, fuse, ac, packed, monkeypatch, tmp_path):
     from ds_longctx.patch import patch_model
 
