@@ -74,6 +74,10 @@ class ActivationCheckpointingConfig(_Strict):
     use_reentrant: bool = Field(default=False, description="torch.utils.checkpoint's use_reentrant.")
     prefetch: bool = Field(default=True, description="Bring the next layer's input back while the current "
                            "layer's backward runs.")
+    keep_attention_output: bool = Field(
+        default=False, description="Untied attention: keep each layer's attention output and LSE from the first "
+        "forward (where its input goes: device, host or NVMe) so the recompute skips q/k/v and the attention "
+        "forward; costs one more [seq/SP, heads x head_dim] + fp32 [heads/SP, seq] per layer.")
 
 
 class TiledConfig(_Strict):
@@ -284,6 +288,16 @@ def parse(ds_config: dict) -> LongContextConfig:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
                           f"offload {ac.offload!r} needs checkpointing", "also set activation_checkpointing.enabled=true")
     _check_nvme_keys(ac)
+    if ac.keep_attention_output:
+        key = f"{SECTION}.activation_checkpointing.keep_attention_output"
+        if not ac.enabled:
+            raise ConfigError(key, "keeps what a checkpointed layer's recompute would rebuild, and checkpointing "
+                              "is off", "also set activation_checkpointing.enabled=true, or remove the key")
+        if cfg.attention.implementation != "untied_ulysses":
+            raise ConfigError(key, f"needs attention.implementation 'untied_ulysses' (got "
+                              f"{cfg.attention.implementation!r}): only its staged backward runs from a kept output "
+                              "and LSE; DeepSpeed's Ulysses and HF's attention differentiate their forward's own graph",
+                              "set attention.implementation to 'untied_ulysses', or remove the key")
     if sp > 1 and cfg.attention.implementation == "none":
         raise ConfigError(f"{SECTION}.attention.implementation",
                           f"'none' cannot run with sequence_parallel_size={sp} (attention must see the whole sequence)",

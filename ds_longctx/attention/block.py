@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from ..memory.keep import kept_or_computed
 from ..memory.norm import _rows_per_tile, rms_norm_rows, rms_norm_rows_backward, rms_norm_tile, tile_starts
 from .documents import with_documents
 from .untied import (ProjectionSpec, Schedule, StageSpec, _add_gt_x, _check_weights, _ProjSource, _sp,
@@ -80,10 +81,16 @@ class UntiedAttentionBlock(torch.autograd.Function):
             xn, rstd = rms_norm_rows(x, norm_w, eps)
         else:
             xn, rstd = x, None
-        src = _ProjSource(xn, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
-        out, lse_all = _staged_forward(src, sched, stage.group, stage.backend, stage.causal, stage.scale, b, s, d,
-                                       xn.dtype, x.device)
-        del src, xn  # the normed input is transient: backward re-derives it per row tile
+
+        def attend():
+            src = _ProjSource(xn, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
+            return _staged_forward(src, sched, stage.group, stage.backend, stage.causal, stage.scale, b, s, d,
+                                   xn.dtype, x.device)
+
+        # keep_attention_output (memory/keep.py): in a checkpointed layer's recompute, out and lse come from
+        # its first forward and the q/k/v projections and the attention forward are skipped
+        out, lse_all = kept_or_computed(attend)
+        del attend, xn  # the normed input is transient: backward re-derives it per row tile
         y = torch.nn.functional.linear(out.reshape(b, s, -1), wo, bo)  # what o_proj's module computes
         ctx.save_for_backward(x, norm_w, rstd, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, wo, bo, out, lse_all)
         ctx.stage = stage

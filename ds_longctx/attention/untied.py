@@ -28,6 +28,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..memory.keep import kept_or_computed
 from .documents import with_documents
 from .kernels import Backend
 
@@ -589,8 +590,10 @@ class UntiedQKVAttention(torch.autograd.Function):
         b, s, H, d = q.shape
         sched = spec.schedule
         _check_shapes(q, k, v)
-        out, lse_all = _staged_forward(_QKVSource(q, k, v, sched), sched, spec.group, spec.backend, spec.causal,
-                                       spec.scale, b, s, d, q.dtype, q.device)
+        # keep_attention_output: the recompute of a checkpointed layer takes out/lse from its first forward
+        out, lse_all = kept_or_computed(lambda: _staged_forward(
+            _QKVSource(q, k, v, sched), sched, spec.group, spec.backend, spec.causal, spec.scale, b, s, d, q.dtype,
+            q.device))
         ctx.save_for_backward(q, k, v, out, lse_all)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse_all)
@@ -617,9 +620,9 @@ class UntiedFusedAttention(torch.autograd.Function):
         d = spec.head_dim
         _check_weights(x, wq, wk, wv, sched.heads, sched.kv_heads, d)
         b, s = x.shape[0], x.shape[1]
-        src = _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched)
-        out, lse_all = _staged_forward(src, sched, stage.group, stage.backend, stage.causal, stage.scale, b, s, d,
-                                       x.dtype, x.device)
+        out, lse_all = kept_or_computed(lambda: _staged_forward(
+            _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched), sched, stage.group, stage.backend,
+            stage.causal, stage.scale, b, s, d, x.dtype, x.device))
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all)
         ctx.stage = stage
         ctx.mark_non_differentiable(lse_all)

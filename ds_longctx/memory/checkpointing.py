@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError
 from ..models import layer_role, supported_names
+from .keep import KeptAttention
 from .offload import CheckpointInputOffloader
 
 
@@ -59,10 +60,15 @@ def _observed(function):
     return run
 
 
-def _checkpoint_fn(use_reentrant: bool, offloader: Optional[CheckpointInputOffloader]):
+def _checkpoint_fn(use_reentrant: bool, offloader: Optional[CheckpointInputOffloader], keep_attention: bool = False):
     def run(function, *args):
         function = _observed(function)
-        if offloader is None or not args or not isinstance(args[0], torch.Tensor):
+        offloaded = offloader is not None and args and isinstance(args[0], torch.Tensor)
+        if keep_attention:
+            # one frame per layer call: the first forward keeps the attention output and LSE where the layer
+            # input goes (memory/keep.py), the recompute takes them instead of re-running attention
+            function = KeptAttention(offloader if offloaded else None, torch.is_grad_enabled()).wrap(function)
+        if not offloaded:
             return checkpoint(function, *args, use_reentrant=use_reentrant)
         with offloader.capture(args[0]):
             return checkpoint(function, *args, use_reentrant=use_reentrant)
@@ -78,10 +84,11 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
                           f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to "
                           "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
                           "enabled=false")
-    fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader)
+    keep_attn = bool(getattr(ac_cfg, "keep_attention_output", False))
+    fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader, keep_attn)
     # the last `keep` layers' inputs stay on the device: backward needs them first
     keep = min(len(layers), getattr(ac_cfg, "keep_on_device", 0)) if offloader is not None else 0
-    plain = _checkpoint_fn(ac_cfg.use_reentrant, None)
+    plain = _checkpoint_fn(ac_cfg.use_reentrant, None, keep_attn)
     for i, layer in enumerate(layers):
         _PREVIOUS.setdefault(layer, (layer.__dict__.get("gradient_checkpointing", _ABSENT),
                                      layer.__dict__.get("_gradient_checkpointing_func", _ABSENT)))

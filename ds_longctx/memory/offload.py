@@ -185,7 +185,7 @@ class _Offloaded:
     device copy on its way back). Dies with the graph node that saved it, freeing the host copy."""
 
     __slots__ = ("seq", "host", "host_event", "device", "shape", "dtype", "requires_grad", "dev", "dev_event",
-                 "__weakref__")
+                 "companions", "__weakref__")
 
     def __init__(self, seq, t, host, host_event):
         self.seq, self.host, self.host_event = seq, host, host_event
@@ -193,6 +193,9 @@ class _Offloaded:
         self.requires_grad = t.requires_grad
         self.dev = None
         self.dev_event = None
+        # the layer's kept attention output and LSE (memory/keep.py): weak, they live in the layer's frame;
+        # restored together with this input
+        self.companions = []
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -230,6 +233,7 @@ class CheckpointInputOffloader:
         # would sit on the device through this layer's whole backward peak
         self.defer_prefetch = False
         self._pending: Optional[int] = None
+        self._anchor: Optional[weakref.ref] = None  # the input packed last: kept tensors travel with it
 
     # -- accounting ---------------------------------------------------------------------------
     def host_bytes(self) -> int:
@@ -279,27 +283,59 @@ class CheckpointInputOffloader:
             return t
         if _nbytes(t) < self.min_bytes or isinstance(t, torch.nn.Parameter):
             return t
+        ref = self._copy_out(t, next(self._seq))
+        self._live[ref.seq] = ref
+        self._newest = self._anchor = weakref.ref(ref)
+        self._event("offload", ref.seq)
+        return ref
+
+    def _copy_out(self, t, seq) -> _Offloaded:
         host, ev = self.target.to_host(t)
         if ev is not None:
             self._inflight.append(ev)
             while len(self._inflight) > self.max_inflight:
                 self.target.sync(self._inflight.popleft())
-        ref = _Offloaded(next(self._seq), t, host, ev)
+        ref = _Offloaded(seq, t, host, ev)
         n = _nbytes(t)
         self._host_alloc(n)
         # the target that made the copy gets it back (set_offload_target may swap targets later)
         weakref.finalize(ref, self._release, self.target, host, n)
-        self._live[ref.seq] = ref
-        self._newest = weakref.ref(ref)
         self.stats.offloaded_tensors += 1
         self.stats.offloaded_bytes += n
-        self._event("offload", ref.seq)
         return ref
+
+    # -- kept attention outputs (memory/keep.py) ----------------------------------------------
+    def keep(self, t: torch.Tensor) -> _Offloaded:
+        """Offload ``t`` (a layer's attention output or LSE, made in its first forward) to the target of the
+        layer's input, which was packed last; it is restored whenever that input is (prefetch included).
+        The caller holds the returned handle; the host copy is freed when the handle dies."""
+        anchor = self._anchor() if self._anchor is not None else None
+        ref = self._copy_out(t, anchor.seq if anchor is not None else 0)
+        if anchor is not None:
+            anchor.companions.append(weakref.ref(ref))
+        self._event("keep", ref.seq)
+        return ref
+
+    def restore_kept(self, ref: _Offloaded) -> torch.Tensor:
+        """The device copy of a kept tensor (already on its way if its layer input was prefetched); the host
+        copy stays, so a retained graph can restore it again."""
+        if ref.dev is None:
+            ref.dev, ref.dev_event = self.target.to_device(ref.host, ref.device)
+        out, ev = ref.dev, ref.dev_event
+        ref.dev, ref.dev_event = None, None
+        self.target.wait(ev)
+        self.stats.restored_tensors += 1
+        self.stats.restored_bytes += _nbytes(out)
+        return out
 
     def _start_restore(self, ref: _Offloaded):
         if ref.dev is None:
             # no wait on host_event: the H2D is queued on the same side stream as the D2H
             ref.dev, ref.dev_event = self.target.to_device(ref.host, ref.device)
+        for c in ref.companions:  # the layer's kept attention output and LSE come back with its input
+            c = c()
+            if c is not None and c.dev is None:
+                c.dev, c.dev_event = self.target.to_device(c.host, c.device)
 
     def prefetch_seq(self, seq: int) -> bool:
         ref = self._live.get(seq)

@@ -246,7 +246,7 @@ class Planner:
         # the activations are gone before optimizer.step() allocates its step-only buffers
         peak = max(act_peak, self.step_peak)
         num_layers = text_config(self.model_config).num_hidden_layers
-        hs = host_plan.host_side(lc, self.states, int(host_act), host_plan.layer_input_bytes(
+        hs = host_plan.host_side(lc, self.states, int(host_act), host_plan.offloaded_bytes_per_layer(
             self.model_config, self.ds_config, lc, seq_len, _micro_batch(self.ds_config)), num_layers, act_peak,
             self.budget, self.reserve, self.host_budget, self.gpus_per_node, step_peak=self.step_peak)
         host = hs.host

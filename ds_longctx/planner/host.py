@@ -66,6 +66,30 @@ def layer_input_bytes(model_config, ds_config: dict, lc, seq_len: int, micro_bat
     return micro_batch * (seq_len // lc.sequence_parallel_size) * hidden * _DTYPE_BYTES[model_dtype(ds_config)]
 
 
+def kept_attention_bytes(model_config, lc, seq_len: int, micro_batch: int, dtype_bytes: int) -> int:
+    """keep_attention_output (memory/keep.py): what each layer keeps besides its input, where the input goes:
+    the attention output [micro_batch, seq / SP, heads x head_dim] in the model dtype and the fp32 LSE
+    [micro_batch, heads / SP, seq]. 0 with the switch off."""
+    from ..models import text_config
+
+    if not getattr(lc.activation_checkpointing, "keep_attention_output", False):
+        return 0
+    tc = text_config(model_config)
+    heads = tc.num_attention_heads
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    sp = lc.sequence_parallel_size
+    return micro_batch * (seq_len // sp) * heads * head_dim * dtype_bytes + micro_batch * (heads // sp) * seq_len * 4
+
+
+def offloaded_bytes_per_layer(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
+    """What one checkpointed layer sends to its offload target: its input, plus its attention output and LSE
+    with keep_attention_output."""
+    from .model_states import _DTYPE_BYTES, model_dtype
+
+    return (layer_input_bytes(model_config, ds_config, lc, seq_len, micro_batch)
+            + kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)]))
+
+
 @dataclass
 class OffloadOption:
     target: str            # "cpu" | "nvme" | "none" (nothing offloaded: every input fits on the device)
@@ -151,6 +175,7 @@ def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_la
                "host_bytes_per_node": sum(conf_host.values()) * gpus_per_node,
                "nvme_bytes_per_node": sum(conf_nvme.values()) * gpus_per_node,
                "layer_input_bytes": per_layer, "offloaded_layers": n_off,
+               "kept_attention_output": bool(getattr(ac, "keep_attention_output", False)),
                "options": [asdict(o) for o in ranked],
                "recommended": None if best is None else dict(asdict(best), keys=best.keys())}
     return HostSide(conf_host, conf_nvme, 0, offload)
@@ -171,7 +196,8 @@ def check_host_budget(states, host_budget: Optional[int], gpus_per_node: int) ->
 
 def describe(offload: dict) -> List[str]:
     """Lines for the plan's text report."""
-    lines = [f"layer inputs: {offload['offloaded_layers']} x {fmt_bytes(offload['layer_input_bytes'])} per rank "
+    kept = " (each with its kept attention output and LSE)" if offload.get("kept_attention_output") else ""
+    lines = [f"layer inputs{kept}: {offload['offloaded_layers']} x {fmt_bytes(offload['layer_input_bytes'])} per rank "
              f"offloaded to {offload['target']}" + (f", last {offload['keep_on_device']} kept on the device"
                                                     if offload['keep_on_device'] else "")]
     for o in offload["options"]:
