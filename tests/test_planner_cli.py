@@ -143,3 +143,43 @@ def test_text_output_states_budget_and_reserve(tmp_path, capsys, monkeypatch):
     assert rc == 0
     assert "79.10 GiB per device (nominal H100-80GB" in out and "reserve of 2.00 GiB for CUDA context" in out
     assert "the step may use 77.10 GiB" in out
+
+
+def test_readme_command_uses_the_shipped_targets_host_and_says_what_binds(capsys):
+    """README's own command (no --host-mem) on a machine with little RAM: a shipped config is checked
+    against its stated node (ds_configs/targets.json, through the 5m.json link), not this machine's RAM."""
+    rc = main(["plan", "--deepspeed_config", "ds_configs/5m.json", "--model-config", MODEL, "--gpus", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["host_budget_bytes"] == 2 * 2**40, out["host_budget_bytes"]
+    assert "targets.json" in out["host_budget_source"] and "llama3-8b-5m.json" in out["host_budget_source"]
+    assert out["binding"] == "device" and set(out["limits"]) == {"device", "host", "nvme"}
+    assert out["limits"]["host"]["budget"] == 2 * 2**40 and out["limits"]["nvme"]["budget"] is None
+
+
+def test_unshipped_config_host_not_checked_by_default_and_binding_printed(tmp_path, capsys):
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
+               "--gpu-mem", "80GiB", "--seq-len", "65536"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "binding limit: device memory binds" in text and "host memory not checked" in text, text
+    assert "NVMe not checked" in text
+
+
+def test_max_context_says_which_limit_binds(tmp_path, capsys):
+    """Device-bound at 8 GiB per GPU; host-bound when --host-mem leaves room for ~half of the 64K
+    tokens' offloaded layer inputs (and the device has plenty)."""
+    args = ["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8", "--json"]
+    assert main(args + ["--gpu-mem", "8GiB", "--max-context"] + HOST) == 0
+    dev = json.loads(capsys.readouterr().out)
+    assert dev["binding"] == "device" and "bound by device memory" in dev["binding_detail"], dev["binding_detail"]
+    assert main(args + ["--gpu-mem", "80GiB", "--seq-len", "65536"] + HOST) == 0
+    full = json.loads(capsys.readouterr().out)
+    acts = full["host"]["offloaded activations"] * 8
+    budget = full["host_bytes_per_node"] - acts // 2
+    rc = main(args + ["--gpu-mem", "80GiB", "--max-context", "--host-mem", str(budget)])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["binding"] == "host", (out["binding"], out["binding_detail"])
+    assert "bound by host memory" in out["binding_detail"]
+    assert 16384 < out["max_sequence_length"] < 65536 and out["host_bytes_per_node"] <= budget
+    # the device had room: the answer is not device-bound
+    assert out["peak_device_bytes"] + out["reserve_bytes"] < out["device_budget_bytes"] // 2

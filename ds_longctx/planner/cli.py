@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
+from typing import Optional
 
 from ..config import ConfigError, load_ds_config
 from .core import DEFAULT_RESERVE, RESERVE_WHAT, PlanResult, Planner, load_model_config
@@ -30,8 +32,9 @@ def _parser():
     q.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one host (default min(gpus, 8))")
     q.add_argument("--gpu-mem", default="auto", help="device memory per GPU: a size (80GiB), 'h100' (79.1GiB, "
                    "what an H100-80GB gives the allocator) or 'auto' (default: this machine's CUDA device, else h100)")
-    q.add_argument("--host-mem", default="auto", help="host memory per node, checked (default: this machine's "
-                   "RAM; 'none' to skip the check)")
+    q.add_argument("--host-mem", default=None, help="host memory per node, checked: a size (2TiB), 'machine' "
+                   "(this machine's RAM) or 'none'. Default: a shipped config's stated node (ds_configs/targets.json), "
+                   "else not checked")
     q.add_argument("--reserve", default=DEFAULT_RESERVE, help=f"device memory kept back for {RESERVE_WHAT}, which "
                    f"the simulation does not see (default {DEFAULT_RESERVE})")
     q.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
@@ -56,13 +59,14 @@ def _row(r: PlanResult, max_seq=None) -> dict:
 
 
 def _table(rows, title_col="config", show_max=False) -> str:
-    head = [title_col, "seq", "fits", "peak"] + list(CATS) + ["host/rank", "step s", "MFU"]
+    head = [title_col, "seq", "fits", "peak"] + list(CATS) + ["host/rank", "step s", "MFU", "binds"]
     lines = []
     for label, r, mx in rows:
         seq = fmt_tokens(mx if show_max else r.sequence_length)
         cells = [label, seq, "yes" if r.fits else "NO", fmt_bytes(r.peak_device_bytes)]
         cells += [fmt_bytes(r.breakdown.get(c, 0)) for c in CATS] + [fmt_bytes(r.host_bytes)]
         cells += [f"{r.time['seconds']:.3g}", f"{100 * r.time['mfu']:.1f}%"] if r.time else ["-", "-"]
+        cells.append(r.binding or "-")
         lines.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -82,12 +86,14 @@ def _detail(r: PlanResult) -> str:
     if r.host:
         lines.append("host per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.host.items())
                      + f"; per node {fmt_bytes(r.host_bytes_per_node)}"
-                     + (f" of {fmt_bytes(r.host_budget_bytes)}" if r.host_budget_bytes else ""))
+                     + (f" of {fmt_bytes(r.host_budget_bytes)}" if r.host_budget_bytes else "")
+                     + f" (host budget: {r.host_budget_source})")
     if r.offload:
         from .host import describe
 
         lines += describe(r.offload)
     lines += _time_lines(r.time)
+    lines.append(f"binding limit: {r.binding_detail}")
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -213,10 +219,10 @@ def _run_plan(a, out) -> int:
 
         configs = ladder(ds, mc, a.gpus)
     rows, params = [], None
-    a.host_mem = _host_mem(a.host_mem)
+    host_mem, host_source = _host_mem(a.host_mem, a.config)
     for label, cfg in configs:
-        p = Planner(cfg, mc, a.gpus, a.gpu_mem, a.host_mem, a.reserve, a.gpus_per_node, a.device, a.full_depth,
-                    params=params, target=a.target)
+        p = Planner(cfg, mc, a.gpus, a.gpu_mem, host_mem, a.reserve, a.gpus_per_node, a.device, a.full_depth,
+                    params=params, target=a.target, host_budget_source=host_source)
         params = p.params
         if a.max_context:
             mx, r = p.max_context(label=label)
@@ -245,20 +251,45 @@ def _run_plan(a, out) -> int:
         print(_detail(rows[-1][1]), file=out)
         if a.max_context:
             for label, r, mx in rows:
-                print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)})", file=out)
+                print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)}); {r.binding_detail}", file=out)
         print(f"planner wall time {wall:.1f}s", file=out)
     return 0 if fits else 1
 
 
-def _host_mem(value):
-    """--host-mem: 'auto' is this machine's RAM, 'none' skips the host check."""
-    if value is None or str(value).lower() == "none":
+def shipped_target(config_path) -> Optional[tuple]:
+    """(name, target) when ``config_path`` is one of ds_configs/ (a link such as 5m.json resolved) and
+    ds_configs/targets.json states its hardware; else None."""
+    if not isinstance(config_path, str):
         return None
-    if str(value).lower() == "auto":
+    real = os.path.realpath(config_path)
+    folder = os.path.dirname(real)
+    targets = os.path.join(folder, "targets.json")
+    if not os.path.exists(targets) or os.path.basename(real) == "targets.json":
+        return None
+    try:
+        with open(targets) as f:
+            t = json.load(f).get(os.path.basename(real))
+    except (OSError, ValueError):
+        return None
+    return (os.path.basename(real), t) if isinstance(t, dict) else None
+
+
+def _host_mem(value, config_path=None):
+    """--host-mem -> (budget or None, where it came from). Absent: a shipped config's stated node
+    (ds_configs/targets.json), else not checked. 'machine': this machine's RAM; 'none': not checked."""
+    if value is None:
+        st = shipped_target(config_path)
+        if st and st[1].get("host_mem"):
+            return st[1]["host_mem"], f"ds_configs/targets.json: {st[0]}'s stated node ({st[1]['host_mem']})"
+        return None, "not checked (not a shipped config with a stated node; pass --host-mem 2TiB or 'machine')"
+    if str(value).lower() == "none":
+        return None, "not checked (--host-mem none)"
+    if str(value).lower() in ("machine", "auto"):
         from .host import machine_ram_bytes
 
-        return machine_ram_bytes()
-    return value
+        ram = machine_ram_bytes()
+        return ram, f"--host-mem {value}: this machine's RAM ({fmt_bytes(ram)})"
+    return value, f"--host-mem {value}"
 
 
 def main(argv=None) -> int:

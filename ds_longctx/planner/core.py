@@ -87,6 +87,11 @@ class PlanResult:
     step_peak_bytes: int = 0        # inside optimizer.step(): model states + step-only buffers, no activations
     budget_source: str = ""
     time: Dict = field(default_factory=dict)  # planner/rates.py StepTime on the target: seconds, mfu, parts, ...
+    host_budget_source: str = ""    # where host_budget_bytes came from ("not checked" when None)
+    # each limit: need and budget in bytes per device (device) or per node (host, nvme); budget None = not checked
+    limits: Dict = field(default_factory=dict)
+    binding: str = ""               # "device" | "host" | "nvme" | "search limit": the limit that binds (see binding_detail)
+    binding_detail: str = ""        # the same in words, with the figures
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,7 +203,8 @@ class Planner:
 
     def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
                  reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
-                 full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100"):
+                 full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100",
+                 host_budget_source: Optional[str] = None):
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
         self.model_config = model_config
         self.world = int(world_size)
@@ -210,6 +216,8 @@ class Planner:
             self.host_budget = parse_bytes(host_mem) if host_mem is not None else None
         except ValueError as e:
             raise ConfigError("--gpu-mem/--host-mem/--reserve", str(e), "write sizes like 80GiB") from None
+        self.host_budget_source = host_budget_source or (
+            "not checked (no host budget given)" if self.host_budget is None else f"--host-mem {host_mem}")
         if self.budget <= self.reserve:
             raise ConfigError("--gpu-mem", f"the budget {fmt_bytes(self.budget)} leaves nothing after the "
                               f"reserve {fmt_bytes(self.reserve)}", "give the device memory, e.g. 80GiB")
@@ -266,6 +274,14 @@ class Planner:
                          + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
                             f"/node)" if rec else "; no offload target fits"))
         timing = self._step_time(work, hs, seq_len) if self.rates is not None else None
+        nvme_node = int(sum(hs.nvme.values()) * self.gpus_per_node)
+        limits = {"device": {"need": int(peak + self.reserve), "budget": int(self.budget), "per": "device",
+                             "what": "peak + reserve"},
+                  "host": {"need": int(host_node), "budget": self.host_budget, "per": "node",
+                           "source": self.host_budget_source},
+                  "nvme": {"need": nvme_node, "budget": None, "per": "node",
+                           "source": "not checked (the planner takes no NVMe budget)"}}
+        binding, detail = binding_limit(limits)
         return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
                           peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
                           host_bytes=int(host_total), host_bytes_per_node=int(host_node),
@@ -275,7 +291,9 @@ class Planner:
                           extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label,
                           nvme_bytes_per_node=int(sum(hs.nvme.values()) * self.gpus_per_node), offload=hs.offload,
                           activation_peak_bytes=int(act_peak), step_peak_bytes=int(self.step_peak),
-                          budget_source=self.budget_source, time=timing.to_dict() if timing else {})
+                          budget_source=self.budget_source, time=timing.to_dict() if timing else {},
+                          host_budget_source=self.host_budget_source, limits=limits, binding=binding,
+                          binding_detail=detail)
 
     def _step_time(self, work, hs, seq_len: int):
         """Predicted step seconds, MFU and tokens/s on ``self.rates`` (planner/rates.py)."""
@@ -324,7 +342,7 @@ class Planner:
             return r.device_budget_bytes - r.reserve_bytes - r.peak_device_bytes
 
         if not at(1).fits:
-            return 0, at(1)
+            return 0, _bound_by(at(1), at(1), 0)
         lo = hi = max(1, 4096 // unit)
         while not at(lo).fits and lo > 1:
             hi, lo = lo, max(1, lo // 4)
@@ -332,7 +350,11 @@ class Planner:
             lo = hi
             hi = min(hi * 4, limit // unit)
             if hi == lo:
-                return lo * unit, at(lo)
+                best = at(lo)
+                best.binding = "search limit"
+                best.binding_detail = (f"search limit: {lo * unit:,} tokens (the search stops at {limit:,}); no "
+                                       f"memory limit binds below it ({best.binding_detail})")
+                return lo * unit, best
         halve = False
         while hi - lo > 1:
             # false position on the (nearly affine) headroom, every other step a bisection so that
@@ -353,15 +375,54 @@ class Planner:
                 if mid - 1 > lo and at(mid - 1).fits:
                     lo = mid - 1
             halve = (hi - lo) * 2 > before
-        best = at(lo)
+        best, stop = at(lo), at(hi)  # stop: the shortest length seen not to fit
         if best.extrapolated:
             # the answer is re-checked at full depth; walk down if extrapolation was optimistic
             full = at(lo, True)
             while not full.fits and lo > 1:
+                stop = full
                 lo = max(1, lo - max(1, lo // 200))
                 full = at(lo, True)
             best = full if full.fits else at(lo)
-        return (lo * unit if best.fits else 0), best
+        n = lo * unit if best.fits else 0
+        return n, _bound_by(best, stop if best.fits else best, n)
+
+
+_LIMIT_NAMES = {"device": "device memory", "host": "host memory", "nvme": "NVMe"}
+
+
+def binding_limit(limits: Dict) -> tuple:
+    """(key, words): the limit that binds. Over budget: every exceeded limit (the first named is the
+    largest overshoot). Within budget: the checked limit with the least headroom, as a fraction of
+    its budget. Unchecked limits are named as such."""
+    def frac(v):
+        return v["need"] / v["budget"]
+
+    checked = {k: v for k, v in limits.items() if v["budget"]}
+    unchecked = [f"{_LIMIT_NAMES[k]} not checked ({fmt_bytes(v['need'])}/{v['per']})"
+                 for k, v in limits.items() if not v["budget"]]
+    over = sorted((k for k, v in checked.items() if v["need"] > v["budget"]), key=lambda k: -frac(checked[k]))
+    if over:
+        key = over[0]
+        words = "over " + ", ".join(f"{_LIMIT_NAMES[k]} ({fmt_bytes(checked[k]['need'])} > "
+                                    f"{fmt_bytes(checked[k]['budget'])} per {checked[k]['per']})" for k in over)
+    else:
+        key = max(checked, key=lambda k: frac(checked[k]))
+        words = "; ".join(f"{_LIMIT_NAMES[k]} {100 * frac(v):.0f}% used ({fmt_bytes(v['need'])} of "
+                          f"{fmt_bytes(v['budget'])} per {v['per']})" for k, v in
+                          sorted(checked.items(), key=lambda kv: -frac(kv[1])))
+        words = f"{_LIMIT_NAMES[key]} binds: {words}"
+    return key, words + ("; " + "; ".join(unchecked) if unchecked else "")
+
+
+def _bound_by(best: "PlanResult", stop: "PlanResult", n: int) -> "PlanResult":
+    """Mark ``best`` (the max-context answer) with the limit that ``stop`` (the shortest length that
+    does not fit, or ``best`` itself when none fits) exceeds."""
+    over = [k for k, v in stop.limits.items() if v["budget"] and v["need"] > v["budget"]]
+    best.binding = over[0] if over else stop.binding
+    best.binding_detail = (f"max context {n:,} tokens is bound by {_LIMIT_NAMES.get(best.binding, best.binding)}: "
+                           f"at {stop.sequence_length:,} tokens {stop.binding_detail}")
+    return best
 
 
 def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem=None,
