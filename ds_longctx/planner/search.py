@@ -66,12 +66,26 @@ def _shard_candidates(local_seq: int, hidden: int) -> List[int]:
     return c
 
 
-def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None) -> dict:
-    """Replace "auto" heads_per_chunk / tiled shards by the fastest values whose step fits.
+def _seconds(r) -> float:
+    return r.time["seconds"] if r.time else float("inf")
 
-    Speed order: more heads per chunk means fewer all-to-all stages and larger kernels; fewer shards
-    means fewer, larger matmuls. So start from the memory-safest setting (1 head per chunk, DeepSpeed's
-    shard rule), then relax one knob at a time to its fastest value that still fits.
+
+# a candidate must be predicted this much faster to replace the speed order's choice (the time model's
+# resolution is far coarser than 0.5%)
+TIE = 0.005
+
+
+def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None) -> dict:
+    """Replace "auto" values by the fastest settings whose step fits, by the planner's predicted step time.
+
+    Knobs: attention.heads_per_chunk and tiled_mlp/tiled_loss shards ("auto" or, for shards, absent);
+    activation_checkpointing.keep_attention_output and keep_on_device when set to "auto" (reinvest memory
+    into speed: each is turned on only where the device and the host budgets allow; NVMe capacity is not
+    budgeted). Speed order: more heads per chunk means fewer all-to-all stages and larger kernels; fewer
+    shards means fewer, larger matmuls. Start from the memory-safest setting (1 head per chunk,
+    DeepSpeed's shard rule), relax each knob to the first value in speed order that fits, then walk on
+    to the next fitting value while the predicted step time (PlanResult.time) is lower: ties between
+    fitting settings go to the faster prediction, at one extra simulation per knob in the usual case.
     """
     log = log or logger.info
     cfg = copy.deepcopy(ds_config)
@@ -79,6 +93,7 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     cfg[SECTION] = section
     sp = cfg.get("sequence_parallel_size", 1)
     att = section.setdefault("attention", {})
+    ac = section.get("activation_checkpointing") or {}
     auto_keys = []
     if att.get("heads_per_chunk") == "auto":
         auto_keys.append(("attention", "heads_per_chunk"))
@@ -86,7 +101,10 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
         sec = section.get(name) or {}
         if sec.get("enabled") and sec.get("shards", "auto") == "auto":
             auto_keys.append((name, "shards"))
-    if not auto_keys:
+    reinvest = [k for k in ("keep_attention_output", "keep_on_device") if ac.get(k) == "auto"]
+    for k in reinvest:  # memory-safest first
+        ac[k] = False if k == "keep_attention_output" else 0
+    if not auto_keys and not reinvest:
         return cfg
     hidden = text_config(model_config).hidden_size
     local_seq = seq_len // max(1, sp)
@@ -103,21 +121,82 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     r = planner.run(seq_len)
     if not r.fits:
         log(f"ds_longctx auto: even the memory-safest settings do not fit at {seq_len} tokens "
-            f"(peak {fmt_bytes(r.peak_device_bytes)} > budget {fmt_bytes(r.device_budget_bytes - r.reserve_bytes)}); "
-            "keeping them: "
-            + ", ".join(f"{s}.{k}={section[s][k]}" for s, k in auto_keys))
+            f"({r.binding_detail}); keeping them: "
+            + ", ".join([f"{s}.{k}={section[s][k]}" for s, k in auto_keys] + [f"{k}={ac[k]}" for k in reinvest]))
         return cfg
+    best = r
     for sec, key in auto_keys:
-        chosen = section[sec][key]
-        for value in cands[(sec, key)]:
+        chosen, values = section[sec][key], cands[(sec, key)]
+        first = None
+        for i, value in enumerate(values):
             if value == chosen:
                 break
             section[sec][key] = value
             trial = planner_factory(cfg).run(seq_len)
             if trial.fits:
-                chosen = value
+                chosen, best, first = value, trial, i
                 break
         section[sec][key] = chosen
-        log(f"ds_longctx auto: {SECTION}.{sec}.{key}={chosen}: the fastest value whose step fits "
-            f"{seq_len} tokens on {world_size} ranks (candidates, fastest first: {cands[(sec, key)]})")
+        # ties: the next fitting values in speed order, while predicted faster
+        why = "the first in speed order whose step fits"
+        if first is not None:
+            for value in values[first + 1:]:
+                section[sec][key] = value
+                trial = planner_factory(cfg).run(seq_len)
+                if not (trial.fits and _seconds(trial) < _seconds(best) * (1 - TIE)):
+                    break
+                chosen, best = value, trial
+                why = "predicted faster than the values before it in speed order"
+            section[sec][key] = chosen
+        log(f"ds_longctx auto: {SECTION}.{sec}.{key}={chosen}: {why} at {seq_len} tokens on {world_size} ranks "
+            f"(predicted step {_seconds(best):.4g} s; candidates in speed order: {values})")
+    if "keep_attention_output" in reinvest:
+        best = _try_keep_attention_output(planner_factory, cfg, ac, best, seq_len, log)
+    if "keep_on_device" in reinvest:
+        _try_keep_on_device(planner_factory, cfg, ac, best, seq_len, log)
     return cfg
+
+
+def _try_keep_attention_output(planner_factory, cfg, ac, best, seq_len, log):
+    key = f"{SECTION}.activation_checkpointing.keep_attention_output"
+    att = cfg[SECTION].get("attention") or {}
+    if not ac.get("enabled") or att.get("implementation") != "untied_ulysses":
+        log(f"ds_longctx auto: {key}=False: needs activation checkpointing and untied_ulysses attention")
+        return best
+    if ac.get("offload", "none") != "none" and best.host_budget_bytes is None:
+        log(f"ds_longctx auto: {key}=False: the kept outputs go to host memory with the layer inputs and no host "
+            "budget was given to check them against")
+        return best
+    ac["keep_attention_output"] = True
+    trial = planner_factory(cfg).run(seq_len)
+    if trial.fits and _seconds(trial) < _seconds(best) * (1 - TIE):
+        log(f"ds_longctx auto: {key}=True: predicted step {_seconds(trial):.4g} s against {_seconds(best):.4g} s, "
+            f"and it fits ({trial.binding_detail})")
+        return trial
+    ac["keep_attention_output"] = False
+    log(f"ds_longctx auto: {key}=False: " + (f"on, it does not fit ({trial.binding_detail})" if not trial.fits else
+                                            f"not predicted faster ({_seconds(trial):.4g} s against "
+                                            f"{_seconds(best):.4g} s)"))
+    return best
+
+
+def _try_keep_on_device(planner_factory, cfg, ac, best, seq_len, log):
+    """The most last layers whose inputs stay on the device (no transfer) that the planner's offload
+    options (planner/host.py, arithmetic on the simulated step; "none" = every layer kept) say fit,
+    checked by one more simulation."""
+    key = f"{SECTION}.activation_checkpointing.keep_on_device"
+    target = ac.get("offload", "none")
+    opts = [o for o in (best.offload or {}).get("options", []) if o["target"] in (target, "none") and o["fits"]]
+    k = max((o["keep_on_device"] for o in opts), default=0)
+    if target == "none" or k == 0:
+        log(f"ds_longctx auto: {key}=0: " + ("nothing is offloaded" if target == "none" else
+                                             "no device headroom for a layer input"))
+        return best
+    ac["keep_on_device"] = k
+    trial = planner_factory(cfg).run(seq_len)
+    if trial.fits:
+        log(f"ds_longctx auto: {key}={k}: the most layer inputs the device holds ({trial.binding_detail})")
+        return trial
+    ac["keep_on_device"] = 0
+    log(f"ds_longctx auto: {key}=0: {k} did not fit when simulated ({trial.binding_detail})")
+    return best
