@@ -113,25 +113,22 @@ def _time_lines(t: dict) -> list:
 _COLORS = {"model_states": "#4c4c4c", "attention": "#1f77b4", "mlp": "#ff7f0e", "loss": "#2ca02c", "other": "#9467bd"}
 
 
-def _max_context_estimate(r: PlanResult) -> int:
-    """Longest sequence by the linear rule (activations grow linearly in S, constants ignored, so at a
-    short plotted length this errs low): (usable - model states) / activation bytes per token."""
-    act = r.activation_peak_bytes - r.breakdown.get("model_states", 0)
-    room = r.device_budget_bytes - r.reserve_bytes - max(r.breakdown.get("model_states", 0), r.step_peak_bytes)
-    if act <= 0 or room <= 0:
-        return 0
-    return int(room / (act / r.sequence_length))
+_BIND_COLORS = {"device": "#1f77b4", "host": "#d62728", "nvme": "#8c564b", "search limit": "0.5"}
 
 
 def plot(rows, path: str, show_max: bool):
-    """Left: peak device memory per configuration, stacked by category, the axis capped just above the
-    budget so that the configurations that fit stay legible; bars that do not fit are cut at the cap
-    and labelled with what they would need. Right: each configuration's max context."""
+    """Each --compare rung at a glance. Fixed length: left, peak device memory stacked by category (bars
+    over the budget are drawn to the axis top with each category's share of what they would need, hatched,
+    and labelled with the total); right, the predicted step time and MFU. --max-context: left, the max
+    context on a log axis, coloured by the limit that binds; middle, what fills the device at that peak
+    (shares of the peak); right, the predicted step time at that length. ``rows``: (label, PlanResult or
+    an object with its fields, max tokens or None)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         raise ConfigError("--plot", "matplotlib is not installed", "pip install matplotlib (or drop --plot)") from None
     gib = 2**30
@@ -139,63 +136,114 @@ def plot(rows, path: str, show_max: bool):
     first = rows[0][1]
     budget = first.device_budget_bytes / gib
     usable = (first.device_budget_bytes - first.reserve_bytes) / gib
-    cap = budget * 1.3
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(6 + 1.25 * n, 6.2), gridspec_kw={"width_ratios": [1.6, 1]})
-    xs = list(range(n))
-    bottom = [0.0] * n
-    for cat in CATS:
-        vals = [r.breakdown.get(cat, 0) / gib for _, r, _ in rows]
-        ax.bar(xs, vals, bottom=bottom, color=_COLORS[cat], width=0.7, label=cat.replace("_", " "))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for x, (_, r, _) in zip(xs, rows):
-        need = r.peak_device_bytes / gib
-        if need > cap:  # cut: a hatched band marks the break, the label says what it would need
-            ax.bar([x], [cap * 0.04], bottom=[cap * 0.955], color="white", width=0.74, hatch="////",
-                   edgecolor="0.3", lw=0)
-            ax.text(x, budget + (cap - budget) * 0.42, f"needs\n{fmt_bytes(r.peak_device_bytes)}", ha="center",
-                    va="center", fontsize=8, color="firebrick", fontweight="bold",
-                    bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="firebrick", lw=0.8))
-        elif need > usable * 0.9:  # at the budget lines (every bar of a --max-context ladder): inside the bar
-            ax.text(x, need - cap * 0.01, f"{need:.1f}", ha="center", va="top", fontsize=8, color="white",
-                    fontweight="bold")
-        else:
-            ax.text(x, need + cap * 0.01, f"{need:.1f}", ha="center", va="bottom", fontsize=8,
-                    color="black" if r.fits else "firebrick")
-    ax.axhline(budget, color="k", ls="--", lw=1)
-    ax.axhline(usable, color="firebrick", ls=":", lw=1)
-    # both line labels above the device line, clear of the bars and their value labels
-    ax.text(n - 0.5, budget + cap * 0.005, f"device {budget:.1f} GiB (dashed), usable {usable:.1f} GiB "
-            f"(dotted: reserve {first.reserve_bytes / gib:.1f})", va="bottom", ha="right", fontsize=8,
-            bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85))
-    ax.set_ylim(0, cap)
-    ax.set_xlim(-0.6, n - 0.4)
-    ax.set_xticks(xs)
-    ax.set_xticklabels([label for label, _, _ in rows], rotation=30, ha="right", fontsize=9)
-    ax.set_ylabel("peak device GiB per rank")
-    seqs = {fmt_tokens(mx if show_max else r.sequence_length) for _, r, mx in rows}
-    ax.set_title("peak memory " + ("at each max context" if show_max else f"at {', '.join(sorted(seqs))} tokens")
-                 + f", {first.world_size} GPUs", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=len(CATS), frameon=False)
-    # max context panel
-    if show_max:
-        ctx = [(mx or 0) for _, _, mx in rows]
-        how = "planner --max-context search"
-    else:
-        ctx = [_max_context_estimate(r) for _, r, _ in rows]
-        how = "linear estimate from this length;\n--max-context searches it exactly"
+    labels = [label for label, _, _ in rows]
     ys = list(range(n))[::-1]
-    bx.barh(ys, [c / 1e6 for c in ctx], color="#1f77b4", height=0.6)
-    top = max(ctx + [1]) / 1e6
-    for y, c in zip(ys, ctx):
-        bx.text(c / 1e6 + top * 0.01, y, fmt_tokens(c) if c else "none fits", va="center", fontsize=8)
-    bx.set_yticks(ys)
-    bx.set_yticklabels([label for label, _, _ in rows], fontsize=9)
-    bx.set_xlim(0, top * 1.25)
-    bx.set_xlabel(f"max context, million tokens\n({how})", fontsize=9)
-    bx.set_title(f"max context within {usable:.1f} GiB", fontsize=10)
+    cat_handles = [Patch(color=_COLORS[c], label=c.replace("_", " ")) for c in CATS]
+    if show_max:
+        fig, (ax, cx, tx) = plt.subplots(1, 3, figsize=(15, 1.2 + 0.62 * n), sharey=True,
+                                         gridspec_kw={"width_ratios": [1.3, 1, 0.9]})
+        ctx = [(mx or 0) for _, _, mx in rows]
+        colors = [_BIND_COLORS.get(r.binding, "0.5") for _, r, _ in rows]
+        ax.barh(ys, [max(c, 1) for c in ctx], color=colors, height=0.62)
+        ax.set_xscale("log")
+        lo = max(1000, min([c for c in ctx if c] + [1e6]) / 3)
+        ax.set_xlim(lo, max(ctx + [1]) * 6)
+        for y, c, (_, r, _) in zip(ys, ctx, rows):
+            ax.text(max(c, lo) * 1.08, y, (f"{fmt_tokens(c)} ({c:,})" if c else "none fits"), va="center", fontsize=8)
+        ax.set_xlabel("max context, tokens (log scale; colour: the limit that binds)", fontsize=9)
+        binds = sorted({r.binding for _, r, _ in rows if r.binding})
+        ax.legend(handles=[Patch(color=_BIND_COLORS.get(b, "0.5"), label=f"{b} binds") for b in binds], fontsize=8,
+                  loc="lower right", frameon=False)
+        ax.set_title(f"max context, {first.world_size} GPUs, {usable:.1f} GiB usable per GPU", fontsize=10)
+        left = [0.0] * n
+        for cat in CATS:
+            vals = [100 * r.breakdown.get(cat, 0) / max(1, r.activation_peak_bytes) for _, r, _ in rows]
+            cx.barh(ys, vals, left=left, color=_COLORS[cat], height=0.62)
+            for y, v, l0 in zip(ys, vals, left):
+                if v >= 9:
+                    cx.text(l0 + v / 2, y, f"{v:.0f}%", ha="center", va="center", fontsize=7, color="white")
+            left = [a + b for a, b in zip(left, vals)]
+        for y, (_, r, _) in zip(ys, rows):
+            cx.text(101, y, f"{r.peak_device_bytes / gib:.1f} GiB", va="center", fontsize=7)
+        cx.set_xlim(0, 118)
+        cx.set_xlabel("% of the device peak at that length, by category", fontsize=9)
+        cx.set_title("what fills the device at the max", fontsize=10)
+        cx.legend(handles=cat_handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16 - 0.1 / n * 7),
+                  ncol=len(CATS), frameon=False)
+        _time_panel(tx, ys, rows, "at each max context")
+        ax.set_yticks(ys)
+        ax.set_yticklabels(labels, fontsize=9)
+    else:
+        fig, (ax, tx) = plt.subplots(1, 2, figsize=(7 + 1.3 * n, 6.4), gridspec_kw={"width_ratios": [1.7, 1]})
+        cap = budget * 1.3
+        top = cap * 0.86  # clipped bars are drawn up to here, in their own shares
+        xs = list(range(n))
+        for x, (_, r, _) in zip(xs, rows):
+            need = r.peak_device_bytes / gib
+            act = max(1, r.activation_peak_bytes) / gib
+            clipped = need > cap
+            scale = top / act if clipped else 1.0
+            b0 = 0.0
+            for cat in CATS:
+                v = r.breakdown.get(cat, 0) / gib * scale
+                ax.bar([x], [v], bottom=[b0], color=_COLORS[cat], width=0.7, hatch="//" if clipped else None,
+                       edgecolor="white" if clipped else None, lw=0)
+                share = r.breakdown.get(cat, 0) / gib / act
+                if clipped and share >= 0.08:
+                    ax.text(x, b0 + v / 2, f"{cat.replace('_', ' ').replace('model states', 'states')}\n"
+                            f"{r.breakdown.get(cat, 0) / gib:,.0f}", ha="center", va="center", fontsize=7,
+                            color="white", fontweight="bold")
+                b0 += v
+            if clipped:
+                ax.text(x, top + cap * 0.015, f"needs\n{fmt_bytes(r.peak_device_bytes)}", ha="center", va="bottom",
+                        fontsize=8, color="firebrick", fontweight="bold",
+                        bbox=dict(boxstyle="round,pad=0.2", fc="white", ec="firebrick", lw=0.8))
+            else:
+                ax.text(x, need + cap * 0.01, f"{need:.1f}", ha="center", va="bottom", fontsize=8,
+                        color="black" if r.fits else "firebrick")
+        ax.axhline(budget, color="k", ls="--", lw=1)
+        ax.axhline(usable, color="firebrick", ls=":", lw=1)
+        from matplotlib.lines import Line2D
+
+        cat_handles += [Line2D([], [], color="k", ls="--", lw=1, label=f"device {budget:.1f} GiB"),
+                        Line2D([], [], color="firebrick", ls=":", lw=1, label=f"usable {usable:.1f} GiB")]
+        ax.set_ylim(0, cap)
+        ax.set_xlim(-0.6, n - 0.4)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=9)
+        ax.set_ylabel("peak device GiB per rank")
+        seqs = sorted({fmt_tokens(r.sequence_length) for _, r, _ in rows})
+        ax.set_title(f"peak memory at {', '.join(seqs)} tokens, {first.world_size} GPUs (hatched: over the budget, "
+                     "drawn to scale within the bar, GiB labelled)", fontsize=9)
+        ax.legend(handles=cat_handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4,
+                  frameon=False)
+        _time_panel(tx, ys, rows, f"at {', '.join(seqs)} tokens")
+        tx.set_yticks(ys)
+        tx.set_yticklabels(labels, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _time_panel(tx, ys, rows, where: str):
+    """Predicted step seconds per rung (planner/rates.py), log axis, MFU in the label; rungs that do
+    not fit are grey and say so."""
+    secs = [(r.time or {}).get("seconds") for _, r, _ in rows]
+    known = [s for s in secs if s]
+    if not known:
+        tx.text(0.5, 0.5, "no step-time prediction (--target)", ha="center", transform=tx.transAxes)
+        return
+    for y, s, (_, r, mx) in zip(ys, secs, rows):
+        ok = (mx or 0) > 0 if mx is not None else r.fits
+        if s:
+            tx.barh([y], [s], color="#2ca02c" if ok else "0.75", height=0.62)
+            tx.text(s * 1.1, y, f"{s:,.3g} s, MFU {100 * r.time['mfu']:.1f}%" + ("" if ok else " (does not fit)"),
+                    va="center", fontsize=8, color="black" if ok else "0.35")
+    tx.set_xscale("log")
+    tx.set_xlim(min(known) / 2, max(known) * 40)
+    target = next((r.time.get("target") for _, r, _ in rows if r.time), "")
+    tx.set_xlabel(f"predicted step seconds on {target} (log scale; a prediction, planner/rates.py)", fontsize=9)
+    tx.set_title(f"predicted step time {where}", fontsize=10)
 
 
 def run_plan(a) -> int:
