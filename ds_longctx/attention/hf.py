@@ -46,6 +46,7 @@ class _State:
     sp: int
     heads_per_chunk: int
     kernel: str
+    backend: kernels.KernelChoice  # the kernel name checked once at install, resolved once per device type
     schedule: Schedule  # built once at install for the model's head counts and the SP degree
     facts: Optional[AttentionFacts] = None
 
@@ -95,7 +96,7 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
     attn_cfg: ``config.AttentionConfig``; group: the SP process group or None for SP=1. Runs no
     collectives (the planner calls it under a fake process group). Returns the undo handle.
     """
-    kernel = kernels.check_kernel(attn_cfg.kernel)
+    backend = kernels.KernelChoice(attn_cfg.kernel)
     hpc = attn_cfg.heads_per_chunk
     sp = 1 if group is None else dist.get_world_size(group)
     tc = text_config(model.config)
@@ -113,7 +114,8 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
         # config-level error naming the key; what that check does not cover raises Schedule's ValueError
         check_heads_per_chunk(hpc, heads, kv, sp)
         schedule = Schedule(heads, kv, sp, hpc)
-    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel, schedule=schedule)
+    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=backend.name, backend=backend,
+                   schedule=schedule)
     handle = UntiedInstall()
     if attn_cfg.fuse_projections:
         _install_fused(model, tc, state, handle)
@@ -288,7 +290,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias, bo=o.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
         group=state.group, heads_per_chunk=state.heads_per_chunk,
-        backend=kernels.get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling,
+        backend=state.backend.on(hidden_states.device), causal=True, scale=self.scaling,
         docs=docs, schedule=state.schedule)
     return out, None
 
@@ -336,7 +338,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     # the install's schedule is for the config's head counts; a module attending over others gets its own
     sched = sc if (q.shape[2], k.shape[2]) == (sc.heads, sc.kv_heads) else None
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
-                                  backend=kernels.get_backend(state.kernel, q.device), causal=True,
+                                  backend=state.backend.on(q.device), causal=True,
                                   scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
                                   schedule=sched)
     return out, None
