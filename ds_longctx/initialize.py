@@ -95,9 +95,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective
 
     if lc.attention.heads_per_chunk == "auto":
+        # the planner checked every candidate against the model and world (Planner.run: check_against)
         ds_config = _resolve_auto(ds_config, model_config, world)
         lc = parse(ds_config)
-        check_against(lc, model_config, world)
 
     ds_mpu = comm.initialize_groups(sp)
     compat.check_mpu(mpu, sp)

@@ -133,10 +133,13 @@ class UntiedAttentionBlock(torch.autograd.Function):
 def untied_attention_block(x, cos, sin, wq, wk, wv, wo, *, heads: int, kv_heads: int, spec: ProjectionSpec,
                            norm_weight=None, norm_eps: float = 1e-6, bq=None, bk=None, bv=None, bo=None,
                            q_norm=None, k_norm=None, group=None, heads_per_chunk: int = 1, backend=None,
-                           causal: bool = True, scale: Optional[float] = None, docs=None) -> torch.Tensor:
+                           causal: bool = True, scale: Optional[float] = None, docs=None,
+                           schedule: Optional[Schedule] = None) -> torch.Tensor:
     """``o_proj(attention(rms_norm(x)))`` for the sequence-sharded layer input x [b, s, D] (``norm_weight``
     None: no norm). Returns [b, s, D]; the residual add is the caller's. ``docs``: packed-document
-    structure of the gathered sequence (attention/documents.py), None for one causal sequence."""
+    structure of the gathered sequence (attention/documents.py), None for one causal sequence.
+    ``schedule``: a Schedule built (and validated) once by the caller for ``heads``, ``kv_heads`` and
+    ``group``, used as given (the installed path builds it at install, not per forward)."""
     if backend is None:
         from .kernels import get_backend
 
@@ -149,7 +152,8 @@ def untied_attention_block(x, cos, sin, wq, wk, wv, wo, *, heads: int, kv_heads:
     if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"untied attention block: input norm weight is {tuple(norm_weight.shape)}, expected "
                          f"({x.shape[-1]},)")
-    stage = StageSpec(Schedule(heads, kv_heads, _sp(group), heads_per_chunk), group, backend, causal, scale, spec)
+    sched = schedule if schedule is not None else Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
+    stage = StageSpec(sched, group, backend, causal, scale, spec)
     return UntiedAttentionBlock.apply(x, norm_weight, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, wo, bo, stage,
                                       norm_eps)
 

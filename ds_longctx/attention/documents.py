@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..measure.fake import is_simulated
 from .kernels import Backend
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
@@ -220,7 +221,7 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              labels=labels, shift_labels=shift_labels, **kwargs)
             raise custom_mask_error(attention_mask)  # before any collective (same batch structure on every rank)
-        if cu is None and doc_lens is None and _simulated(input_ids):
+        if cu is None and doc_lens is None and is_simulated(input_ids):
             # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
             return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          labels=labels, shift_labels=shift_labels, **kwargs)
@@ -261,15 +262,6 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                      shift_labels=shift_labels, **kwargs)
 
     model.forward = types.MethodType(forward, model)
-
-
-def _simulated(t) -> bool:
-    """A fake (planner) or meta tensor: shapes only, no values."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or t.device.type == "meta"
 
 
 def _check_contiguous_shards(position_ids, attention_mask, group) -> None:

@@ -35,7 +35,7 @@ from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG
 from .heads import check_heads_per_chunk
-from .untied import ProjectionSpec, untied_attention_qkv
+from .untied import ProjectionSpec, Schedule, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
 
@@ -46,7 +46,17 @@ class _State:
     sp: int
     heads_per_chunk: int
     kernel: str
+    backend: kernels.KernelChoice  # the kernel name checked once at install, resolved once per device type
+    schedule: Schedule  # built once at install for the model's head counts and the SP degree
     facts: Optional[AttentionFacts] = None
+
+
+@dataclass(frozen=True)
+class _FusedLayer:
+    """What one attention module's fused forward needs that does not change between calls (built at install)."""
+    spec: ProjectionSpec
+    heads: int
+    kv_heads: int
 
 
 class UntiedInstall:
@@ -64,6 +74,7 @@ class UntiedInstall:
             m.__class__ = cls
             m.__dict__.pop("forward", None)
             m.__dict__.pop("_ds_longctx_untied", None)
+            m.__dict__.pop("_ds_longctx_fused", None)
         self.fused_modules = []
         for attn, norm in self.fused_norms:
             norm.__dict__.pop("forward", None)
@@ -85,14 +96,26 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
     attn_cfg: ``config.AttentionConfig``; group: the SP process group or None for SP=1. Runs no
     collectives (the planner calls it under a fake process group). Returns the undo handle.
     """
-    kernel = kernels.check_kernel(attn_cfg.kernel)
+    backend = kernels.KernelChoice(attn_cfg.kernel)
     hpc = attn_cfg.heads_per_chunk
     sp = 1 if group is None else dist.get_world_size(group)
     tc = text_config(model.config)
     heads = tc.num_attention_heads
     kv = getattr(tc, "num_key_value_heads", None) or heads
-    check_heads_per_chunk(hpc, heads, kv, sp)
-    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel)
+    # validated here once (Schedule's own check); every forward uses this schedule as given
+    schedule = None
+    if isinstance(hpc, int) and not isinstance(hpc, bool):
+        try:
+            schedule = Schedule(heads, kv, sp, hpc)
+        except ValueError:
+            pass
+    if schedule is None:
+        # a caller that skipped config.check_against (patch_model/install_untied called directly) gets the
+        # config-level error naming the key; what that check does not cover raises Schedule's ValueError
+        check_heads_per_chunk(hpc, heads, kv, sp)
+        schedule = Schedule(heads, kv, sp, hpc)
+    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=backend.name, backend=backend,
+                   schedule=schedule)
     handle = UntiedInstall()
     if attn_cfg.fuse_projections:
         _install_fused(model, tc, state, handle)
@@ -121,8 +144,10 @@ def _install_fused(model, tc, state: _State, handle: UntiedInstall):
                           f"set {FUSE_KEY} to false")
     state.facts = facts
     for m in found:
+        layer = _fused_layer(m, facts)
         handle.fused_modules.append((m, type(m)))
         m._ds_longctx_untied = state
+        m._ds_longctx_fused = layer
         m.forward = types.MethodType(_fused_forward, m)
         m.__class__ = _positional_call_class(type(m))
     handle.fused_norms = _fuse_input_norms(model, found)
@@ -209,8 +234,26 @@ def _sliding_window(module, facts: AttentionFacts):
     return obj
 
 
+def _fused_layer(module, facts: AttentionFacts) -> _FusedLayer:
+    """The per-module constants of the fused forward: projection spec (q/k-norm eps), head counts, and the
+    check of q_proj's rows against the config (on the full shape: ``ds_shape`` under ZeRO-3)."""
+    qn = getattr(module, facts.q_norm) if facts.q_norm else None
+    eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", 1e-6)) if qn is not None else None
+    spec = ProjectionSpec(head_dim=module.head_dim, rope=rope_bshd,
+                          norm=(lambda t, w, eps=eps: rms_norm(t, w, eps)) if qn is not None else None)
+    tc = module.config
+    heads, kv_heads = tc.num_attention_heads, tc.num_key_value_heads
+    w = getattr(module, facts.q).weight
+    shape = tuple(getattr(w, "ds_shape", None) or w.shape)
+    H = shape[0] // module.head_dim if len(shape) == 2 and shape[0] * shape[1] else None
+    if H is not None and H != heads:
+        raise ValueError(f"untied attention: q_proj has {H} heads, config says {heads}")
+    return _FusedLayer(spec=spec, heads=heads, kv_heads=kv_heads)
+
+
 def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
     state: _State = self._ds_longctx_untied
+    layer: _FusedLayer = self._ds_longctx_fused
     facts = state.facts
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if cache is not None and not self.training:
@@ -231,14 +274,6 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     q, k, v, o = (getattr(self, n) for n in (facts.q, facts.k, facts.v, facts.o))
     qn = getattr(self, facts.q_norm) if facts.q_norm else None
     kn = getattr(self, facts.k_norm) if facts.k_norm else None
-    eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", 1e-6)) if qn is not None else None
-    spec = ProjectionSpec(head_dim=self.head_dim, rope=rope_bshd,
-                          norm=(lambda t, w, eps=eps: rms_norm(t, w, eps)) if qn is not None else None)
-    H = q.weight.shape[0] // self.head_dim if q.weight.dim() == 2 and q.weight.numel() else None
-    tc = self.config
-    heads, kv_heads = tc.num_attention_heads, tc.num_key_value_heads
-    if H is not None and H != heads:
-        raise ValueError(f"untied attention: q_proj has {H} heads, config says {heads}")
     norm = self.__dict__.get("_ds_longctx_input_norm")
     norm_w = norm.weight if norm is not None else None
     if norm_w is not None and norm_w.numel() != hidden_states.shape[-1]:
@@ -251,12 +286,12 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     # weights are gathered with the attention module (a ZeRO-3 leaf)
     out = untied_attention_block(
         hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
-        o.weight, heads=heads, kv_heads=kv_heads, spec=spec, norm_weight=norm_w,
+        o.weight, heads=layer.heads, kv_heads=layer.kv_heads, spec=layer.spec, norm_weight=norm_w,
         norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias, bo=o.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
         group=state.group, heads_per_chunk=state.heads_per_chunk,
-        backend=kernels.get_backend(state.kernel, hidden_states.device), causal=True, scale=self.scaling,
-        docs=docs)
+        backend=state.backend.on(hidden_states.device), causal=True, scale=self.scaling,
+        docs=docs, schedule=state.schedule)
     return out, None
 
 
@@ -299,9 +334,13 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    sc = state.schedule
+    # the install's schedule is for the config's head counts; a module attending over others gets its own
+    sched = sc if (q.shape[2], k.shape[2]) == (sc.heads, sc.kv_heads) else None
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
-                                  backend=kernels.get_backend(state.kernel, q.device), causal=True,
-                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs)
+                                  backend=state.backend.on(q.device), causal=True,
+                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
+                                  schedule=sched)
     return out, None
 
 

@@ -519,6 +519,30 @@ def get_backend(name: str, device: torch.device) -> Backend:
     check_kernel(name)
     if dev in _OVERRIDES:
         return _instance(_OVERRIDES[dev])
+    return _resolve(name, dev)
+
+
+class KernelChoice:
+    """One config value of ``long_context.attention.kernel``, checked once (here) and resolved once per device
+    type (at its first use): what an install holds instead of calling :func:`get_backend` per forward. An
+    :func:`overridden` device type still wins at every call (the planner's stand-in)."""
+
+    def __init__(self, name: str):
+        self.name = check_kernel(name)
+        self._by_device: Dict[str, Backend] = {}
+
+    def on(self, device: torch.device) -> Backend:
+        dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if dev in _OVERRIDES:
+            return _instance(_OVERRIDES[dev])
+        backend = self._by_device.get(dev)
+        if backend is None:
+            backend = self._by_device[dev] = _resolve(self.name, dev)
+        return backend
+
+
+def _resolve(name: str, dev: str) -> Backend:
+    """The backend of an already checked ``name`` for device type ``dev`` (no override)."""
     if name == "auto":
         found = [BACKENDS[c] for c in _AUTO_ORDER.get(dev, ()) if BACKENDS[c].available()]
         if not found:
@@ -556,5 +580,5 @@ def reference_attention(q, k, v, causal: bool, scale: float):
     return out.transpose(1, 2), lse
 
 
-__all__ = ["Backend", "BACKENDS", "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
+__all__ = ["Backend", "BACKENDS", "KernelChoice", "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
            "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]

@@ -660,13 +660,15 @@ def _check_weights(x, wq, wk, wv, heads, kv_heads, d):
 
 
 def untied_attention_qkv(q, k, v, group=None, heads_per_chunk: int = 1, backend: Backend = None,
-                         causal: bool = True, scale: Optional[float] = None, docs=None
-                         ) -> Tuple[torch.Tensor, torch.Tensor]:
+                         causal: bool = True, scale: Optional[float] = None, docs=None,
+                         schedule: Optional[Schedule] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention on sequence-sharded q [b, s, H, d], k/v [b, s, G, d] over the SP ``group``.
 
     Returns (out [b, s, H, d], lse [stages, b, heads_per_chunk, S]); ``Schedule.lse_heads(rank)`` names
     the query head of each LSE row. ``docs`` (``documents.Documents`` of the gathered sequence):
-    attention is causal within each document.
+    attention is causal within each document. ``schedule``: a Schedule the caller built (and so
+    validated) once for these head counts and ``group``, used as given instead of one built from
+    ``heads_per_chunk`` on every call (the installed path builds it at install).
     """
     if backend is None:
         from .kernels import get_backend
@@ -674,17 +676,19 @@ def untied_attention_qkv(q, k, v, group=None, heads_per_chunk: int = 1, backend:
         backend = get_backend("auto", q.device)
     backend = with_documents(backend, docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    sched = Schedule(q.shape[2], k.shape[2], _sp(group), heads_per_chunk)
+    sched = schedule if schedule is not None else Schedule(q.shape[2], k.shape[2], _sp(group), heads_per_chunk)
     return UntiedQKVAttention.apply(q, k, v, StageSpec(sched, group, backend, causal, scale))
 
 
 def untied_attention_fused(x, cos, sin, wq, wk, wv, *, heads: int, kv_heads: int, spec: ProjectionSpec,
                            bq=None, bk=None, bv=None, q_norm=None, k_norm=None, group=None,
                            heads_per_chunk: int = 1, backend: Backend = None, causal: bool = True,
-                           scale: Optional[float] = None, docs=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                           scale: Optional[float] = None, docs=None, schedule: Optional[Schedule] = None
+                           ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Project, rotate and attend per head chunk from the sequence-sharded layer input x [b, s, D].
 
     Returns (out [b, s, H, d], lse) like :func:`untied_attention_qkv`; o_proj is the caller's.
+    ``schedule``: as in :func:`untied_attention_qkv`.
     """
     if backend is None:
         from .kernels import get_backend
@@ -692,5 +696,6 @@ def untied_attention_fused(x, cos, sin, wq, wk, wv, *, heads: int, kv_heads: int
         backend = get_backend("auto", x.device)
     backend = with_documents(backend, docs)
     scale = spec.head_dim ** -0.5 if scale is None else scale
-    stage = StageSpec(Schedule(heads, kv_heads, _sp(group), heads_per_chunk), group, backend, causal, scale, spec)
+    sched = schedule if schedule is not None else Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
+    stage = StageSpec(sched, group, backend, causal, scale, spec)
     return UntiedFusedAttention.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stage)

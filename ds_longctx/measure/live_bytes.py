@@ -13,6 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .fake import is_fake
+
 
 def _storage_key_and_bytes(t: torch.Tensor):
     try:
@@ -20,14 +22,10 @@ def _storage_key_and_bytes(t: torch.Tensor):
     except Exception:  # sparse / nested etc.
         return None, 0
     try:
-        key = st.data_ptr() if t.device.type != "meta" and not _is_fake(t) else id(st)
+        key = st.data_ptr() if t.device.type != "meta" and not is_fake(t) else id(st)
     except Exception:
         key = id(st)
     return (t.device.type, key, id(st)), st.nbytes()
-
-
-def _is_fake(t) -> bool:
-    return type(t).__name__ == "FakeTensor"
 
 
 class LiveBytesTracker(TorchDispatchMode):
@@ -60,7 +58,7 @@ class LiveBytesTracker(TorchDispatchMode):
         self.peak_breakdown = dict(self.live_by_tag)
 
     def _track(self, t: torch.Tensor):
-        if self.device_type is not None and t.device.type != self.device_type and not _is_fake(t):
+        if self.device_type is not None and t.device.type != self.device_type and not is_fake(t):
             return
         key, nbytes = _storage_key_and_bytes(t)
         if key is None or key in self._seen or nbytes == 0:

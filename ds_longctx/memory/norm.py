@@ -16,6 +16,7 @@ from typing import List
 
 import torch
 
+from ..measure.fake import is_simulated
 from ..models import is_llama_style_rmsnorm  # noqa: F401  (re-exported: which norms have Llama's formula)
 
 # fp32 elements per forward/backward tile: 128 MiB per fp32 temporary, small next to a layer at 1M+ tokens
@@ -31,9 +32,7 @@ def tile_starts(x, rows: int, step: int):
     """First rows of the row tiles. Under the planner's fake tensors only the first tile runs: tiles hold
     nothing across iterations (results go into preallocated rows) and the first is the largest, so it
     alone reaches the loop's memory peak; the others would only multiply the simulation's fake ops."""
-    from .tiling import _is_fake
-
-    if _is_fake(x):
+    if is_simulated(x):
         return _Representative(rows, step)
     return range(0, rows, step)
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, lm_logits
+from ..measure.fake import is_simulated
 from ..measure.flops import representing
 from ..models import mlp_class_names
 
@@ -40,17 +41,13 @@ def auto_shards(local_seq: int, hidden: int) -> int:
     return max(1, math.ceil(local_seq / max(1, hidden)))
 
 
-def _is_fake(t) -> bool:
-    return t is not None and (type(t).__name__ == "FakeTensor" or t.device.type == "meta")
-
-
 def agree_max(local: int, group=None, like: Optional[torch.Tensor] = None) -> int:
     """MAX of ``local`` over ``group`` (None: every rank). Every rank must call it at the same point.
 
     The group must cover every rank that shares ZeRO-3 parameter all-gathers with this one: with
     DP x SP that is the whole world, not the SP group, so callers pass None.
     """
-    if not (dist.is_available() and dist.is_initialized()) or _is_fake(like):
+    if not (dist.is_available() and dist.is_initialized()) or is_simulated(like):
         return int(local)  # under the planner's fake tensors there is nothing to read back
     if dist.get_world_size(group) == 1:
         return int(local)
@@ -102,7 +99,7 @@ class TiledRowsFunction(torch.autograd.Function):
         row = 0
         pieces = torch.tensor_split(flat, shards, dim=0)
         work = contextlib.nullcontext()
-        if _is_fake(flat):
+        if is_simulated(flat):
             # under the planner's fake tensors only the first (largest) shard runs: a shard keeps nothing
             # once done (results go into preallocated rows; the planner drops each full weight gradient
             # as it is accumulated), so it alone shows the loop's peak, and the others would only
@@ -130,7 +127,7 @@ class TiledRowsFunction(torch.autograd.Function):
         try:
             pairs = zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(g, shards, 0))
             work = contextlib.nullcontext()
-            if _is_fake(flat):
+            if is_simulated(flat):
                 # the planner's fake tensors: one shard shows the loop's peak (see forward)
                 pairs = [next(pairs)]
                 work = representing(flat.shape[0] / max(1, pairs[0][0].shape[0]))
