@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..models import (FUSED_ARCHITECTURES, AttentionFacts, facts_for, is_llama_style_rmsnorm, rms_norm, rope_bshd,
-                      text_config)
+from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
+                      is_llama_style_rmsnorm, rms_norm, rope_bshd, text_config)
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG
@@ -46,6 +46,7 @@ class _State:
     sp: int
     heads_per_chunk: int
     kernel: str
+    shape: Optional[AttentionShape] = None  # heads, KV heads, head_dim (models.attention_shape), read once
     facts: Optional[AttentionFacts] = None
 
 
@@ -89,10 +90,9 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
     hpc = attn_cfg.heads_per_chunk
     sp = 1 if group is None else dist.get_world_size(group)
     tc = text_config(model.config)
-    heads = tc.num_attention_heads
-    kv = getattr(tc, "num_key_value_heads", None) or heads
-    check_heads_per_chunk(hpc, heads, kv, sp)
-    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel)
+    shape = attention_shape(tc)
+    check_heads_per_chunk(hpc, shape.heads, shape.kv_heads, sp)
+    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=kernel, shape=shape)
     handle = UntiedInstall()
     if attn_cfg.fuse_projections:
         _install_fused(model, tc, state, handle)
@@ -232,11 +232,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     qn = getattr(self, facts.q_norm) if facts.q_norm else None
     kn = getattr(self, facts.k_norm) if facts.k_norm else None
     eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", 1e-6)) if qn is not None else None
-    spec = ProjectionSpec(head_dim=self.head_dim, rope=rope_bshd,
+    spec = ProjectionSpec(head_dim=state.shape.head_dim, rope=rope_bshd,
                           norm=(lambda t, w, eps=eps: rms_norm(t, w, eps)) if qn is not None else None)
-    H = q.weight.shape[0] // self.head_dim if q.weight.dim() == 2 and q.weight.numel() else None
-    tc = self.config
-    heads, kv_heads = tc.num_attention_heads, tc.num_key_value_heads
+    H = q.weight.shape[0] // state.shape.head_dim if q.weight.dim() == 2 and q.weight.numel() else None
+    heads, kv_heads = state.shape.heads, state.shape.kv_heads
     if H is not None and H != heads:
         raise ValueError(f"untied attention: q_proj has {H} heads, config says {heads}")
     norm = self.__dict__.get("_ds_longctx_input_norm")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from ._common import (Architecture, AttentionFacts, is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
+from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
                       rotate_half, text_config)
 from .llama import LLAMA, MISTRAL
 from .qwen import QWEN2, QWEN3
@@ -35,6 +35,6 @@ def supported_names() -> str:
     return ", ".join(ARCHITECTURES)
 
 
-__all__ = ["Architecture", "ARCHITECTURES", "AttentionFacts", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
+__all__ = ["Architecture", "ARCHITECTURES", "AttentionFacts", "AttentionShape", "attention_shape", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
            "supported_names", "layer_role", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
            "text_config"]
