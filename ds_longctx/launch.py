@@ -41,6 +41,34 @@ def env_from_slurm() -> bool:
 
 DEFAULT_MASTER_PORT = 29500
 
+# the process count as each launcher exports it: deepspeed/torchrun, Open MPI, MPICH/Intel MPI, srun
+_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def launched_world_size() -> int:
+    """Processes of this job as the launcher announced them, before any process group exists (1 when
+    started as a plain ``python script.py``)."""
+    for var in _WORLD_VARS:
+        value = os.environ.get(var)
+        if value and value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def check_launch(sp: int) -> int:
+    """The world must be a multiple of ``sequence_parallel_size``; checked from the launcher's environment
+    before any model is built (an SP-8 config started on one process otherwise builds the whole model
+    first). Same verdict on every rank. Returns the world size."""
+    world = launched_world_size()
+    if world % sp:
+        how = ("a plain `python` start is one process" if world == 1 and not any(os.environ.get(v) for v in _WORLD_VARS)
+               else f"the launcher started {world}")
+        raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world of {world} process"
+                          f"{'es' if world != 1 else ''} ({how})",
+                          f"launch a multiple of {sp} processes (e.g. deepspeed --num_gpus {sp} ..., torchrun "
+                          f"--nproc_per_node {sp} ...), or set sequence_parallel_size to a divisor of {world}")
+    return world
+
 
 def master_port(distributed_port: Optional[int] = None) -> int:
     """The rendezvous port: an explicit ``MASTER_PORT`` in the environment (what every launcher and
