@@ -27,6 +27,10 @@ def arch_config(name: str):
     if name == "qwen2_moe":
         return tf.Qwen2MoeConfig(**BASE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                  moe_intermediate_size=24, shared_expert_intermediate_size=24)
+    if name == "gemma2":  # window covering the samples (SP refuses shorter ones)
+        return tf.Gemma2Config(**BASE, num_key_value_heads=2, head_dim=8, sliding_window=64)
+    if name == "gemma3":
+        return tf.Gemma3TextConfig(**BASE, num_key_value_heads=2, head_dim=8, sliding_window=64)
     if name == "llama":
         return tf.LlamaConfig(**BASE, num_key_value_heads=2)
     raise KeyError(name)
@@ -36,7 +40,8 @@ def build_arch(name: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(arch_config(name), dtype=torch.float32, attn_implementation="sdpa")
+    attn = "eager" if name == "gemma2" else "sdpa"  # transformers has no sdpa path for Gemma2 (soft-capping)
+    return AutoModelForCausalLM.from_config(arch_config(name), dtype=torch.float32, attn_implementation=attn)
 
 
 def sample(seq: int = 16, seed: int = 0):

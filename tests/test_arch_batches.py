@@ -64,6 +64,10 @@ def test_train_py_sp8_config_on_one_process_fails_before_the_model():
 
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
+# the memory stack: offloaded checkpointing, tiled MLP (the MoE block as a whole), tiled loss, RMSNorm
+STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+         "tiled_mlp": {"enabled": True, "shards": 3}, "tiled_loss": {"enabled": True, "shards": 2},
+         "rms_norm": {"enabled": True}}
 
 
 def _engines(rank, world):
@@ -76,7 +80,7 @@ def _engines(rank, world):
     batch = sample(16)
     for name in ARCHS:
         ref = reference(name, batch)
-        for impl, lc in (("ulysses", ULYSSES), ("untied", UNTIED)):
+        for impl, lc in (("ulysses", ULYSSES), ("untied", UNTIED), ("untied+stack", {**UNTIED, **STACK})):
             loss, deltas = sp_step(name, lc, batch, rank)
             moved = min(float(d.abs().max()) for d in ref[1].values())  # the test can fail: every parameter moved
             out["exact"][name, impl] = (ref[0], loss, max_delta_error(ref[1], deltas, ref[2]), moved)
@@ -189,3 +193,70 @@ def test_trainer_evaluate_under_sp_equals_one_process():
             print(key, got, ref, turns)
             assert isclose(got, ref, 1e-5), (key, got, ref)
             assert turns and all(t in (1, 2) for t in turns), (key, turns)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiled MLP over more architectures (models/gemma.py, models/others.py)
+# ---------------------------------------------------------------------------------------------
+
+MLP_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox", "mixtral", "qwen2_moe")
+
+
+@pytest.mark.parametrize("name", MLP_ARCHS)
+def test_tiled_mlp_is_exact_per_architecture(name):
+    """One process: the tiled MLP (3 tiles over 16 tokens, one of them uneven) gives HF's loss and gradients;
+    every decoder layer's MLP (the MoE block as a whole) is tiled."""
+    from arch_cases import build_arch, sample
+
+    from ds_longctx.config import parse
+    from ds_longctx.memory import tiling
+    from ds_longctx.patch import patch_model
+
+    batch = sample(16)
+    ref = build_arch(name)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    model = build_arch(name)
+    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
+                                                              "tiled_mlp": {"enabled": True, "shards": 3}}})
+    handle = patch_model(model, lc)
+    calls = []
+    real = tiling.TiledRowsFunction.apply
+    tiling.TiledRowsFunction.apply = lambda *a: calls.append(a[3]) or real(*a)
+    try:
+        loss = model(**batch).loss
+        loss.backward()
+    finally:
+        tiling.TiledRowsFunction.apply = real
+        handle.remove()
+    assert len(handle.memory.tiled_mlps if handle.memory else []) == 0  # removed
+    assert calls == [3] * model.config.num_hidden_layers, calls
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        assert p.grad is not None and grads[n].grad.abs().max() > 0, n
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_tiled_mlp_refuses_router_jitter():
+    """Mixtral's router jitter draws noise in training: a tile recomputed in backward would see other noise."""
+    from transformers import AutoModelForCausalLM
+
+    from arch_cases import arch_config, sample
+    from ds_longctx.config import parse
+    from ds_longctx.patch import patch_model
+
+    cfg = arch_config("mixtral")
+    cfg.router_jitter_noise = 0.1
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
+                                                              "tiled_mlp": {"enabled": True, "shards": 2}}})
+    handle = patch_model(model, lc)
+    try:
+        e = config_error(lambda: model(**sample(16)))
+        model.eval()
+        with torch.no_grad():
+            assert model(**sample(16)).loss is not None  # no noise in eval: tiled
+    finally:
+        handle.remove()
+    assert e.startswith("long_context.tiled_mlp.enabled") and "jitter_noise=0.1" in e

@@ -109,13 +109,21 @@ class AttentionFacts:
 @dataclass(frozen=True)
 class Architecture:
     """Everything ds_longctx knows about one HF architecture. Adding one: a file here defining its
-    ``Architecture``, one line in ``models/__init__.py``'s registry, a tiny config in tests/tiny_models.py."""
-    attention: AttentionFacts     # fused untied attention: where q/k/v/o, q/k-norm, sliding window live
+    ``Architecture``, one line in ``models/__init__.py``'s registry, a tiny config in tests/tiny_models.py
+    (fused attention) or tests/arch_cases.py (MLP only)."""
+    attention: Optional[AttentionFacts]  # fused untied attention: where q/k/v/o, q/k-norm, sliding window live;
+    #                                      None: no fused path (untied runs at the attention-function level)
     mlp_class: str                # decoder MLP class, pointwise over tokens (sequence tiling is exact)
+    types: Tuple[str, ...] = ()   # model_type(s) when there are no attention facts to carry them
+    # the MLP's forward unpacks [batch, seq, hidden] (MoE blocks): tiles are given as [1, rows, hidden]
+    mlp_batched: bool = False
+    # a module attribute adding random noise to the MLP's input in training (Mixtral's router jitter): a tile
+    # recomputed in backward would draw other noise than its forward, so tiling is refused while it is on
+    mlp_noise_attr: Optional[str] = None
 
     @property
     def model_types(self) -> Tuple[str, ...]:
-        return self.attention.model_types
+        return self.attention.model_types if self.attention is not None else self.types
 
 
 def layer_role(child_name: str) -> Optional[str]:
