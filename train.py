@@ -258,14 +258,14 @@ def main(argv=None):
     ds_config = load_ds_config(args.deepspeed_config)
     lc = parse(ds_config)
     seq_len = validate_args(args, lc)  # every rank, before the first collective
-    from ds_longctx.launch import check_launch
-
-    check_launch(lc.sequence_parallel_size)  # world vs SP from the launcher's environment, before the model
     if not args.model:  # a config far beyond the model (the tiny preset given an 8B config): say so now
         from ds_longctx.compat import check_model_scale
 
         check_model_scale(lc, load_model_config(args.model_config or DEFAULT_MODEL_CONFIG), seq_len,
                           f"--model-config {args.model_config}" if args.model_config else None)
+    from ds_longctx.launch import check_launch
+
+    check_launch(lc.sequence_parallel_size)  # world vs SP from the launcher's environment, before the model
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,
