@@ -59,8 +59,8 @@ def test_block_matches_separate_pieces(H, G, u, extras, monkeypatch):
     y0, g0 = _run(False, p, cos, sin, H, G, u, extras, gy)
     y1, g1 = _run(True, p, cos, sin, H, G, u, extras, gy)
     assert torch.equal(y1, y0)  # same ops on the same values
-    for k in g0:
-        assert _rel(g1[k], g0[k]) <= 1e-6, (k, _rel(g1[k], g0[k]))
+    for k in g0:  # per-tile GEMMs sum in another order: fp32 rounding, up to 1.4e-6 measured on a 2-core x86 VM
+        assert _rel(g1[k], g0[k]) <= 4e-6, (k, _rel(g1[k], g0[k]))
 
 
 def test_block_bf16_forward_bit_equal_and_grads_close():

@@ -148,4 +148,5 @@ def test_kernel_values_come_from_the_kernel_registry():
     from ds_longctx.config import AttentionConfig
 
     assert get_args(AttentionConfig.model_fields["kernel"].annotation) == kernel_names()
-    assert set(kernel_names()) == {"auto", "flash_attention_3", "flash_attention_2", "sdpa"}
+    assert set(kernel_names()) == {"auto", "flash_attention_3", "flash_attention_2", "sdpa_cuda_cudnn", "sdpa_cuda_flash",
+                                   "sdpa"}
