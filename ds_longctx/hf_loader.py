@@ -16,6 +16,10 @@ to the group by broadcast (after one small all-gather of shapes), so ranks may h
 length. A row whose length is not a multiple of SP is padded at the end with one ignored document.
 Written rather than reused because DeepSpeed's adapter cannot take these rows (see above).
 
+Evaluation takes the same turns: a full-length eval batch reaching the model (the HF Trainer's eval loop,
+``engine.eval()`` in a plain loop) is sharded by :func:`shard_in_turns` (called from ``sp_batch``), so an eval
+step's memory is a training step's forward.
+
 Turns are right when each rank's loader holds different samples (the HF Trainer's loader is sharded over
 all ranks). A plain Accelerate loop prepared with a ``ParallelismConfig`` shards its loader over the DP
 dimension only, so every rank of an SP group holds the same batch, and turns would train each sample SP

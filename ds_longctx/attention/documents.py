@@ -24,7 +24,6 @@ import types
 from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ConfigError
 from .kernels import Backend
