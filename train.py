@@ -263,9 +263,11 @@ def main(argv=None):
 
         check_model_scale(lc, load_model_config(args.model_config or DEFAULT_MODEL_CONFIG), seq_len,
                           f"--model-config {args.model_config}" if args.model_config else None)
+    from ds_longctx.initialize import init_distributed
     from ds_longctx.launch import check_launch
 
-    check_launch(lc.sequence_parallel_size)  # world vs SP from the launcher's environment, before the model
+    init_distributed(ds_config)  # (model_init would start it next) every rank passes the rendezvous, then
+    check_launch(lc.sequence_parallel_size)  # world vs SP, on every rank together, before the model is built
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,

@@ -58,13 +58,16 @@ def launched_world_size() -> int:
 def check_launch(sp: int) -> int:
     """The world must be a multiple of ``sequence_parallel_size``; checked from the launcher's environment
     before any model is built (an SP-8 config started on one process otherwise builds the whole model
-    first). Same verdict on every rank. Returns the world size."""
-    world = launched_world_size()
+    first). The process group's size once it is started (train.py starts it first, so every rank reaches the
+    verdict after the rendezvous, together). Same verdict on every rank. Returns the world size."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else launched_world_size()
     if world % sp:
-        how = ("a plain `python` start is one process" if world == 1 and not any(os.environ.get(v) for v in _WORLD_VARS)
-               else f"the launcher started {world}")
-        raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world of {world} process"
-                          f"{'es' if world != 1 else ''} ({how})",
+        how = ("one process: a plain `python` start, or a launcher asked for one" if world == 1
+               else f"the launcher started {world} processes")
+        # the wording of config.check_against's same check (which runs later, for callers of initialize)
+        raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world size {world} ({how})",
                           f"launch a multiple of {sp} processes (e.g. deepspeed --num_gpus {sp} ..., torchrun "
                           f"--nproc_per_node {sp} ...), or set sequence_parallel_size to a divisor of {world}")
     return world

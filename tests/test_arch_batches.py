@@ -40,10 +40,10 @@ def test_launch_world_must_be_a_multiple_of_sp(monkeypatch):
     for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
     e = config_error(check_launch, 8)
-    assert e.startswith("sequence_parallel_size: 8 does not divide the world of 1 process")
+    assert e.startswith("sequence_parallel_size: 8 does not divide the world size 1")
     assert "plain `python` start" in e and "deepspeed --num_gpus 8" in e
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "12")
-    assert "world of 12 processes" in config_error(check_launch, 8)
+    assert "world size 12 (the launcher started 12 processes)" in config_error(check_launch, 8)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "16")
     assert check_launch(8) == 16
 
@@ -55,7 +55,7 @@ def test_train_py_sp8_config_on_one_process_fails_before_the_model():
                         "ds_configs/models/llama3-8b.json"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode != 0
-    assert "sequence_parallel_size: 8 does not divide the world of 1 process" in p.stdout + p.stderr, p.stderr[-2000:]
+    assert "sequence_parallel_size: 8 does not divide the world size 1" in p.stdout + p.stderr, p.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------
