@@ -484,6 +484,11 @@ def main(argv=None):
     if args.resume:  # every rank reads the same files: the same verdict everywhere, before any collective
         resume = find_resume_tag(args.resume)
         check_resume_model(resume[1], model_facts(model_config), os.path.join(args.resume, resume[0]))
+    from ds_longctx.initialize import init_distributed
+    from ds_longctx.launch import check_launch
+
+    init_distributed()  # (model_init would start it next) every rank passes the rendezvous, then
+    check_launch(lc.sequence_parallel_size)  # world vs SP, on every rank together, before the model is built
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,

@@ -239,8 +239,10 @@ def check_model_scale(lc, model_config, seq_len: int, model_flag: Optional[str] 
     8B 5M-token config with the tiny default preset), before any model or group is built.
 
     ``model_flag``: how the model was chosen ("--model-config PATH"), None for the default preset."""
+    from .models import attention_shape
+
     tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    heads = tc.num_attention_heads
+    heads = attention_shape(tc).heads
     max_pos = getattr(tc, "max_position_embeddings", None)
     sp = lc.sequence_parallel_size
     which = model_flag or "the tiny default preset (ds_configs/models/tiny-llama.json)"

@@ -331,11 +331,10 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
                           f"use a multiple of {sp}, e.g. {(seq // sp + 1) * sp}")
     if model_config is None:
         return
-    from .models import text_config
+    from .models import attention_shape
 
-    tc = text_config(model_config)
-    heads = tc.num_attention_heads
-    kv = getattr(tc, "num_key_value_heads", None) or heads
+    shape = attention_shape(model_config)
+    heads, kv = shape.heads, shape.kv_heads
     impl = cfg.attention.implementation
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)

@@ -16,6 +16,10 @@ to the group by broadcast (after one small all-gather of shapes), so ranks may h
 length. A row whose length is not a multiple of SP is padded at the end with one ignored document.
 Written rather than reused because DeepSpeed's adapter cannot take these rows (see above).
 
+Evaluation takes the same turns: a full-length eval batch reaching the model (the HF Trainer's eval loop,
+``engine.eval()`` in a plain loop) is sharded by :func:`shard_in_turns` (called from ``sp_batch``), so an eval
+step's memory is a training step's forward.
+
 Turns are right when each rank's loader holds different samples (the HF Trainer's loader is sharded over
 all ranks). A plain Accelerate loop prepared with a ``ParallelismConfig`` shards its loader over the DP
 dimension only, so every rank of an SP group holds the same batch, and turns would train each sample SP
@@ -176,22 +180,11 @@ class SPTurnsAdapter:
             self.iter = iter(self.dl)
         try:
             batch = next(self.iter)
-            try:
-                batch = _checked_batch(batch, sp)
-                desc = _describe(batch)
-            except ConfigError as e:  # raised below on every rank of the group, before the broadcasts
-                desc = ("error", e.key, e.problem, e.fix)  # (a ConfigError itself does not unpickle)
         except StopIteration:
             self.iter = None
-            batch, desc = None, None
-        gathered = [None] * sp
-        dist.all_gather_object(gathered, (desc, _fingerprint(batch) if isinstance(desc, dict) else None),
-                               group=self.sp_group)
+            batch = None
+        batch, gathered = _exchange_descriptions(batch, sp, self.sp_group)
         descs = [d for d, _ in gathered]
-        for r, d in enumerate(descs):
-            if isinstance(d, tuple):
-                _, key, problem, fix = d
-                raise ConfigError(key, f"(SP rank {r}'s batch) {problem}", fix)
         if all(d is None for d in descs):
             raise StopIteration
         if any(d is None for d in descs):
@@ -212,21 +205,62 @@ class SPTurnsAdapter:
             local = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             self.micro_batches.append(shard_batch(local, self.sp_rank, sp))
             return
-        for r, d in enumerate(descs):
-            src = dist.get_global_rank(self.sp_group, r)
-            full = {}
-            for k, (kind, *spec) in d.items():
-                if kind == "object":
-                    full[k] = spec[0]
-                    continue
-                shape, dtype = spec
-                if r == self.sp_rank:
-                    t = batch[k].to(self.device).contiguous()
-                else:
-                    t = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.broadcast(t, src=src, group=self.sp_group)
-                full[k] = t
-            self.micro_batches.append(shard_batch(full, self.sp_rank, sp))
+        self.micro_batches.extend(_turn_shards(batch, descs, self.sp_rank, self.sp_group, sp, self.device))
+
+
+def _exchange_descriptions(batch, sp: int, group):
+    """Check this rank's batch (None: out of batches) and all-gather (description, fingerprint) over the
+    SP group; a bad batch on any rank is the same ConfigError on every rank, raised after the exchange."""
+    desc = None
+    if batch is not None:
+        try:
+            batch = _checked_batch(batch, sp)
+            desc = _describe(batch)
+        except ConfigError as e:  # raised below on every rank of the group, before the broadcasts
+            desc = ("error", e.key, e.problem, e.fix)  # (a ConfigError itself does not unpickle)
+    gathered = [None] * sp
+    dist.all_gather_object(gathered, (desc, _fingerprint(batch) if isinstance(desc, dict) else None), group=group)
+    for r, (d, _) in enumerate(gathered):
+        if isinstance(d, tuple):
+            _, key, problem, fix = d
+            raise ConfigError(key, f"(SP rank {r}'s batch) {problem}", fix)
+    return batch, gathered
+
+
+def _turn_shards(batch, descs, sp_rank: int, group, sp: int, device) -> list:
+    """Every rank's batch in turn, sent by its owner to the group: this rank's shard of each."""
+    from .data import shard_batch
+
+    out = []
+    for r, d in enumerate(descs):
+        src = dist.get_global_rank(group, r)
+        full = {}
+        for k, (kind, *spec) in d.items():
+            if kind == "object":
+                full[k] = spec[0]
+                continue
+            shape, dtype = spec
+            if r == sp_rank:
+                t = batch[k].to(device).contiguous()
+            else:
+                t = torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=src, group=group)
+            full[k] = t
+        out.append(shard_batch(full, sp_rank, sp))
+    return out
+
+
+def shard_in_turns(batch: dict, sp_rank: int, group, sp: int, device):
+    """Full-length batches, one per rank of the SP group (evaluation: each rank's loader gave its own), as
+    sequence shards: returns (this rank's shard of every turn's batch, the index of this rank's own batch).
+    A batch every rank holds (replicated) is one turn. Same checks and errors as the training adapter."""
+    from .data import shard_batch
+
+    batch, gathered = _exchange_descriptions(batch, sp, group)
+    if len({fp for _, fp in gathered}) == 1:
+        local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return [shard_batch(local, sp_rank, sp)], 0
+    return _turn_shards(batch, [d for d, _ in gathered], sp_rank, group, sp, device), sp_rank
 
 
 class RoutedSPAdapter:

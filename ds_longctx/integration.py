@@ -22,7 +22,14 @@ rows (TRL ``packing=True, padding_free=True``). While enabled, that name is
 :class:`ds_longctx.hf_loader.RoutedSPAdapter`: ds_longctx's adapter (``shard_batch``, document
 structure, rows of any length) for a ds_longctx engine, DeepSpeed's for any other.
 
-All three patches are process-global; this module is their one owner. ``disable()`` undoes them.
+Accelerate calls DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers(model)`` before
+``deepspeed.initialize``; it reads ``num_key_value_heads`` and ``head_dim`` off the config directly
+(GPT-NeoX has no ``num_key_value_heads``: AttributeError; Mixtral's default ``head_dim`` is None: a
+TypeError in ``torch.Size``). While enabled it is given the model's config with those two read through
+:func:`ds_longctx.models.attention_shape` (the values the model's attention modules compute), nothing else
+changed.
+
+All four patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ from .config import SECTION, load_ds_config
 from .errors import ConfigError
 
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
-#                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter
+#                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,
+#                       "register" -> UlyssesSPAttentionHF.register_with_transformers (as found in its __dict__)
 _inside = threading.local()  # ds_longctx.initialize calls deepspeed.initialize: that call is DeepSpeed's
 _LAST = {"ds_longctx": False}  # did the last routed deepspeed.initialize build a ds_longctx engine?
 _ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
@@ -57,6 +65,7 @@ def enable() -> None:
     deepspeed.initialize = _routed_initialize
     _LAST["ds_longctx"] = False
     _install_sp_adapter()
+    _install_register()
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
@@ -77,6 +86,11 @@ def disable() -> None:
         import importlib
 
         importlib.import_module(_ULYSSES_MODULE).UlyssesSPDataLoaderAdapter = _ORIGINALS.pop("sp_adapter")
+    if "register" in _ORIGINALS:
+        import importlib
+
+        importlib.import_module(_ULYSSES_MODULE).UlyssesSPAttentionHF.register_with_transformers = \
+            _ORIGINALS.pop("register")
     if "sp_loss" in _ORIGINALS:
         import transformers.trainer as hf_trainer
 
@@ -201,6 +215,60 @@ def _install_sp_adapter() -> None:
     _ORIGINALS["sp_adapter"] = original
     mod.UlyssesSPDataLoaderAdapter = functools.partial(RoutedSPAdapter, _deepspeed_cls=original,
                                                        _is_ours=lambda: _LAST["ds_longctx"])
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed's UlyssesSPAttentionHF.register_with_transformers (as Accelerate calls it)
+# ---------------------------------------------------------------------------------------------
+
+
+class _ResolvedConfig:
+    """A model config whose ``num_key_value_heads`` and ``head_dim`` are read through every spelling
+    (models.attention_shape); every other attribute is the config's own."""
+
+    def __init__(self, config):
+        from .models import attention_shape, text_config
+
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_text", text_config(config))
+        object.__setattr__(self, "_shape", attention_shape(config))
+
+    def get_text_config(self, *args, **kwargs):
+        return self if self._text is self._config else _ResolvedConfig(self._text)
+
+    def __getattr__(self, name):
+        if name == "num_key_value_heads":
+            return self._shape.kv_heads
+        if name == "head_dim":
+            return self._shape.head_dim
+        return getattr(self._config, name)
+
+
+class _ConfigView:
+    def __init__(self, config):
+        self.config = config
+
+
+def _install_register() -> None:
+    import importlib
+
+    try:
+        cls = importlib.import_module(_ULYSSES_MODULE).UlyssesSPAttentionHF
+    except (ImportError, AttributeError):
+        return
+    original = cls.__dict__.get("register_with_transformers")
+    if original is None:
+        return
+    bound = cls.register_with_transformers
+
+    def register_with_transformers(klass, model_name_or_path, *args, **kwargs):
+        config = getattr(model_name_or_path, "config", None)
+        if config is not None:
+            model_name_or_path = _ConfigView(_ResolvedConfig(config))
+        return bound(model_name_or_path, *args, **kwargs)
+
+    _ORIGINALS["register"] = original
+    cls.register_with_transformers = classmethod(register_with_transformers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,37 @@ def env_from_slurm() -> bool:
 
 DEFAULT_MASTER_PORT = 29500
 
+# the process count as each launcher exports it: deepspeed/torchrun, Open MPI, MPICH/Intel MPI, srun
+_WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def launched_world_size() -> int:
+    """Processes of this job as the launcher announced them, before any process group exists (1 when
+    started as a plain ``python script.py``)."""
+    for var in _WORLD_VARS:
+        value = os.environ.get(var)
+        if value and value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def check_launch(sp: int) -> int:
+    """The world must be a multiple of ``sequence_parallel_size``; checked from the launcher's environment
+    before any model is built (an SP-8 config started on one process otherwise builds the whole model
+    first). The process group's size once it is started (train.py starts it first, so every rank reaches the
+    verdict after the rendezvous, together). Same verdict on every rank. Returns the world size."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else launched_world_size()
+    if world % sp:
+        how = ("one process: a plain `python` start, or a launcher asked for one" if world == 1
+               else f"the launcher started {world} processes")
+        # the wording of config.check_against's same check (which runs later, for callers of initialize)
+        raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world size {world} ({how})",
+                          f"launch a multiple of {sp} processes (e.g. deepspeed --num_gpus {sp} ..., torchrun "
+                          f"--nproc_per_node {sp} ...), or set sequence_parallel_size to a divisor of {world}")
+    return world
+
 
 def master_port(distributed_port: Optional[int] = None) -> int:
     """The rendezvous port: an explicit ``MASTER_PORT`` in the environment (what every launcher and

@@ -74,17 +74,18 @@ def test_flex_attention_refused_under_sp():
     assert _check("ulysses", LlamaConfig(**SMALL), sp=1, attn="flex_attention") is None
 
 
-def test_gemma3_tiled_mlp_fix_leads_to_the_window_refusal():
-    """The tiled-MLP error's fix (tiled_mlp off) must not lead to wrong training: under SP the window is
-    refused by initialize's check (which runs before the memory stack is installed)."""
+def test_gemma3_tiled_mlp_and_the_window_refusal():
+    """Gemma3's MLP is tiled (models/gemma.py; it used to be refused, with a fix leading to the window case):
+    at SP=1 on 'none' the stack applies, and under SP the window is still refused by initialize's check."""
     from transformers import AutoModelForCausalLM
 
     from ds_longctx.patch import patch_model
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_gemma3(), attn_implementation="sdpa")
-    e = config_error(patch_model, model, _lc("none", sp=1, tiled_mlp={"enabled": True}))
-    assert e.startswith("long_context.tiled_mlp.enabled") and "enabled=false" in e
+    handle = patch_model(model, _lc("none", sp=1, tiled_mlp={"enabled": True}))
+    assert len(handle.memory.tiled_mlps) == 2
+    handle.remove()
     assert "sliding window of 8" in _check("ulysses", _gemma3(), seq=32)
 
 

@@ -24,7 +24,6 @@ import types
 from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..measure.fake import is_simulated
@@ -201,9 +200,10 @@ def install_document_forward(model, group, own_attention: bool) -> None:
 
     * batch with ``doc_cu_seqlens`` (from shard_batch): used as is; a padding mask next to it is an error.
     * SP=1 without it: derived from this (full) batch's position_ids / doc_lens / right padding.
-    * SP>1 without it: every rank checks, with one small all-gather, that the gathered sample is one
-      contiguous document without padding; anything else is a ConfigError on every rank, because a
-      rank cannot see a boundary that falls on a shard edge.
+    * SP>1: every rank checks its shard and the group agrees on the verdicts and shapes with one small
+      all-gather (``sp_batch.agree``) before any collective; without ``doc_cu_seqlens`` the gathered sample
+      must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
+      full-length eval batch is sharded over the group in turns (``sp_batch.eval_in_turns``).
     """
     from ..comm import sp_world_size
     from ..loss import shift_labels_of
@@ -215,6 +215,17 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
         doc_lens = kwargs.pop(LENS_KEY, None)
+        if sp > 1 and not is_simulated(input_ids if input_ids is not None else position_ids):
+            # every rank's verdict on its shard, agreed over the group before any collective (sp_batch)
+            from .. import sp_batch
+
+            full_eval = sp_batch.is_full_eval_batch(self.training, labels, shift_labels, cu)
+            fault = sp_batch.local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens,
+                                         sp, self.training, kwargs)
+            sp_batch.agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs)
+            if full_eval:
+                return sp_batch.eval_in_turns(types.MethodType(forward, self), group, sp, input_ids, attention_mask,
+                                              position_ids, labels, kwargs)
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
             if sp == 1 and not own_attention and cu is None and doc_lens is None:
                 # SP=1 on transformers' own attention: HF applies the custom mask itself, exactly
@@ -245,11 +256,7 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 shift = shift_labels if shift_labels is not None else shift_labels_of(labels)
                 shift_labels, labels = mask_padding_targets(shift, n_real), None
             docs = Documents(cu)
-        elif sp > 1:
-            if doc_lens is not None:
-                raise ConfigError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
-                                  "ds_longctx.data.shard_batch (or the loader of initialize), which carries them")
-            _check_contiguous_shards(position_ids, attention_mask, group)
+        # sp > 1 without doc_cu_seqlens: checked above (sp_batch.agree: one contiguous causal sample)
         if docs is not None and not docs.dense:
             if kwargs.get("use_cache"):
                 raise ConfigError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
@@ -264,24 +271,6 @@ def install_document_forward(model, group, own_attention: bool) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-def _check_contiguous_shards(position_ids, attention_mask, group) -> None:
-    if position_ids is None:
-        return  # the loss forward names the missing position_ids
-    p = position_ids.detach().long()
-    local_ok = ((p[:, 1:] - p[:, :-1]) == 1).all(1) if p.shape[1] > 1 else torch.ones(p.shape[0], dtype=torch.bool,
-                                                                                      device=p.device)
-    if attention_mask is not None:
-        local_ok &= (attention_mask == 1).all(1)
-    mine = torch.stack([p[:, 0], p[:, -1], local_ok.long()], 1)  # on the batch's device (NCCL needs CUDA)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)  # tiny: [b, 3] per rank
-    allp = torch.stack(parts).cpu()  # [C, b, 3]
-    ok = bool(allp[:, :, 2].all()) and bool((allp[1:, :, 0] == allp[:-1, :, 1] + 1).all())
-    if not ok:
-        raise ConfigError("batch", "this sequence shard's sample is packed (position_ids restart) or padded, but "
-                          f"the batch has no '{BATCH_KEY}': the document boundaries are global and a rank cannot "
-                          "see one on a shard edge", "shard full batches with ds_longctx.data.shard_batch or use "
-                          "the loader returned by ds_longctx.initialize")
 
 
 # ---------------------------------------------------------------------------------------------

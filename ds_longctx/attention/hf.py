@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..models import (FUSED_ARCHITECTURES, AttentionFacts, facts_for, is_llama_style_rmsnorm, rms_norm, rope_bshd,
-                      text_config)
+from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
+                      is_llama_style_rmsnorm, rms_norm, rope_bshd, text_config)
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG
@@ -48,6 +48,7 @@ class _State:
     kernel: str
     backend: kernels.KernelChoice  # the kernel name checked once at install, resolved once per device type
     schedule: Schedule  # built once at install for the model's head counts and the SP degree
+    shape: Optional[AttentionShape] = None  # heads, KV heads, head_dim (models.attention_shape), read once
     facts: Optional[AttentionFacts] = None
 
 
@@ -100,8 +101,8 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
     hpc = attn_cfg.heads_per_chunk
     sp = 1 if group is None else dist.get_world_size(group)
     tc = text_config(model.config)
-    heads = tc.num_attention_heads
-    kv = getattr(tc, "num_key_value_heads", None) or heads
+    shape = attention_shape(tc)
+    heads, kv = shape.heads, shape.kv_heads
     # validated here once (Schedule's own check); every forward uses this schedule as given
     schedule = None
     if isinstance(hpc, int) and not isinstance(hpc, bool):
@@ -115,7 +116,7 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
         check_heads_per_chunk(hpc, heads, kv, sp)
         schedule = Schedule(heads, kv, sp, hpc)
     state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=backend.name, backend=backend,
-                   schedule=schedule)
+                   schedule=schedule, shape=shape)
     handle = UntiedInstall()
     if attn_cfg.fuse_projections:
         _install_fused(model, tc, state, handle)
@@ -241,8 +242,8 @@ def _fused_layer(module, facts: AttentionFacts) -> _FusedLayer:
     eps = getattr(qn, "variance_epsilon", getattr(qn, "eps", 1e-6)) if qn is not None else None
     spec = ProjectionSpec(head_dim=module.head_dim, rope=rope_bshd,
                           norm=(lambda t, w, eps=eps: rms_norm(t, w, eps)) if qn is not None else None)
-    tc = module.config
-    heads, kv_heads = tc.num_attention_heads, tc.num_key_value_heads
+    shape_ = attention_shape(module.config)
+    heads, kv_heads = shape_.heads, shape_.kv_heads
     w = getattr(module, facts.q).weight
     shape = tuple(getattr(w, "ds_shape", None) or w.shape)
     H = shape[0] // module.head_dim if len(shape) == 2 and shape[0] * shape[1] else None

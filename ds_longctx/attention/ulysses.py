@@ -18,7 +18,7 @@ def install_ulysses(model, group) -> registry.Installation:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     from ..config import check_sp_attention_pattern
-    from ..models import text_config
+    from ..models import attention_shape, text_config
     from .hf import check_window
 
     impl = model.config._attn_implementation
@@ -26,10 +26,11 @@ def install_ulysses(model, group) -> registry.Installation:
     if impl == "flex_attention":  # refused by initialize already; here too for direct callers of patch_model
         check_sp_attention_pattern("ulysses", model.config, None)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
+    shape = attention_shape(tc)
     uattn = UlyssesSPAttentionHF(
-        attn=document_core(registry.original(impl), impl), batch_size=1, attn_head_count=tc.num_attention_heads,
-        attn_head_size=getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads,
-        kv_head_count=tc.num_key_value_heads, num_hidden_layers=tc.num_hidden_layers, process_group=group,
+        attn=document_core(registry.original(impl), impl), batch_size=1, attn_head_count=shape.heads,
+        attn_head_size=shape.head_dim, kv_head_count=shape.kv_heads, num_hidden_layers=tc.num_hidden_layers,
+        process_group=group,
         seq_length_is_variable=True)
     uattn.core_attn_implementation = impl
 

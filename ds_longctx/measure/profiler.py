@@ -59,8 +59,10 @@ def count_params(model) -> Dict[str, int]:
 
 def attention_width(tc) -> int:
     """Query heads x head_dim: the width of QK^T and PV (equals hidden_size only when head_dim does)."""
-    heads = tc.num_attention_heads
-    return heads * (getattr(tc, "head_dim", None) or tc.hidden_size // heads)
+    from ..models import attention_shape
+
+    shape = attention_shape(tc)
+    return shape.heads * shape.head_dim
 
 
 def flops_per_sample(seq_len: int, n_params_no_embed: int, num_layers: int, attn_width: int) -> Dict[str, float]:
@@ -130,9 +132,10 @@ class StepProfiler:
         if tc is None:
             return 0
         h, L = tc.hidden_size, tc.num_hidden_layers
-        heads = tc.num_attention_heads
-        d = getattr(tc, "head_dim", None) or h // heads
-        kv = getattr(tc, "num_key_value_heads", None) or heads
+        from ..models import attention_shape
+
+        shape = attention_shape(tc)
+        heads, d, kv = shape.heads, shape.head_dim, shape.kv_heads
         inter = getattr(tc, "intermediate_size", 4 * h)
         per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter + 2 * h
         return L * per_layer + h + tc.vocab_size * h  # + final norm + lm_head

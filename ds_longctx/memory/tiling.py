@@ -26,9 +26,10 @@ from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, lm_logits
 from ..measure.fake import is_simulated
 from ..measure.flops import representing
-from ..models import mlp_class_names
+from ..models import mlp_class_names, mlp_facts
 
-# decoder MLPs whose forward is pointwise over tokens (gate/up/down SwiGLU), so row tiling is exact
+# decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
+# tiling is exact (models/: one Architecture per model type)
 SUPPORTED_MLPS = mlp_class_names()
 
 
@@ -158,6 +159,11 @@ def _class_forward(module, x):
     return type(module).forward(module, x)
 
 
+def _batched_class_forward(module, x):
+    # MoE blocks unpack [batch, seq, hidden]: a tile of rows goes in as one sequence
+    return type(module).forward(module, x.unsqueeze(0)).squeeze(0)
+
+
 class TilingState:
     """Shard count of the tiled MLPs, agreed once per model forward (one all-reduce, not one per layer
     per forward and again per recompute) and reused by every layer and by the backward recompute."""
@@ -186,12 +192,34 @@ def tiled_mlp_forward(module, x, state: TilingState):
     shards = state.mlp_shards(x)
     if shards <= 1:  # every rank agreed on 1: the plain forward issues the same collectives everywhere
         return _class_forward(module, x)
+    arch = mlp_facts(type(module).__name__)
+    if arch.mlp_noise_attr and module.training and getattr(module, arch.mlp_noise_attr, 0):
+        # same verdict on every rank (one config): raised before the tile loop's first ZeRO-3 fetch
+        raise ConfigError("long_context.tiled_mlp.enabled",
+                          f"{type(module).__name__} adds random noise to its input in training "
+                          f"({arch.mlp_noise_attr}={getattr(module, arch.mlp_noise_attr)}); a tile recomputed in "
+                          "backward would draw other noise than its forward, so the gradient would not be this "
+                          "forward's", f"set long_context.tiled_mlp.enabled=false (exact, untiled), or set the "
+                          f"model config's {arch.mlp_noise_attr} (router jitter) to 0")
+    fn = _batched_class_forward if arch.mlp_batched else _class_forward
     params = [p for p in module.parameters() if p.requires_grad]
-    return TiledRowsFunction.apply(x, _class_forward, module, shards, params)
+    return TiledRowsFunction.apply(x, fn, module, shards, params)
 
 
 def find_mlps(model) -> List[torch.nn.Module]:
-    return [m for m in model.modules() if type(m).__name__ in SUPPORTED_MLPS]
+    """Every supported MLP that is not inside another one (Qwen2-MoE's shared expert is an MLP inside the
+    MoE block, which is tiled as a whole)."""
+    found = []
+
+    def walk(m):
+        if type(m).__name__ in SUPPORTED_MLPS:
+            found.append(m)
+            return
+        for c in m.children():
+            walk(c)
+
+    walk(model)
+    return found
 
 
 def install_tiled_mlp(model, tm_cfg, group=None):

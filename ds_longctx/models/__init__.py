@@ -11,15 +11,19 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from ._common import (Architecture, AttentionFacts, is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
+from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
                       rotate_half, text_config)
+from .gemma import GEMMA2, GEMMA3
 from .llama import LLAMA, MISTRAL
+from .others import GPT_NEOX, MIXTRAL, OLMO2, PHI3, QWEN2_MOE
 from .qwen import QWEN2, QWEN3
 
 # the registry: model_type -> Architecture
-ARCHITECTURES: Dict[str, Architecture] = {t: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3) for t in a.model_types}
+ARCHITECTURES: Dict[str, Architecture] = {t: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, OLMO2,
+                                                         GPT_NEOX, MIXTRAL, QWEN2_MOE) for t in a.model_types}
 
-FUSED_ARCHITECTURES: Dict[str, AttentionFacts] = {t: a.attention for t, a in ARCHITECTURES.items()}
+FUSED_ARCHITECTURES: Dict[str, AttentionFacts] = {t: a.attention for t, a in ARCHITECTURES.items()
+                                                  if a.attention is not None}
 
 
 def facts_for(model_type: Optional[str]) -> Optional[AttentionFacts]:
@@ -27,14 +31,19 @@ def facts_for(model_type: Optional[str]) -> Optional[AttentionFacts]:
 
 
 def mlp_class_names() -> Tuple[str, ...]:
-    return tuple(a.mlp_class for a in ARCHITECTURES.values())
+    return tuple(dict.fromkeys(a.mlp_class for a in ARCHITECTURES.values()))
+
+
+def mlp_facts(class_name: str) -> Optional[Architecture]:
+    """The architecture whose decoder MLP class is ``class_name`` (None: not known to be pointwise)."""
+    return next((a for a in ARCHITECTURES.values() if a.mlp_class == class_name), None)
 
 
 def supported_names() -> str:
-    """For error messages: 'llama, mistral, qwen2, qwen3'."""
+    """For error messages: 'llama, mistral, qwen2, ...'."""
     return ", ".join(ARCHITECTURES)
 
 
-__all__ = ["Architecture", "ARCHITECTURES", "AttentionFacts", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
+__all__ = ["mlp_facts", "Architecture", "ARCHITECTURES", "AttentionFacts", "AttentionShape", "attention_shape", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
            "supported_names", "layer_role", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
            "text_config"]

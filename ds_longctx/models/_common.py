@@ -8,10 +8,54 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..errors import ConfigError
+
 
 def text_config(model_config):
     """The decoder's config (multimodal configs nest it; plain causal-LM configs are it)."""
     return model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """Query heads, key/value heads and head size of a decoder's attention, read once from its config."""
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+# the config spellings transformers ships, in the order they are tried
+_KV_SPELLINGS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+_HEAD_DIM_SPELLINGS = ("head_dim", "attention_head_size", "head_size")
+
+
+def attention_shape(model_config) -> AttentionShape:
+    """Heads, KV heads and head_dim through every spelling transformers uses: the one reader of them in
+    ds_longctx. ``num_key_value_heads`` missing (GPT-NeoX, Phi, OLMo, ...) means multi-head attention
+    (``multi_query=True``: one KV head); ``head_dim`` missing or None (Mixtral's default, GPT-NeoX) means
+    hidden_size / heads, which is what those models' attention modules compute."""
+    tc = text_config(model_config)
+    name = getattr(tc, "model_type", None) or type(tc).__name__
+    heads = getattr(tc, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        raise ConfigError("model.config.num_attention_heads", f"the {name} config has no attention head count "
+                          f"(got {heads!r})", "ds_longctx trains decoder-only transformers with multi-head "
+                          "attention; set num_attention_heads in the model config")
+    if getattr(tc, "multi_query", False) is True and not getattr(tc, "new_decoder_architecture", False):
+        kv = 1  # Falcon's multi-query layout (its num_kv_heads is used only by the new decoder architecture)
+    else:
+        kv = next((getattr(tc, k) for k in _KV_SPELLINGS if getattr(tc, k, None) is not None), heads)
+    d = next((getattr(tc, k) for k in _HEAD_DIM_SPELLINGS if getattr(tc, k, None) is not None), None)
+    if d is None:
+        hidden = getattr(tc, "hidden_size", None)
+        if not isinstance(hidden, int) or hidden % heads:
+            raise ConfigError("model.config.head_dim", f"the {name} config gives no head_dim and hidden_size "
+                              f"{hidden!r} is not a multiple of its {heads} heads", "set head_dim in the model config")
+        d = hidden // heads
+    if not (isinstance(kv, int) and kv >= 1 and heads % kv == 0):
+        raise ConfigError("model.config.num_key_value_heads", f"the {name} config has {kv!r} key/value heads for "
+                          f"{heads} query heads", "key/value heads must divide the query heads")
+    return AttentionShape(heads=heads, kv_heads=int(kv), head_dim=int(d))
 
 
 def rotate_half(x):
@@ -65,13 +109,21 @@ class AttentionFacts:
 @dataclass(frozen=True)
 class Architecture:
     """Everything ds_longctx knows about one HF architecture. Adding one: a file here defining its
-    ``Architecture``, one line in ``models/__init__.py``'s registry, a tiny config in tests/tiny_models.py."""
-    attention: AttentionFacts     # fused untied attention: where q/k/v/o, q/k-norm, sliding window live
+    ``Architecture``, one line in ``models/__init__.py``'s registry, a tiny config in tests/tiny_models.py
+    (fused attention) or tests/arch_cases.py (MLP only)."""
+    attention: Optional[AttentionFacts]  # fused untied attention: where q/k/v/o, q/k-norm, sliding window live;
+    #                                      None: no fused path (untied runs at the attention-function level)
     mlp_class: str                # decoder MLP class, pointwise over tokens (sequence tiling is exact)
+    types: Tuple[str, ...] = ()   # model_type(s) when there are no attention facts to carry them
+    # the MLP's forward unpacks [batch, seq, hidden] (MoE blocks): tiles are given as [1, rows, hidden]
+    mlp_batched: bool = False
+    # a module attribute adding random noise to the MLP's input in training (Mixtral's router jitter): a tile
+    # recomputed in backward would draw other noise than its forward, so tiling is refused while it is on
+    mlp_noise_attr: Optional[str] = None
 
     @property
     def model_types(self) -> Tuple[str, ...]:
-        return self.attention.model_types
+        return self.attention.model_types if self.attention is not None else self.types
 
 
 def layer_role(child_name: str) -> Optional[str]:

@@ -6,7 +6,7 @@ import logging
 from typing import List, Tuple
 
 from ..config import SECTION
-from ..models import text_config
+from ..models import attention_shape, text_config
 from .units import fmt_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
@@ -52,7 +52,7 @@ def ladder(ds_config: dict, model_config, world_size: int) -> List[Tuple[str, di
 
 
 def _local_heads(model_config, sp: int) -> int:
-    return text_config(model_config).num_attention_heads // max(1, sp)
+    return attention_shape(model_config).heads // max(1, sp)
 
 
 def _shard_candidates(local_seq: int, hidden: int) -> List[int]:

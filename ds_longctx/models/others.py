@@ -1,0 +1,16 @@
+"""Architectures whose MLP tiled_mlp runs exactly but which have no fused untied attention (fused qkv, a
+q/k-norm over the whole projection, partial rotary, ...): untied attention runs at the attention-function
+level for them (``fuse_projections: false``).
+
+Phi3: one fused gate_up_proj, chunked, SiLU-gated. OLMo2: Llama's SwiGLU (its q/k RMSNorm spans all heads).
+GPT-NeoX: dense_h_to_4h, GELU, dense_4h_to_h. Mixtral and Qwen2-MoE: the sparse MoE block; routing is per
+token (top-k of the token's own router logits, no capacity limit), so tiling the sequence is exact; Qwen2-MoE's
+shared expert and its sigmoid gate are per token too. Their blocks unpack [batch, seq, hidden]."""
+from ._common import Architecture
+
+PHI3 = Architecture(None, mlp_class="Phi3MLP", types=("phi3",))
+OLMO2 = Architecture(None, mlp_class="Olmo2MLP", types=("olmo2",))
+GPT_NEOX = Architecture(None, mlp_class="GPTNeoXMLP", types=("gpt_neox",))
+MIXTRAL = Architecture(None, mlp_class="MixtralSparseMoeBlock", types=("mixtral",), mlp_batched=True,
+                       mlp_noise_attr="jitter_noise")
+QWEN2_MOE = Architecture(None, mlp_class="Qwen2MoeSparseMoeBlock", types=("qwen2_moe",), mlp_batched=True)
