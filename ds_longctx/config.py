@@ -347,7 +347,9 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
         check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)
     ac = cfg.activation_checkpointing
-    layers = getattr(tc, "num_hidden_layers", None)
+    from .models import text_config
+
+    layers = getattr(text_config(model_config), "num_hidden_layers", None)
     if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device > layers:
         raise ConfigError(f"{SECTION}.activation_checkpointing.keep_on_device",
                           f"{ac.keep_on_device} is more than the model's {layers} decoder layers",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 from . import comm
@@ -153,7 +154,6 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
                                   f"rms_norms={st['rms_norms']}")
         _install_loss_forward(model, lc, group, grad_scale)
         handle.loss_forward = True
-        from .attention.documents import install_document_forward
 
         # packed documents / padding -> per-document attention (ours reads them; "none" is HF's packed path)
         own = impl == "untied_ulysses" or (impl == "ulysses" and sp > 1)
@@ -174,6 +174,95 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
 def get_patch(model) -> Optional[PatchHandle]:
     """The handle of a patched model (accepts a DeepSpeed engine too)."""
     return getattr(getattr(model, "module", model), "_ds_longctx_patch", None)
+
+# ---------------------------------------------------------------------------------------------
+# the model forward wrapper: batch -> Documents keyword (a batch-level concern: it lives here, above
+# attention, so attention/documents.py keeps only the document structure and the kernel adapters)
+# ---------------------------------------------------------------------------------------------
+
+
+def install_document_forward(model, group, own_attention: bool) -> None:
+    """Wrap ``model.forward`` (already ds_longctx's loss forward) so packed batches attend per document.
+
+    ``own_attention``: attention is ours (Ulysses at SP>1, untied), which reads the documents; then
+    HF is given an all-ones padding mask so it does not build its packed [b, 1, s, s] mask from the
+    restarting position_ids (quadratic memory, and ignored by our attention). With "none" HF's own
+    packed mask is the attention.
+
+    * batch with ``doc_cu_seqlens`` (from shard_batch): used as is; a padding mask next to it is an error.
+    * SP=1 without it: derived from this (full) batch's position_ids / doc_lens / right padding.
+    * SP>1: every rank checks its shard and the group agrees on the verdicts and shapes with one small
+      all-gather (``sp_batch.agree``) before any collective; without ``doc_cu_seqlens`` the gathered sample
+      must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
+      full-length eval batch is sharded over the group in turns (``sp_batch.eval_in_turns``).
+    """
+    from .attention.documents import (BATCH_KEY, DOCS_KWARG, LENS_KEY, Documents, custom_mask_error,
+                                      document_structure, mask_padding_targets)
+    from .comm import sp_world_size
+    from .loss import shift_labels_of
+    from .measure.fake import is_simulated
+
+    sp = sp_world_size(group)
+    inner = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
+                **kwargs):
+        cu = kwargs.pop(BATCH_KEY, None)
+        doc_lens = kwargs.pop(LENS_KEY, None)
+        if sp > 1 and not is_simulated(input_ids if input_ids is not None else position_ids):
+            # every rank's verdict on its shard, agreed over the group before any collective (sp_batch)
+            from . import sp_batch
+
+            full_eval = sp_batch.is_full_eval_batch(self.training, labels, shift_labels, cu)
+            fault = sp_batch.local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens,
+                                         sp, self.training, kwargs)
+            sp_batch.agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs)
+            if full_eval:
+                return sp_batch.eval_in_turns(types.MethodType(forward, self), group, sp, input_ids, attention_mask,
+                                              position_ids, labels, kwargs)
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            if sp == 1 and not own_attention and cu is None and doc_lens is None:
+                # SP=1 on transformers' own attention: HF applies the custom mask itself, exactly
+                return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             labels=labels, shift_labels=shift_labels, **kwargs)
+            raise custom_mask_error(attention_mask)  # before any collective (same batch structure on every rank)
+        if cu is None and doc_lens is None and is_simulated(input_ids):
+            # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
+            return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         labels=labels, shift_labels=shift_labels, **kwargs)
+        docs = None
+        if cu is not None:
+            if attention_mask is not None and not bool((attention_mask == 1).all()):
+                raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
+                                  "shard_batch already turned right padding into an ignored document: drop the mask")
+            attention_mask = None
+            docs = Documents(cu)
+            if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
+                raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
+                                  f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
+                                  "shard with ds_longctx.data.shard_batch")
+        elif sp == 1 and input_ids is not None and (position_ids is not None or doc_lens is not None
+                                                   or attention_mask is not None):
+            cu, position_ids, n_real = document_structure(input_ids, position_ids, attention_mask, doc_lens)
+            position_ids = position_ids.to(input_ids.device)
+            attention_mask = None
+            if labels is not None or shift_labels is not None:
+                shift = shift_labels if shift_labels is not None else shift_labels_of(labels)
+                shift_labels, labels = mask_padding_targets(shift, n_real), None
+            docs = Documents(cu)
+        # sp > 1 without doc_cu_seqlens: checked above (sp_batch.agree: one contiguous causal sample)
+        if docs is not None and not docs.dense:
+            if kwargs.get("use_cache"):
+                raise ConfigError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
+                                  "builds a KV cache, so attention would cross documents", "call with use_cache=False")
+            kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
+            kwargs[DOCS_KWARG] = docs
+            if own_attention and input_ids is not None:
+                attention_mask = torch.ones_like(input_ids)
+        return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                     shift_labels=shift_labels, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
 
 
 __all__ = ["patch_model", "PatchHandle", "get_patch"]

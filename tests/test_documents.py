@@ -273,7 +273,7 @@ def test_our_attention_gets_documents_and_no_hf_packed_mask(own, monkeypatch):
     """SP=1, function level: with our attention HF builds no [b, 1, S, S] packed mask (quadratic, unused);
     with "none" (own=False) HF's packed mask is the attention. Logits equal HF's packed path either way."""
     from ds_longctx.attention import hf
-    from ds_longctx.attention.documents import install_document_forward
+    from ds_longctx.patch import install_document_forward
     from ds_longctx.config import AttentionConfig
 
     model = build(tiny_config(vocab=VOCAB), seed=0)

@@ -11,7 +11,7 @@ before sharding (:func:`document_structure`, used by ``data.shard_batch``) and t
 as ``doc_cu_seqlens`` [b, n+1] (cumulative boundaries over the whole gathered sequence, every rank
 the same tensor, rows padded by repeating the length).
 
-How it reaches attention: the model forward wrapper (:func:`install_document_forward`) turns the
+How it reaches attention: the model forward wrapper (``patch.install_document_forward``) turns the
 batch's structure into a :class:`Documents` and passes it down as the keyword ``DOCS_KWARG``. HF's
 decoder forwards its ``**kwargs`` through every decoder layer into the attention module and the
 attention function, and its checkpointed layers bind them into the recompute; a context variable
@@ -20,13 +20,11 @@ set around the forward would be gone when activation checkpointing recomputes a 
 from __future__ import annotations
 
 import importlib.util
-import types
 from typing import List, Optional, Tuple
 
 import torch
 
 from ..errors import ConfigError
-from ..measure.fake import is_simulated
 from .kernels import Backend
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
@@ -183,94 +181,6 @@ def mask_padding_targets(shift_labels: torch.Tensor, n_real: List[int]) -> torch
         if n < seq:
             out[i, max(n - 1, 0):] = -100
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# the model forward wrapper: batch -> Documents keyword (installed by patch_model)
-# ---------------------------------------------------------------------------------------------
-
-
-def install_document_forward(model, group, own_attention: bool) -> None:
-    """Wrap ``model.forward`` (already ds_longctx's loss forward) so packed batches attend per document.
-
-    ``own_attention``: attention is ours (Ulysses at SP>1, untied), which reads the documents; then
-    HF is given an all-ones padding mask so it does not build its packed [b, 1, s, s] mask from the
-    restarting position_ids (quadratic memory, and ignored by our attention). With "none" HF's own
-    packed mask is the attention.
-
-    * batch with ``doc_cu_seqlens`` (from shard_batch): used as is; a padding mask next to it is an error.
-    * SP=1 without it: derived from this (full) batch's position_ids / doc_lens / right padding.
-    * SP>1: every rank checks its shard and the group agrees on the verdicts and shapes with one small
-      all-gather (``sp_batch.agree``) before any collective; without ``doc_cu_seqlens`` the gathered sample
-      must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
-      full-length eval batch is sharded over the group in turns (``sp_batch.eval_in_turns``).
-    """
-    from ..comm import sp_world_size
-    from ..loss import shift_labels_of
-
-    sp = sp_world_size(group)
-    inner = model.forward
-
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
-                **kwargs):
-        cu = kwargs.pop(BATCH_KEY, None)
-        doc_lens = kwargs.pop(LENS_KEY, None)
-        if sp > 1 and not is_simulated(input_ids if input_ids is not None else position_ids):
-            # every rank's verdict on its shard, agreed over the group before any collective (sp_batch)
-            from .. import sp_batch
-
-            full_eval = sp_batch.is_full_eval_batch(self.training, labels, shift_labels, cu)
-            fault = sp_batch.local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens,
-                                         sp, self.training, kwargs)
-            sp_batch.agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs)
-            if full_eval:
-                return sp_batch.eval_in_turns(types.MethodType(forward, self), group, sp, input_ids, attention_mask,
-                                              position_ids, labels, kwargs)
-        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
-            if sp == 1 and not own_attention and cu is None and doc_lens is None:
-                # SP=1 on transformers' own attention: HF applies the custom mask itself, exactly
-                return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             labels=labels, shift_labels=shift_labels, **kwargs)
-            raise custom_mask_error(attention_mask)  # before any collective (same batch structure on every rank)
-        if cu is None and doc_lens is None and is_simulated(input_ids):
-            # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
-            return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         labels=labels, shift_labels=shift_labels, **kwargs)
-        docs = None
-        if cu is not None:
-            if attention_mask is not None and not bool((attention_mask == 1).all()):
-                raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "shard_batch already turned right padding into an ignored document: drop the mask")
-            attention_mask = None
-            docs = Documents(cu)
-            if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
-                raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
-                                  f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
-                                  "shard with ds_longctx.data.shard_batch")
-        elif sp == 1 and input_ids is not None and (position_ids is not None or doc_lens is not None
-                                                   or attention_mask is not None):
-            cu, position_ids, n_real = document_structure(input_ids, position_ids, attention_mask, doc_lens)
-            position_ids = position_ids.to(input_ids.device)
-            attention_mask = None
-            if labels is not None or shift_labels is not None:
-                shift = shift_labels if shift_labels is not None else shift_labels_of(labels)
-                shift_labels, labels = mask_padding_targets(shift, n_real), None
-            docs = Documents(cu)
-        # sp > 1 without doc_cu_seqlens: checked above (sp_batch.agree: one contiguous causal sample)
-        if docs is not None and not docs.dense:
-            if kwargs.get("use_cache"):
-                raise ConfigError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
-                                  "builds a KV cache, so attention would cross documents", "call with use_cache=False")
-            kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
-            kwargs[DOCS_KWARG] = docs
-            if own_attention and input_ids is not None:
-                attention_mask = torch.ones_like(input_ids)
-        return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
-                     shift_labels=shift_labels, **kwargs)
-
-    model.forward = types.MethodType(forward, model)
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,5 +427,4 @@ def document_core(core, impl: str):
     return attention
 
 
-__all__ = ["Documents", "DocumentBackend", "document_structure", "mask_padding_targets", "install_document_forward",
-           "with_documents", "document_core", "DOCS_KWARG", "BATCH_KEY", "LENS_KEY"]
+__all__ = ["Documents", "DocumentBackend", "document_structure", "mask_padding_targets", "with_documents", "document_core", "DOCS_KWARG", "BATCH_KEY", "LENS_KEY"]
