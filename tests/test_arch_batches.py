@@ -51,9 +51,10 @@ def test_launch_world_must_be_a_multiple_of_sp(monkeypatch):
 def test_train_py_sp8_config_on_one_process_fails_before_the_model():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
                                                             "SLURM_NTASKS")}
+    # --allow-beyond-max-position: 5M tokens on the 8B config's 8192 positions is refused first otherwise
     p = subprocess.run([sys.executable, "train.py", "--deepspeed_config", "ds_configs/5m.json", "--model-config",
-                        "ds_configs/models/llama3-8b.json"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+                        "ds_configs/models/llama3-8b.json", "--allow-beyond-max-position"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "sequence_parallel_size: 8 does not divide the world size 1" in p.stdout + p.stderr, p.stderr[-2000:]
 
