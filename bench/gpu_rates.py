@@ -1,3 +1,7 @@
+"""The rates the planner's step-time model uses (ds_longctx/planner/rates.py), measured on one CUDA GPU:
+bf16 matmuls (square and narrow), HBM copy/add bandwidth, pinned host<->device copies, cuDNN causal attention.
+Run on the lent H100 on 2026-11-26 (bench/results/gpu_rates_h100.json):  python3 bench/gpu_rates.py
+"""
 import torch,time,json,os
 def t(f,n=5):
     f();torch.cuda.synchronize();s=time.perf_counter()
