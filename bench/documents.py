@@ -169,9 +169,9 @@ def cores(a):
         print(f"{r['core']:<9}{r['docs']:>6}{r['step_s']:>9.3f}{r['cpu_s']:>9.3f}{r['cpu_s'] / base['cpu_s']:>12.2f}"
               f"{(r['cpu_s'] / eight['cpu_s']) if eight else float('nan'):>13.2f}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "machine": "2-core x86_64 CPU VM (shared)",
-                       "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+        from _results import write_rows  # bench/ is the script's own directory
+
+        write_rows(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -108,9 +107,9 @@ def main():
         print(f"| {r['seq']} | {r['off_wall_s']:.3f}, {r['off_cpu_s']:.3f} | {r['on_wall_s']:.3f}, {r['on_cpu_s']:.3f} "
               f"| {r['ratio_wall_on_off']:.3f} | {r['ratio_cpu_on_off']:.3f} | {r['losses_bit_equal']} |")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "machine": "2-core x86_64 CPU VM (shared)",
-                       "date": time.strftime("%Y-%m-%d"), "rows": rows}, f, indent=1)
+        from _results import write_rows  # bench/ is the script's own directory
+
+        write_rows(a.json, rows)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ds_longctx.attention import kernels
-from ds_longctx.attention.documents import Documents, DocumentBackend, varlen_args
+from ds_longctx.attention.documents import Documents, DocumentBackend
 from ds_longctx.attention.kernels import MeasuredChoice, TorchCPUFlash, reference_attention
 
 
@@ -141,6 +141,7 @@ def test_cpu_auto_is_the_one_cpu_kernel_and_cuda_names_are_config_values():
 
 def test_varlen_arguments_cover_every_document_of_the_flattened_batch():
     docs = Documents(torch.tensor([[0, 5, 12, 16, 16], [0, 16, 16, 16, 16]]))
-    cu, longest = varlen_args(docs, "cpu")
+    cu, longest = docs.varlen_args("cpu")
+    assert docs.varlen_args("cpu")[0] is cu  # built once per batch
     assert cu.dtype == torch.int32
     assert cu.tolist() == [0, 5, 12, 16, 32] and longest == 16

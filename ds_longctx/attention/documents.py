@@ -53,6 +53,20 @@ class Documents:
                 raise ConfigError(f"batch.{BATCH_KEY}", f"sample {i} has boundaries {row}: they must rise from 0 "
                                   f"to the sequence length {self.seq_len}", "build batches with shard_batch")
         self.bounds: List[List[Tuple[int, int]]] = [[(a, b) for a, b in zip(r[:-1], r[1:]) if b > a] for r in rows]
+        self._varlen = {}         # device -> (cu_seqlens, longest): built once per batch, used by every stage
+        self.varlen_lse_shape = {}  # heads -> the varlen kernel's own LSE shape (seen in forward, given back)
+
+    def varlen_args(self, device):
+        """(cu_seqlens int32 [n+1] over the flattened [b*S] tokens, longest document): what a varlen kernel is
+        given for these documents, built once per device (every layer and stage of the step reuses it)."""
+        key = str(device)
+        if key not in self._varlen:
+            edges = [0]
+            for i, spans in enumerate(self.bounds):
+                edges += [i * self.seq_len + e for _, e in spans]
+            longest = max(e - a for spans in self.bounds for a, e in spans)
+            self._varlen[key] = (torch.tensor(edges, dtype=torch.int32, device=device), longest)
+        return self._varlen[key]
 
     @property
     def batch(self) -> int:
@@ -261,22 +275,8 @@ def _varlen_ok(q, inner) -> bool:
     return (q.is_cuda and inner.name == "flash_attention_2" and importlib.util.find_spec("flash_attn") is not None)
 
 
-def _cu_flat(docs: Documents, device):
-    edges = [0]
-    for i, spans in enumerate(docs.bounds):
-        edges += [i * docs.seq_len + e for _, e in spans]
-    longest = max(e - a for spans in docs.bounds for a, e in spans)
-    return torch.tensor(edges, dtype=torch.int32, device=device), longest
-
-
 def _torch_varlen_ok(q) -> bool:
     return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-
-
-def varlen_args(docs: Documents, device):
-    """(cu_seqlens int32 [n+1] over the flattened [b*S] tokens, longest document): what a varlen kernel
-    is given for ``docs``. Pure bookkeeping, tested on CPU."""
-    return _cu_flat(docs, device)
 
 
 def _expand_kv(q, t):
@@ -309,24 +309,21 @@ def _lse_from_bhs(lse, like_shape, docs, b, S, h):
     return out
 
 
-_RAW_LSE_SHAPE = {}  # (documents, heads, longest) -> the varlen LSE's own shape (a property of the torch build)
-
-
 def _torch_varlen_forward(q, k, v, docs, causal, scale):
     # k/v expanded to q's heads (like TorchCUDAFlash: native GQA of the aten op is not part of its contract)
     b, S, h, d = q.shape
-    cu, mx = _cu_flat(docs, q.device)
+    cu, mx = docs.varlen_args(q.device)
     qf, kf, vf = (t.reshape(b * S, h, d) for t in (q, _expand_kv(q, k), _expand_kv(q, v)))
     res = torch.ops.aten._flash_attention_forward(qf, kf, vf, cu, cu, mx, mx, 0.0, causal, False, scale=scale)
-    _RAW_LSE_SHAPE[(cu.numel() - 1, h, mx)] = tuple(res[1].shape)
+    docs.varlen_lse_shape[h] = tuple(res[1].shape)
     return res[0].view(b, S, h, d), _lse_to_bhs(res[1], docs, b, S, h)
 
 
 def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
     b, S, h, d = q.shape
     hk = k.shape[2]
-    cu, mx = _cu_flat(docs, q.device)
-    raw_shape = _RAW_LSE_SHAPE.get((cu.numel() - 1, h, mx))
+    cu, mx = docs.varlen_args(q.device)
+    raw_shape = docs.varlen_lse_shape.get(h)
     if raw_shape is None:
         raise RuntimeError(f"varlen attention backward for {docs} without its forward")
     flat = lambda t: t.reshape(b * S, h, d)  # noqa: E731
@@ -349,7 +346,7 @@ def _fa2_varlen_forward(q, k, v, docs, causal, scale):
     from .kernels import _call_by_name
 
     b, S, h, d = q.shape
-    cu, mx = _cu_flat(docs, q.device)
+    cu, mx = docs.varlen_args(q.device)
     qf, kf, vf = (t.reshape(b * S, t.shape[2], d) for t in (q, k, v))
     res = _call_by_name(fa._flash_attn_varlen_forward, q=qf, k=kf, v=vf, cu_seqlens_q=cu, cu_seqlens_k=cu,
                         max_seqlen_q=mx, max_seqlen_k=mx, softmax_scale=scale, causal=causal)
@@ -367,7 +364,7 @@ def _fa2_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
     from .kernels import _call_by_name
 
     b, S, h, d = q.shape
-    cu, mx = _cu_flat(docs, q.device)
+    cu, mx = docs.varlen_args(q.device)
     flat = lambda t: t.reshape(b * S, t.shape[2], d)  # noqa: E731
     qf, kf, vf, of, dof = flat(q), flat(k), flat(v), flat(out), flat(dout.contiguous())
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
@@ -427,4 +424,5 @@ def document_core(core, impl: str):
     return attention
 
 
-__all__ = ["Documents", "DocumentBackend", "document_structure", "mask_padding_targets", "with_documents", "document_core", "DOCS_KWARG", "BATCH_KEY", "LENS_KEY"]
+__all__ = ["Documents", "DocumentBackend", "document_structure", "mask_padding_targets", "with_documents",
+           "document_core", "DOCS_KWARG", "BATCH_KEY", "LENS_KEY"]
