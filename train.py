@@ -570,6 +570,8 @@ def main(argv=None):
             rec["peak_reserved_bytes"] = prof["peak_reserved_bytes"]
         if "artifacts" in prof:
             rec["profile_artifacts"] = prof["artifacts"]
+        if "allocator_model" in prof:
+            rec["allocator_model"] = prof["allocator_model"]
         if metrics:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()

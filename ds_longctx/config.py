@@ -99,6 +99,10 @@ class ProfileConfig(_Strict):
     steps: List[int] = Field(default_factory=lambda: [2, 3], description="Steps (1-based) to profile.")
     output_dir: str = Field(default="profiles", description="Where the traces, snapshots and per-step "
                             "records go.")
+    allocator_check: bool = Field(default=False, description="CUDA only, independent of `enabled`: on the "
+                                  "`steps`, replay the step's allocations through the caching-allocator model "
+                                  "(measure/allocator.py) and record its reserved bytes next to "
+                                  "max_memory_reserved in the step's metrics. Writes no files.")
 
 
 class LongContextConfig(_Strict):

@@ -65,6 +65,12 @@ step checks 110 $PY bench/gpu_checks.py --part varlen,block,arena $VL --out "$OU
 step plan 60 bash -c "$PY -m ds_longctx.planner.cli plan --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL \
     --gpus $NGPU --gpu-mem h100 --host-mem none --seq-len $(echo $TRAIN_ARGS | awk '{print $2}') --json \
     > $OUT/train_plan.json"
+if [ $DRY = 0 ]; then
+    # the caching-allocator model (measure/allocator.py) replayed on steps 1-2's real trace, next to
+    # max_memory_reserved: the planner's reserved-bytes check (issue 21); CUDA only
+    $PY -c "import json,sys; c=json.load(open(sys.argv[1])); c['long_context'].setdefault('profile', {}).update(allocator_check=True, steps=[1, 2]); json.dump(c, open('/tmp/train_cfg.json', 'w'))" "$TRAIN_CFG"
+    TRAIN_CFG=/tmp/train_cfg.json
+fi
 step train 170 $PY -m deepspeed.launcher.runner --num_gpus $NGPU --master_port 29561 train.py \
     --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL $TRAIN_ARGS --no-progress \
     --metrics "$OUT/train_metrics.jsonl"

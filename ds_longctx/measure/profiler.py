@@ -125,6 +125,10 @@ class StepProfiler:
         self._prof = None
         self._sampler = None
         self._snapshot = False
+        self.allocator_check = bool(_cfg_get(cfg, "allocator_check", False))
+        if self.allocator_check and not self.cuda:
+            raise ValueError("profile.allocator_check replays CUDA allocations: it needs a CUDA device")
+        self._alloc_start = None
         self.history: List[Dict[str, Any]] = []
 
     @staticmethod
@@ -149,6 +153,10 @@ class StepProfiler:
             torch.cuda.reset_peak_memory_stats()
         elif self.tracker is not None:
             self.tracker.reset_peak()
+        if self.allocator_check and step in self.steps:
+            # the allocator's state before the step, then its trace over the step (measure/allocator.check_step)
+            self._alloc_start = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None, stacks="python")
         if self._profiled(step):
             os.makedirs(self.output_dir, exist_ok=True)
             if self.cuda:
@@ -188,6 +196,17 @@ class StepProfiler:
                "peak_memory_bytes": int(peak), "peak_memory_source": source}
         if self.cuda:  # what the caching allocator held (allocated + its slack): what an OOM is about
             rec["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
+        if self._alloc_start is not None:
+            from .allocator import check_step
+
+            end = torch.cuda.memory._snapshot()
+            if not self._snapshot:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            rec["allocator_model"] = {**check_step(self._alloc_start, end, "expandable_segments:True" in conf),
+                                      "measured_peak_reserved": rec["peak_reserved_bytes"],
+                                      "measured_peak_allocated": int(torch.cuda.max_memory_allocated())}
+            self._alloc_start = None
         if self._profiled(step):
             rec["artifacts"] = self._finish_artifacts(step)
         self.history.append(rec)

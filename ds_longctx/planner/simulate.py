@@ -123,6 +123,8 @@ class Accountant(TorchDispatchMode):
         self.work: Dict[tuple, List[float]] = {}
         self.in_backward = False
         self.recomputing = 0
+        # device allocations and frees in order, for the caching-allocator model (measure/allocator.py)
+        self.device_events: List[tuple] = []
 
     def ignore(self, tensors):
         """Storages that existed before the step (parameters, buffers): views of them are not new."""
@@ -159,6 +161,7 @@ class Accountant(TorchDispatchMode):
         self.live[slot] = self.live.get(slot, 0) + nbytes
         if where == "device":
             self._dev += nbytes
+            self.device_events.append(("+", key, nbytes))
             if self._dev > self.peak_device:
                 self.peak_device = self._dev
                 self.peak_breakdown = {c: self.live.get(("device", c), 0) for c in CATEGORIES}
@@ -177,6 +180,7 @@ class Accountant(TorchDispatchMode):
         me.live[slot] -= nbytes
         if slot[0] == "device":
             me._dev -= nbytes
+            me.device_events.append(("-", key))
         else:
             me._host -= nbytes
 
@@ -206,6 +210,8 @@ class Accountant(TorchDispatchMode):
         from ..attention.kernels import backward_workspace_bytes
 
         work = backward_workspace_bytes(tuple(args[1].shape), tuple(args[2].shape), args[1].element_size())
+        key = ("workspace", len(self.device_events))
+        self.device_events += [("+", key, work), ("-", key)]
         if self._dev + work > self.peak_device:
             self.peak_device = self._dev + work
             self.peak_breakdown = {c: self.live.get(("device", c), 0) for c in CATEGORIES}

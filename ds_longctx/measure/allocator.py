@@ -1,0 +1,295 @@
+"""A model of PyTorch's CUDA caching allocator, to predict ``max_memory_reserved`` from a trace of allocations.
+
+The planner counts live bytes (what ``max_memory_allocated`` reports). What an out-of-memory error is about
+is what the caching allocator has *reserved* from the driver: live bytes plus blocks it keeps cached but
+cannot use for the next request (fragmentation). On one H100 run (bench/results/gpu_train_1b_h100.json)
+that slack was 2.95 GiB over a 26.9 GiB allocated peak. This module replays a sequence of allocations and
+frees through the allocator's placement rules and reports the reserved bytes they lead to.
+
+Rules reproduced (c10/cuda/CUDACachingAllocator.cpp, c10/core/AllocatorConfig.h):
+- request sizes round up to 512 B; requests <= 1 MiB go to the small pool, larger ones to the large pool;
+- a request takes the best-fitting cached free block of its pool (smallest size, then lowest address);
+  a block is split when the rest is >= 512 B (small pool, or any pool with expandable segments) or
+  > 1 MiB (large pool, classic segments); a freed block merges with free neighbours;
+- classic segments (the default): with no fitting cached block a new segment is cudaMalloc'ed: 2 MiB for
+  a small request, 20 MiB for a request under 10 MiB, else the request rounded up to 2 MiB;
+- expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, what train.py's runs use):
+  one virtual range per pool; with no fitting cached block the free block at the range's mapped end is
+  grown by mapping the shortfall in pages (20 MiB large, 2 MiB small); among fitting blocks one that
+  could grow no further is preferred to the end block;
+- nothing is returned to the driver unless a request fails (then cached blocks are released and the
+  request retried) or ``empty_cache`` is called: so the reserved peak is reached at the end of a trace
+  that never comes near the device's capacity, which is what this model assumes (``capacity`` is None).
+
+Not modelled (say so where it matters): several streams (each stream has its own pools; the offload
+prefetch's copy stream allocates its own blocks), CUDA graph pools, ``max_split_size_mb`` and
+``roundup_power2_divisions``, and allocations made outside the caching allocator (CUDA context, NCCL,
+cuBLAS/cuDNN handles): those are the planner's fixed ``--reserve``.
+
+Pure Python, no torch: events are ``("+", key, nbytes)`` / ``("-", key)``.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Tuple
+
+MIN_BLOCK = 512                 # kMinBlockSize
+SMALL_SIZE = 1 << 20            # kSmallSize: requests up to this go to the small pool
+SMALL_BUFFER = 2 << 20          # kSmallBuffer: a small-pool segment / page
+MIN_LARGE_ALLOC = 10 << 20      # kMinLargeAlloc
+ROUND_LARGE = 2 << 20           # kRoundLarge
+LARGE_PAGE = 20 << 20           # kLargeBuffer: a 1-10 MiB request's segment; the expandable large page
+
+
+def round_size(nbytes: int) -> int:
+    if nbytes < MIN_BLOCK:
+        return MIN_BLOCK
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(size: int) -> int:
+    """cudaMalloc size of a new classic segment for a rounded request of ``size``."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_PAGE
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class _Block:
+    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "small")
+
+    def __init__(self, addr: int, size: int, small: bool, mapped: bool = True):
+        self.addr, self.size, self.small, self.mapped = addr, size, small, mapped
+        self.allocated = False
+        self.prev: Optional[_Block] = None
+        self.next: Optional[_Block] = None
+
+
+class _Pool:
+    """Free mapped blocks ordered by (size, address): the allocator's best-fit set."""
+
+    def __init__(self, small: bool):
+        self.small = small
+        self.free: List[Tuple[int, int, int]] = []   # (size, addr, id) sorted
+        self.by_id: Dict[int, _Block] = {}
+        self.unmapped: Optional[_Block] = None       # expandable: the range's unmapped tail
+
+    def add(self, b: _Block) -> None:
+        bisect.insort(self.free, (b.size, b.addr, id(b)))
+        self.by_id[id(b)] = b
+
+    def remove(self, b: _Block) -> None:
+        i = bisect.bisect_left(self.free, (b.size, b.addr, id(b)))
+        assert self.free[i][2] == id(b)
+        del self.free[i]
+        del self.by_id[id(b)]
+
+
+@dataclass
+class ReplayResult:
+    peak_allocated: int     # max over the trace of the rounded bytes held (max_memory_allocated)
+    peak_reserved: int      # max over the trace of the bytes taken from the driver (max_memory_reserved)
+    reserved: int           # at the end
+    events: int
+
+    @property
+    def slack(self) -> int:
+        return self.peak_reserved - self.peak_allocated
+
+
+class CachingAllocatorModel:
+    """One device, one stream. ``alloc``/``free`` by caller-chosen key; ``reserved``/``allocated`` in bytes."""
+
+    def __init__(self, expandable_segments: bool = True):
+        self.expandable = expandable_segments
+        self.pools = {True: _Pool(True), False: _Pool(False)}
+        self.live: Dict[object, _Block] = {}
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self._next_addr = 0
+        self._segments = 0
+
+    # --- driver side ----------------------------------------------------------------------------
+    def _new_range(self, size: int) -> int:
+        addr = self._next_addr
+        self._next_addr += size + (1 << 30)   # distinct, never adjacent
+        self._segments += 1
+        return addr
+
+    def _grow(self, pool: _Pool, size: int) -> _Block:
+        """Expandable: map pages at the end of the pool's range until its last free block holds ``size``."""
+        page = SMALL_BUFFER if pool.small else LARGE_PAGE
+        tail = pool.unmapped
+        if tail is None:  # the range is created on first use, as large as anything could need
+            tail = _Block(self._new_range(1 << 50), 1 << 50, pool.small, mapped=False)
+            pool.unmapped = tail
+        last = tail.prev if tail.prev is not None and not tail.prev.allocated else None
+        have = last.size if last is not None else 0
+        need = -(-(size - have) // page) * page
+        new = _Block(tail.addr, need, pool.small)
+        tail.addr += need
+        tail.size -= need
+        new.prev, new.next = tail.prev, tail
+        if tail.prev is not None:
+            tail.prev.next = new
+        tail.prev = new
+        self.reserved += need
+        if last is not None:
+            pool.remove(last)
+            self._merge(new, last)
+        return new
+
+    def _new_segment(self, pool: _Pool, size: int) -> _Block:
+        seg = segment_size(size)
+        b = _Block(self._new_range(seg), seg, pool.small)
+        self.reserved += seg
+        return b
+
+    # --- blocks -----------------------------------------------------------------------------------
+    @staticmethod
+    def _merge(dst: _Block, src: _Block) -> None:
+        """Absorb the free neighbour ``src`` into ``dst``."""
+        if src is dst.prev:
+            dst.addr = src.addr
+            dst.prev = src.prev
+            if src.prev is not None:
+                src.prev.next = dst
+        else:
+            dst.next = src.next
+            if src.next is not None:
+                src.next.prev = dst
+        dst.size += src.size
+
+    def _best_fit(self, pool: _Pool, size: int) -> Optional[_Block]:
+        i = bisect.bisect_left(pool.free, (size, -1, -1))
+        if i == len(pool.free):
+            return None
+        b = pool.by_id[pool.free[i][2]]
+        if self.expandable:
+            # prefer a block that cannot grow to the end block of the range (get_free_block's expandable walk)
+            def grows(x):
+                return x.size + (x.next.size if x.next is not None and not x.next.mapped else 0)
+
+            while i + 1 < len(pool.free):
+                nxt = pool.by_id[pool.free[i + 1][2]]
+                if grows(nxt) >= grows(b):
+                    break
+                i, b = i + 1, nxt
+        return b
+
+    def alloc(self, key, nbytes: int) -> None:
+        if key in self.live:
+            raise ValueError(f"allocator model: key {key!r} is already live")
+        size = round_size(int(nbytes))
+        small = size <= SMALL_SIZE
+        pool = self.pools[small]
+        b = self._best_fit(pool, size)
+        if b is not None:
+            pool.remove(b)
+        elif self.expandable:
+            b = self._grow(pool, size)
+        else:
+            b = self._new_segment(pool, size)
+        rest = b.size - size
+        split = rest >= MIN_BLOCK if (small or self.expandable) else rest > SMALL_SIZE
+        if split:
+            r = _Block(b.addr + size, rest, b.small)
+            r.prev, r.next = b, b.next
+            if b.next is not None:
+                b.next.prev = r
+            b.next = r
+            b.size = size
+            pool.add(r)
+        b.allocated = True
+        self.live[key] = b
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, key) -> None:
+        b = self.live.pop(key)
+        b.allocated = False
+        self.allocated -= b.size
+        pool = self.pools[b.small]
+        for n in (b.prev, b.next):
+            if n is not None and n.mapped and not n.allocated:
+                pool.remove(n)
+                self._merge(b, n)
+        pool.add(b)
+
+    def replay(self, events: Iterable[tuple]) -> ReplayResult:
+        n = 0
+        for ev in events:
+            n += 1
+            if ev[0] == "+":
+                self.alloc(ev[1], ev[2])
+            else:
+                self.free(ev[1])
+        return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n)
+
+
+def replay(events: Iterable[tuple], expandable_segments: bool = True) -> ReplayResult:
+    """Replay ``("+", key, nbytes)`` / ``("-", key)`` events through a fresh allocator model."""
+    return CachingAllocatorModel(expandable_segments).replay(events)
+
+
+def events_from_snapshot(snapshot: dict, device: int = 0) -> List[tuple]:
+    """The alloc/free events of ``torch.cuda.memory._snapshot()``'s trace (recorded with
+    ``torch.cuda.memory._record_memory_history``) as replay events keyed by address. Every stream's events
+    are kept: the model has one stream (see the module docstring)."""
+    out = []
+    live = {}
+    for i, e in enumerate(snapshot.get("device_traces", [[]])[device]):
+        act = e.get("action")
+        if act == "alloc":
+            key = (e["addr"], i)
+            live[e["addr"]] = key
+            out.append(("+", key, int(e["size"])))
+        elif act == "free_completed" and e["addr"] in live:
+            out.append(("-", live.pop(e["addr"])))
+    return out
+
+
+def seed_events(snapshot: dict, device: int = 0) -> List[tuple]:
+    """Events that rebuild the allocator state a ``torch.cuda.memory._snapshot()`` shows: every block of every
+    segment allocated in address order, then the inactive (cached) ones freed. Keyed ``("seed", i)``."""
+    out, frees = [], []
+    segs = [s for s in snapshot.get("segments", []) if s.get("device", device) == device]
+    for seg in sorted(segs, key=lambda s: s.get("address", 0)):
+        for b in seg.get("blocks", []):
+            key = ("seed", len(out))
+            out.append(("+", key, int(b["size"])))
+            if b.get("state") != "active_allocated":
+                frees.append(("-", key))
+    return out + frees
+
+
+def check_step(start: dict, end: dict, expandable_segments: bool = True, device: int = 0) -> dict:
+    """The model against the real allocator over one recorded step.
+
+    ``start``: ``torch.cuda.memory._snapshot()`` taken before the step (and before
+    ``_record_memory_history`` starts); ``end``: the snapshot after it, whose trace holds the step's
+    allocations and frees. Returns the model's reserved/allocated bytes right after rebuilding the start
+    state (``seed_*``: to compare with the real start, which says how well the layout was rebuilt) and at
+    the step's peak (``peak_*``: to compare with max_memory_reserved/allocated over the step)."""
+    m = CachingAllocatorModel(expandable_segments)
+    seed = seed_events(start, device)
+    m.replay(seed)
+    seed_reserved, seed_allocated = m.reserved, m.allocated
+    m.peak_reserved, m.peak_allocated = m.reserved, m.allocated   # the step's peaks start here
+    step = events_from_snapshot(end, device)
+    m.replay(step)
+    real_start_reserved = sum(int(s.get("total_size", 0)) for s in start.get("segments", [])
+                              if s.get("device", device) == device)
+    return {"seed_reserved": seed_reserved, "seed_allocated": seed_allocated,
+            "real_start_reserved": real_start_reserved, "peak_reserved": m.peak_reserved,
+            "peak_allocated": m.peak_allocated, "seed_events": len(seed), "step_events": len(step),
+            "expandable_segments": expandable_segments}
+
+
+__all__ = ["CachingAllocatorModel", "ReplayResult", "replay", "events_from_snapshot", "seed_events", "check_step",
+           "round_size", "segment_size"]

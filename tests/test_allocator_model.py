@@ -1,0 +1,119 @@
+"""The caching-allocator model (measure/allocator.py) on traces whose reserved bytes follow by hand from the
+allocator's rules (c10/cuda/CUDACachingAllocator.cpp)."""
+import pytest
+
+from ds_longctx.measure.allocator import (CachingAllocatorModel, check_step, events_from_snapshot, replay, round_size,
+                                        segment_size)
+
+MiB = 1 << 20
+
+
+def test_rounding_and_segment_sizes():
+    assert round_size(1) == 512 and round_size(512) == 512 and round_size(513) == 1024
+    assert segment_size(4096) == 2 * MiB            # small pool: 2 MiB segments
+    assert segment_size(3 * MiB) == 20 * MiB        # 1-10 MiB: a 20 MiB segment
+    assert segment_size(11 * MiB + 1) == 12 * MiB   # >= 10 MiB: rounded up to 2 MiB
+
+
+def test_classic_segments_reuse_split_and_grow():
+    a = CachingAllocatorModel(expandable_segments=False)
+    a.alloc("x", 100 * MiB)
+    assert a.reserved == 100 * MiB
+    a.free("x")
+    a.alloc("y", 50 * MiB)                 # best fit: the cached 100 MiB block, split (rest 50 MiB > 1 MiB)
+    assert a.reserved == 100 * MiB and a.allocated == 50 * MiB
+    a.alloc("z", 60 * MiB)                 # the 50 MiB rest does not fit: a new 60 MiB segment
+    assert a.reserved == 160 * MiB
+    a.free("y")
+    a.alloc("w", 100 * MiB)                # y's 50 MiB merged back with its free 50 MiB neighbour: fits
+    assert a.reserved == 160 * MiB
+    a.alloc("s", 1000)                     # small request: a 2 MiB small-pool segment
+    assert a.reserved == 162 * MiB and a.allocated == 160 * MiB + 1024
+    a.alloc("s2", 1000)                    # the same small segment
+    assert a.reserved == 162 * MiB
+
+
+def test_classic_no_split_of_a_rest_up_to_1mib():
+    a = CachingAllocatorModel(expandable_segments=False)
+    a.alloc("x", 20 * MiB)
+    a.free("x")
+    a.alloc("y", 19 * MiB + 512 * 1024)    # rest 0.5 MiB <= 1 MiB: the whole block is handed out
+    assert a.allocated == 20 * MiB
+
+
+def test_expandable_maps_pages_and_keeps_holes():
+    a = CachingAllocatorModel(expandable_segments=True)
+    a.alloc("A", 100 * MiB)                # 5 pages of 20 MiB
+    a.alloc("B", 30 * MiB)                 # 2 more pages (40 MiB mapped), 10 MiB free behind B
+    assert a.reserved == 140 * MiB
+    a.free("A")                            # a 100 MiB hole before B
+    a.alloc("C", 120 * MiB)                # no free block of 120 MiB: the end grows by 120 - 10 -> 6 pages
+    assert a.reserved == 260 * MiB
+    a.alloc("D", 90 * MiB)                 # fits the hole
+    assert a.reserved == 260 * MiB
+    assert a.peak_allocated == 240 * MiB
+
+
+def test_expandable_grows_its_free_end_block():
+    a = CachingAllocatorModel(expandable_segments=True)
+    a.alloc("A", 100 * MiB)
+    a.free("A")                            # the end block is free: growing it maps only the shortfall
+    a.alloc("B", 150 * MiB)
+    assert a.reserved == 160 * MiB         # 100 + 3 pages
+
+
+def test_expandable_prefers_a_block_that_cannot_grow():
+    a = CachingAllocatorModel(expandable_segments=True)
+    a.alloc("A", 60 * MiB)
+    a.alloc("B", 20 * MiB)
+    a.alloc("C", 40 * MiB)                 # exactly 6 pages
+    a.free("A")                            # 60 MiB hole at the start
+    a.free("C")                            # 40 MiB free block at the end (can grow)
+    a.alloc("D", 30 * MiB)                 # best fit by size is the 40 MiB end block; the 60 MiB hole is taken
+    a.alloc("E", 40 * MiB)                 # so the end block still holds 40 MiB: no new page
+    assert a.reserved == 120 * MiB
+
+
+def test_replay_events_and_errors():
+    r = replay([("+", 1, 100 * MiB), ("+", 2, 30 * MiB), ("-", 1), ("+", 3, 120 * MiB)])
+    assert (r.peak_allocated, r.peak_reserved, r.events) == (150 * MiB, 260 * MiB, 4)
+    assert r.slack == 110 * MiB
+    with pytest.raises(ValueError, match="already live"):
+        replay([("+", 1, 10), ("+", 1, 10)])
+
+
+def test_events_from_a_snapshot_trace():
+    snap = {"device_traces": [[
+        {"action": "segment_map", "addr": 0, "size": 20 * MiB},
+        {"action": "alloc", "addr": 0, "size": 4 * MiB},
+        {"action": "alloc", "addr": 4 * MiB, "size": 2 * MiB},
+        {"action": "free_requested", "addr": 0, "size": 4 * MiB},
+        {"action": "free_completed", "addr": 0, "size": 4 * MiB},
+        {"action": "alloc", "addr": 0, "size": 1 * MiB},
+    ]]}
+    ev = events_from_snapshot(snap)
+    assert [e[0] for e in ev] == ["+", "+", "-", "+"]
+    assert replay(ev).peak_allocated == 6 * MiB
+
+
+def test_check_step_rebuilds_the_start_and_replays_the_step():
+    start = {"segments": [{"device": 0, "address": 0, "total_size": 100 * MiB, "blocks": [
+        {"size": 40 * MiB, "state": "active_allocated"}, {"size": 20 * MiB, "state": "inactive"},
+        {"size": 40 * MiB, "state": "active_allocated"}]}]}
+    end = {"device_traces": [[
+        {"action": "alloc", "addr": 1 << 40, "size": 20 * MiB},   # takes the 20 MiB hole
+        {"action": "alloc", "addr": 2 << 40, "size": 30 * MiB},   # grows the range by 2 pages
+        {"action": "free_completed", "addr": 1 << 40, "size": 20 * MiB},
+    ]]}
+    r = check_step(start, end)
+    assert (r["seed_reserved"], r["real_start_reserved"], r["seed_allocated"]) == (100 * MiB, 100 * MiB, 80 * MiB)
+    assert (r["peak_allocated"], r["peak_reserved"]) == (130 * MiB, 140 * MiB)
+    assert (r["seed_events"], r["step_events"]) == (4, 3)
+
+
+def test_profile_allocator_check_needs_cuda():
+    from ds_longctx.measure.profiler import StepProfiler
+
+    with pytest.raises(ValueError, match="allocator_check .*needs a CUDA device"):
+        StepProfiler({"allocator_check": True, "steps": [1]}, device="cpu")
+    assert StepProfiler({"steps": [1]}, device="cpu").allocator_check is False
