@@ -117,3 +117,11 @@ def test_profile_allocator_check_needs_cuda():
     with pytest.raises(ValueError, match="allocator_check .*needs a CUDA device"):
         StepProfiler({"allocator_check": True, "steps": [1]}, device="cpu")
     assert StepProfiler({"steps": [1]}, device="cpu").allocator_check is False
+
+
+def test_streams_keep_their_own_pools():
+    # a block freed on the copy stream is not reused by the compute stream: the compute stream maps its own
+    r = replay([("+", "a", 100 * MiB, 7), ("-", "a"), ("+", "b", 100 * MiB, 0)])
+    assert r.peak_reserved == 200 * MiB
+    r = replay([("+", "a", 100 * MiB, 0), ("-", "a"), ("+", "b", 100 * MiB, 0)])
+    assert r.peak_reserved == 100 * MiB

@@ -21,12 +21,14 @@ Rules reproduced (c10/cuda/CUDACachingAllocator.cpp, c10/core/AllocatorConfig.h)
   request retried) or ``empty_cache`` is called: so the reserved peak is reached at the end of a trace
   that never comes near the device's capacity, which is what this model assumes (``capacity`` is None).
 
-Not modelled (say so where it matters): several streams (each stream has its own pools; the offload
-prefetch's copy stream allocates its own blocks), CUDA graph pools, ``max_split_size_mb`` and
+Streams: each stream has its own pools (and, with expandable segments, its own ranges): a block freed by
+the offload prefetch's copy stream is never reused by the compute stream. Events may name their stream.
+
+Not modelled (say so where it matters): CUDA graph pools, ``max_split_size_mb`` and
 ``roundup_power2_divisions``, and allocations made outside the caching allocator (CUDA context, NCCL,
 cuBLAS/cuDNN handles): those are the planner's fixed ``--reserve``.
 
-Pure Python, no torch: events are ``("+", key, nbytes)`` / ``("-", key)``.
+Pure Python, no torch: events are ``("+", key, nbytes)`` or ``("+", key, nbytes, stream)``, and ``("-", key)``.
 """
 from __future__ import annotations
 
@@ -58,10 +60,10 @@ def segment_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "small")
+    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "pool")
 
-    def __init__(self, addr: int, size: int, small: bool, mapped: bool = True):
-        self.addr, self.size, self.small, self.mapped = addr, size, small, mapped
+    def __init__(self, addr: int, size: int, pool: "_Pool", mapped: bool = True):
+        self.addr, self.size, self.pool, self.mapped = addr, size, pool, mapped
         self.allocated = False
         self.prev: Optional[_Block] = None
         self.next: Optional[_Block] = None
@@ -100,11 +102,11 @@ class ReplayResult:
 
 
 class CachingAllocatorModel:
-    """One device, one stream. ``alloc``/``free`` by caller-chosen key; ``reserved``/``allocated`` in bytes."""
+    """One device. ``alloc``/``free`` by caller-chosen key; ``reserved``/``allocated`` in bytes."""
 
     def __init__(self, expandable_segments: bool = True):
         self.expandable = expandable_segments
-        self.pools = {True: _Pool(True), False: _Pool(False)}
+        self.pools: Dict[tuple, _Pool] = {}   # (stream, small) -> pool
         self.live: Dict[object, _Block] = {}
         self.allocated = 0
         self.reserved = 0
@@ -125,12 +127,12 @@ class CachingAllocatorModel:
         page = SMALL_BUFFER if pool.small else LARGE_PAGE
         tail = pool.unmapped
         if tail is None:  # the range is created on first use, as large as anything could need
-            tail = _Block(self._new_range(1 << 50), 1 << 50, pool.small, mapped=False)
+            tail = _Block(self._new_range(1 << 50), 1 << 50, pool, mapped=False)
             pool.unmapped = tail
         last = tail.prev if tail.prev is not None and not tail.prev.allocated else None
         have = last.size if last is not None else 0
         need = -(-(size - have) // page) * page
-        new = _Block(tail.addr, need, pool.small)
+        new = _Block(tail.addr, need, pool)
         tail.addr += need
         tail.size -= need
         new.prev, new.next = tail.prev, tail
@@ -145,7 +147,7 @@ class CachingAllocatorModel:
 
     def _new_segment(self, pool: _Pool, size: int) -> _Block:
         seg = segment_size(size)
-        b = _Block(self._new_range(seg), seg, pool.small)
+        b = _Block(self._new_range(seg), seg, pool)
         self.reserved += seg
         return b
 
@@ -181,12 +183,14 @@ class CachingAllocatorModel:
                 i, b = i + 1, nxt
         return b
 
-    def alloc(self, key, nbytes: int) -> None:
+    def alloc(self, key, nbytes: int, stream=0) -> None:
         if key in self.live:
             raise ValueError(f"allocator model: key {key!r} is already live")
         size = round_size(int(nbytes))
         small = size <= SMALL_SIZE
-        pool = self.pools[small]
+        pool = self.pools.get((stream, small))
+        if pool is None:
+            pool = self.pools[(stream, small)] = _Pool(small)
         b = self._best_fit(pool, size)
         if b is not None:
             pool.remove(b)
@@ -197,7 +201,7 @@ class CachingAllocatorModel:
         rest = b.size - size
         split = rest >= MIN_BLOCK if (small or self.expandable) else rest > SMALL_SIZE
         if split:
-            r = _Block(b.addr + size, rest, b.small)
+            r = _Block(b.addr + size, rest, b.pool)
             r.prev, r.next = b, b.next
             if b.next is not None:
                 b.next.prev = r
@@ -214,7 +218,7 @@ class CachingAllocatorModel:
         b = self.live.pop(key)
         b.allocated = False
         self.allocated -= b.size
-        pool = self.pools[b.small]
+        pool = b.pool
         for n in (b.prev, b.next):
             if n is not None and n.mapped and not n.allocated:
                 pool.remove(n)
@@ -226,7 +230,7 @@ class CachingAllocatorModel:
         for ev in events:
             n += 1
             if ev[0] == "+":
-                self.alloc(ev[1], ev[2])
+                self.alloc(ev[1], ev[2], ev[3] if len(ev) > 3 else 0)
             else:
                 self.free(ev[1])
         return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n)
@@ -248,7 +252,7 @@ def events_from_snapshot(snapshot: dict, device: int = 0) -> List[tuple]:
         if act == "alloc":
             key = (e["addr"], i)
             live[e["addr"]] = key
-            out.append(("+", key, int(e["size"])))
+            out.append(("+", key, int(e["size"]), e.get("stream", 0)))
         elif act == "free_completed" and e["addr"] in live:
             out.append(("-", live.pop(e["addr"])))
     return out
@@ -262,7 +266,7 @@ def seed_events(snapshot: dict, device: int = 0) -> List[tuple]:
     for seg in sorted(segs, key=lambda s: s.get("address", 0)):
         for b in seg.get("blocks", []):
             key = ("seed", len(out))
-            out.append(("+", key, int(b["size"])))
+            out.append(("+", key, int(b["size"]), seg.get("stream", 0)))
             if b.get("state") != "active_allocated":
                 frees.append(("-", key))
     return out + frees
