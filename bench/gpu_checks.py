@@ -14,6 +14,9 @@ killed by its limit loses only itself:
              own layers, bf16, both against an fp32 HF reference: loss and gradients
   arena      activation checkpointing with layer inputs offloaded through the pinned exact-size arena vs
              no offload (fp32: bit-equal loss and gradients), bench/gpu_memory_stack.offload_check
+  keep       activation_checkpointing.keep_attention_output on vs off (issue 20): a 2-layer model of
+             Llama-3-8B's layer shapes, untied fused attention + the memory stack, SP=1, bf16, forward +
+             backward alternated round by round at ``--keep-seq``: step time, peaks, loss/grads equality
 
 ``--dry-run``: the same code on CPU at tiny sizes (no CUDA needed), to catch argument, import and shape
 errors before device time is spent.
@@ -365,6 +368,63 @@ def part_arena(dev, dtype, args):
     return offload_check()
 
 
+def part_keep(dev, dtype, args):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ds_longctx.config import parse
+    from ds_longctx.patch import patch_model
+
+    h = SHAPES["hidden"]
+    cfg = LlamaConfig(hidden_size=h, num_attention_heads=SHAPES["heads"], num_key_value_heads=SHAPES["kv_heads"],
+                      head_dim=SHAPES["head_dim"], num_hidden_layers=2, vocab_size=4096,
+                      intermediate_size=args.keep_intermediate, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    clock = Clock(dev)
+    out = {"model": {"hidden": h, "layers": 2, "intermediate": args.keep_intermediate}}
+    for seq in args.keep_seq:
+        ids = torch.randint(0, 4096, (1, seq), generator=torch.Generator().manual_seed(7)).to(dev)
+        models = {}
+        for keep in (False, True):
+            torch.manual_seed(0)
+            with torch.device(dev):
+                m = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+            m.train()
+            lc = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": args.keep_hpc,
+                                "fuse_projections": True},
+                  "activation_checkpointing": {"enabled": True, "keep_attention_output": keep},
+                  "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}, "rms_norm": {"enabled": True}}
+            patch_model(m, parse({"long_context": lc}), group=None)
+            models["keep" if keep else "recompute"] = m
+
+        def step(m):
+            m.zero_grad(set_to_none=True)
+            m(input_ids=ids, labels=ids).loss.backward()
+
+        rows = {}
+        for name, m in models.items():  # warm-up: peaks, loss and grads
+            base = clock.reset_peak()
+            m.zero_grad(set_to_none=True)
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            clock.sync()
+            rows[name] = {"loss": loss.item(), "peak": clock.peak(base), "times": []}
+        a, b = models["recompute"], models["keep"]
+        rows["keep"]["loss_equal"] = rows["keep"]["loss"] == rows["recompute"]["loss"]
+        rows["keep"]["grads_equal"] = all(torch.equal(pa.grad, pb.grad) for pa, pb in zip(a.parameters(),
+                                                                                           b.parameters()))
+        for _ in range(args.steps):  # alternated: noise hits both alike
+            for name, m in models.items():
+                rows[name]["times"].append(clock(lambda: step(m))[0])
+        for r in rows.values():
+            r["step_s"] = statistics.median(r["times"])
+        rows["keep_over_recompute_time"] = rows["keep"]["step_s"] / rows["recompute"]["step_s"]
+        out[str(seq)] = rows
+        del models, a, b, ids
+        gc.collect()
+        if clock.cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
 def part_nvme(dev, dtype, args):
     """The NVMe file target (DeepSpeed's async_io op) on this machine's disk, bit-exact vs no offload over
     3 steps, then no file left behind. Needs the op built (libaio: run_all.sh carries and unpacks it)."""
@@ -392,7 +452,7 @@ def part_nvme(dev, dtype, args):
 
 
 PARTS = {"kernels": part_kernels, "attention": part_attention, "varlen": part_varlen, "block": part_block,
-         "arena": part_arena, "nvme": part_nvme}
+         "arena": part_arena, "nvme": part_nvme, "keep": part_keep}
 
 
 def main(argv=None):
@@ -408,6 +468,9 @@ def main(argv=None):
     p.add_argument("--nvme-dir", default="/tmp", help="nvme: where the activation files go")
     p.add_argument("--block-hidden", type=int, default=1024)
     p.add_argument("--block-seq", type=int, default=4096)
+    p.add_argument("--keep-seq", type=int, nargs="+", default=[131072], help="keep: sequence lengths")
+    p.add_argument("--keep-hpc", type=int, default=8, help="keep: heads_per_chunk")
+    p.add_argument("--keep-intermediate", type=int, default=14336, help="keep: MLP width (Llama-3-8B: 14336)")
     p.add_argument("--minimal", action="store_true", help="attention: tied (SDPA default) and untied [auto] only")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script, not the GPU")
     args = p.parse_args(argv)
@@ -419,6 +482,7 @@ def main(argv=None):
         SHAPES.update(hidden=64, heads=4, kv_heads=2, head_dim=16)
         args.seq, args.varlen_seq, args.hpc, args.steps = [128], [128], [1, 2], 1
         args.docs, args.kernel_seq, args.block_hidden, args.block_seq = 8, 32, 64, 64
+        args.keep_seq, args.keep_hpc, args.keep_intermediate = [128], 2, 128
         dev, dtype = torch.device("cpu"), torch.float32
     else:
         if not torch.cuda.is_available():

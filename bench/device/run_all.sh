@@ -40,7 +40,7 @@ if [ $DRY = 0 ]; then
     PY=python3
     { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nproc; free -g; df -h /tmp; } \
         > "$OUT/env.txt" 2>&1
-    ATT="--seq 32768 131072 --hpc 1 8 --steps 3"; VL="--varlen-seq 32768 131072 --docs 64 --steps 3"
+    ATT="--seq 32768 131072 --hpc 1 8 --steps 3"; VL="--varlen-seq 32768 131072 --docs 64 --steps 3 --keep-seq 131072"
     TRAIN_CFG=ds_configs/llama3.2-1b-1gpu.json; TRAIN_MODEL=ds_configs/models/llama3.2-1b.json
     TRAIN_ARGS="--seq-len 131072 --steps 3 --eval-samples 0"; NGPU=1
     LONG="--seq 524288 --hpc 1 8 --steps 1 --minimal"; NV=""
@@ -56,10 +56,7 @@ fi
 $PY -c "import torch, deepspeed, transformers, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'pydantic', pydantic.VERSION)" \
     2>&1 | tail -1 | tee -a "$OUT/env.txt"
 
-# a/b: kernels vs fp32, native GQA probes, untied vs tied at 32K and 128K (u=1, 8), auto's measured choice
-step attention 200 $PY bench/gpu_checks.py --part kernels,attention $ATT --out "$OUT/attention.json"
-# c/d/e: varlen vs per-document loop (64 docs), block Function vs HF in bf16, pinned arena bit-exact
-step checks 110 $PY bench/gpu_checks.py --part varlen,block,arena $VL --out "$OUT/checks.json"
+# first what no earlier GPU run has measured: the planner's reserved bytes (train) and keep_attention_output
 # f: train.py, world 1, NCCL (gloo on the dry run), ZeRO-3, full stack, ~1B Llama, 3 steps; the planner's
 # prediction for the same config and length first (CPU work, seconds)
 step plan 60 bash -c "$PY -m ds_longctx.planner.cli plan --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL \
@@ -74,6 +71,11 @@ fi
 step train 170 $PY -m deepspeed.launcher.runner --num_gpus $NGPU --master_port 29561 train.py \
     --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL $TRAIN_ARGS --no-progress \
     --metrics "$OUT/train_metrics.jsonl"
+# c/d/e: varlen vs per-document loop (64 docs), block Function vs HF in bf16, pinned arena bit-exact;
+# keep_attention_output on vs off at 128K (issue 20)
+step checks 200 $PY bench/gpu_checks.py --part keep,varlen,block,arena $VL --out "$OUT/checks.json"
+# a/b: kernels vs fp32, native GQA probes, untied vs tied at 32K and 128K (u=1, 8), auto's measured choice
+step attention 200 $PY bench/gpu_checks.py --part kernels,attention $ATT --out "$OUT/attention.json"
 # g: NVMe offload through DeepSpeed's async_io op on this machine's disk (builds the op first)
 step nvme 120 $PY bench/gpu_checks.py --part nvme $NV --out "$OUT/nvme.json"
 # what is left: tied vs untied at 512K (u=1)
