@@ -412,13 +412,14 @@ _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at
                      "transformers' own attention runs it exactly")
 
 
-def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) -> None:
+def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], layer_kinds: bool = True) -> None:
     """Our SP attention ('ulysses' at SP > 1, 'untied_ulysses') computes causal attention over the whole
     gathered sequence, applying each layer's sliding window and attention soft-cap there
     (models.windows.layer_attention). Refuse every model whose attention is something else: chunked
     attention and other layer types, bidirectional attention, and flex_attention under 'untied_ulysses'
     (its BlockMask is built for the local shard; 'ulysses' runs flex layers causal). Never advise dropping
-    a window: the pretrained model attends through it."""
+    a window: the pretrained model attends through it. ``layer_kinds`` False: only the model-wide refusals
+    (the installs, which check each layer's type at its forward, with the sequence length)."""
     from .models import text_config
     from .models.windows import is_bidirectional, restricted_layers
 
@@ -435,7 +436,7 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     if is_bidirectional(model_config):
         raise ConfigError(key, f"the {name} model attends bidirectionally (use_bidirectional_attention), and "
                           f"{impl!r} computes causal attention only", _NOT_YET_UNDER_SP)
-    for group in restricted_layers(model_config):
+    for group in restricted_layers(model_config) if layer_kinds else ():
         if group.kind == "sliding_attention" or group.exact_for(seq_len):
             continue  # windows are applied on the gathered sequence (a window covering it is full causal)
         if group.span is None:

@@ -116,8 +116,12 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
         # config-level error naming the key; what that check does not cover raises Schedule's ValueError
         check_heads_per_chunk(hpc, heads, kv, sp)
         schedule = Schedule(heads, kv, sp, hpc)
+    from ..config import check_sp_attention_pattern
     from ..models.windows import layer_attention
 
+    # for callers of patch_model without initialize's check: flex_attention and bidirectional models are
+    # refused here; windows and soft-caps are applied; chunked layers are checked per forward (their length)
+    check_sp_attention_pattern("untied_ulysses", model.config, 10 ** 18, layer_kinds=False)
     state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=backend.name, backend=backend,
                    schedule=schedule, shape=shape, layers=tuple(layer_attention(tc)))
     handle = UntiedInstall()
@@ -357,6 +361,19 @@ _LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version
 _UNSET = object()
 
 
+def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
+    """The refusal of a layer the SP attention does not compute (chunked shorter than the sequence, other
+    layer types), for direct callers of patch_model (initialize refuses them first, config.py)."""
+    what = (f"chunked attention of {facts.chunk}-token chunks" if facts.kind == "chunked_attention" else
+            f"a '{facts.kind}' layer")
+    return ConfigError("long_context.attention.implementation",
+                       f"layer {idx} has {what}; {impl!r} computes causal attention (with sliding windows) over the "
+                       f"gathered {global_len}-token sequence, so it would be silently changed",
+                       "this layer type is not supported under sequence parallelism yet; train with "
+                       "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
+                       "transformers' own attention runs it exactly")
+
+
 def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET):
     """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel with the layer's sliding window and
     soft-cap bound (kernels.KernelChoice.for_layer), from the config facts read at install. What the module
@@ -368,11 +385,8 @@ def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNS
     idx = getattr(module, "layer_idx", None)
     layers = state.layers
     facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
-    if not facts.runnable:
-        raise ConfigError("long_context.attention.implementation", f"layer {idx} is a '{facts.kind}' layer, which "
-                          "untied attention does not run (it computes causal attention, with sliding windows)",
-                          "this layer type is not supported under sequence parallelism; train with "
-                          "long_context.attention.implementation 'none' at sequence_parallel_size 1")
+    if not facts.runnable(global_len):
+        raise not_runnable(idx, facts, global_len, "untied_ulysses")
     for what, hf, ours in (("sliding_window", hf_window, facts.window), ("softcap", hf_softcap, facts.softcap)):
         if hf is not _UNSET and (hf or None) != ours:
             raise ConfigError("model.config", f"layer {idx}: the model applies {what}={hf!r}, the config reads as "

@@ -65,6 +65,10 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
                               f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
                               "its attention pattern wrongly")
         S = query.shape[2]
+        if not facts.runnable(S):
+            from .hf import not_runnable
+
+            raise not_runnable(idx, facts, S, "ulysses")
         window = facts.window_for(S)
         if flash:  # transformers' flash path applies the window (window_size) and soft-cap natively
             return core(module, query, key, value, None, *args, **kwargs)
@@ -94,8 +98,12 @@ def install_ulysses(model, group) -> registry.Installation:
     from ..models.windows import layer_attention
     from .kernels import KernelChoice
 
+    from ..config import check_sp_attention_pattern
+
     impl = model.config._attn_implementation
     tc = text_config(model.config)
+    # for callers of patch_model without initialize's check (bidirectional models); layer types per forward
+    check_sp_attention_pattern("ulysses", model.config, 10 ** 18, layer_kinds=False)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     shape = attention_shape(tc)
     core = pattern_core(registry.original(impl), impl, layer_attention(tc), KernelChoice("auto"))

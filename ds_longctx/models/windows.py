@@ -83,10 +83,14 @@ class LayerAttention:
     window: Optional[int] = None
     softcap: Optional[float] = None
     kind: str = "full_attention"
+    chunk: Optional[int] = None  # a 'chunked_attention' layer's chunk (tokens)
 
-    @property
-    def runnable(self) -> bool:
-        return self.kind in ("full_attention", "sliding_attention") or self.kind in _MLP_KINDS
+    def runnable(self, seq_len: int) -> bool:
+        """Causal attention (with this window) over ``seq_len`` tokens is what the layer computes: any layer
+        but other types, and a chunked layer only when its chunk covers the sequence."""
+        if self.kind == "chunked_attention":
+            return self.chunk is not None and self.chunk >= seq_len
+        return self.kind in ("full_attention", "sliding_attention")
 
     def window_for(self, seq_len: int) -> Optional[int]:
         """The window that matters for a ``seq_len``-token sequence: None when it covers the whole sequence
@@ -113,12 +117,14 @@ def layer_attention(model_config) -> List[LayerAttention]:
     if types is None:
         return [LayerAttention(int(window) if window else None, cap,
                                "sliding_attention" if window else "full_attention") for _ in range(n)]
+    chunk = getattr(tc, "attention_chunk_size", None) or None
     out = []
     for t in types:
         if t == "sliding_attention":
             out.append(LayerAttention(int(window) if window else None, cap, t))
         else:
-            out.append(LayerAttention(None, cap, "full_attention" if t in _MLP_KINDS else t))
+            out.append(LayerAttention(None, cap, "full_attention" if t in _MLP_KINDS else t,
+                                      int(chunk) if chunk and t == "chunked_attention" else None))
     return out
 
 
