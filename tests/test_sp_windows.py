@@ -205,3 +205,52 @@ def test_the_references_depend_on_the_window_and_softcap():
             with torch.no_grad():
                 wide = model(**batch(packed), use_cache=False).loss.item()
             assert abs(wide - ref) > 2e-4, (name, packed, wide, ref)
+
+
+def test_planner_stand_in_counts_the_window():
+    """The planner's meta stand-in kernel (flash-attention-2's memory) takes a windowed layer and its FLOP
+    formula counts only the band: what the planner's time model charges such a layer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ds_longctx.attention import kernels
+    from ds_longctx.measure.flops import attention_flops
+    from ds_longctx.planner.simulate import _meta_backend_class
+
+    q = torch.empty(1, 64, 4, 8, device="meta")
+    k = v = torch.empty(1, 64, 2, 8, device="meta")
+    counted = {}
+    with kernels.overridden("meta", _meta_backend_class()):
+        for window in (None, 5):
+            be = kernels.KernelChoice("auto").for_layer(torch.device("meta"), window, None, "layer 0")
+            with FlopCounterMode(display=False) as fc:
+                out, lse = be.forward(q, k, v, True, 0.3)
+                be.backward(out, q, k, v, out, lse, True, 0.3)
+            counted[window] = fc.get_total_flops()
+    for window, got in counted.items():
+        assert got == sum(attention_flops(1, 4, 64, 64, 8, True, bwd, window) for bwd in (False, True))
+    assert counted[5] * 5 < counted[None]  # 5 of 64 keys per query at most
+
+
+@pytest.mark.parametrize("impl", ["ulysses", "fused", "function"])
+def test_planner_step_charges_the_band(impl):
+    """simulate_step (the planner's step on the meta stand-in, SP=2) of a Mistral model: a 100-token window on
+    1024 tokens leaves a tenth of the attention FLOPs, exactly the band's count, and the same peak memory
+    (flash-class kernels hold no scores)."""
+    from ds_longctx.config import parse
+    from ds_longctx.measure.flops import attention_flops
+    from ds_longctx.planner.simulate import simulate_step
+    from sp_cases import ds_config
+    from tiny_models import tiny_config
+
+    got = {}
+    for window in (None, 100):
+        cfg = ds_config(3, 2, {"attention": IMPLS[impl]})
+        mc = tiny_config("mistral", heads=4, kv_heads=2, vocab=64, layers=2, intermediate=48, sliding_window=window)
+        step = simulate_step(mc, cfg, parse(cfg), 2, 1024, 2)
+        got[window] = (sum(v[0] for k, v in step.work.items() if k[0] == "attention"), step.peak_device)
+    # per rank: 2 of the 4 heads over the gathered 1024 tokens, 2 layers, forward + backward
+    per_layer = {w: sum(attention_flops(1, 2, 1024, 1024, 8, True, bwd, w) for bwd in (False, True))
+                 for w in (None, 100)}
+    assert got[100][0] / got[None][0] == pytest.approx(per_layer[100] / per_layer[None], rel=1e-12)
+    assert got[100][0] < got[None][0] / 4
+    assert got[100][1] == got[None][1]

@@ -404,6 +404,8 @@ def _check_mask(mask, s_local, window=None):
         return
     if not isinstance(mask, torch.Tensor):  # e.g. flex BlockMask
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
+    if mask.device.type == "meta":  # the planner's stand-in device: no values (its batches are plain causal)
+        return
     ref, version, verdict = _LAST_MASK
     if ref is not None and ref() is mask and version == (mask._version, window):  # one mask is shared by layers
         if not verdict:

@@ -89,7 +89,7 @@ class Backend:
             raise ValueError(f"{self.name}: sliding window {window!r} and soft-cap {softcap!r} must be positive")
         if w and not causal:
             raise ValueError(f"{self.name}: a sliding window needs causal attention")
-        if (w and not self.supports_window) or (c and not self.supports_softcap):
+        if not self.fake_only and ((w and not self.supports_window) or (c and not self.supports_softcap)):
             what = " and ".join(n for n, on in (("a sliding window", w), ("attention soft-capping", c)) if on)
             raise ConfigError(KERNEL_KEY, f"kernel {self.name!r} cannot apply {what}",
                               "set long_context.attention.kernel to 'auto', which picks a kernel that applies them")
