@@ -344,7 +344,10 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):
             raise ConfigError("model.config._attn_implementation", f"{attn_impl!r} cannot run sequence parallel",
-                              "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
+                              "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model "
+                              "with no SDPA path (Gemma2: attention soft-capping) trains with "
+                              "attn_implementation='flex_attention' under long_context.attention.implementation "
+                              "'ulysses'")
         check_sp_heads(heads, kv, sp)
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         check_sp_attention_pattern(impl, model_config, seq)

@@ -1,7 +1,8 @@
 """Attention the SP paths would compute differently is refused (issue 19), with a fix that does not lead to
 wrong training: chunked attention (Llama4), bidirectional models, flex_attention under untied, a named kernel
 that cannot apply a layer's sliding window, custom 4-D masks. Sliding windows themselves are applied
-(tests/test_sp_windows.py) and pass the checks. Pure checks and SP=1 forwards in one process; real transformers configs and tiny models."""
+(tests/test_sp_windows.py) and pass the checks. Pure checks and SP=1 forwards in one process; real
+transformers configs and tiny models."""
 import pytest
 import torch
 

@@ -11,7 +11,9 @@ Two ways in, picked by ``long_context.attention.fuse_projections``:
   computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
 
 The model sees per-rank local position_ids (the loader shards input_ids and position_ids), so HF's
-rotary embedding yields local cos/sin; attention is causal over the gathered sequence, or within
+rotary embedding yields local cos/sin; attention is causal over the gathered sequence (with the layer's
+sliding window and soft-cap from models.windows.layer_attention, applied by the kernel per stage: a
+kernel that cannot apply them is replaced by the banded one under 'auto', refused when named), or within
 each document when the forward patch_model installs passes the batch's documents
 (``documents.DOCS_KWARG``; HF's packed mask is then redundant and ignored). Without documents a
 causal mask built by HF for the local shard is ignored; any other mask (padding, packed documents)
@@ -316,7 +318,9 @@ def _install_function_level(model, state: _State) -> registry.Installation:
     if impl is None or impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
         raise ConfigError("model.config._attn_implementation",
                           f"{impl!r} does not go through transformers' attention interface",
-                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
+                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model with no "
+                          "SDPA path (Gemma2: attention soft-capping) trains with attn_implementation='flex_attention' "
+                          "under long_context.attention.implementation 'ulysses'")
 
     def untied(module, query, key, value, attention_mask, *args, **kwargs):
         return _function_level_attention(state, module, query, key, value, attention_mask, *args, **kwargs)
@@ -375,8 +379,8 @@ def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
 
 
 def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET):
-    """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel with the layer's sliding window and
-    soft-cap bound (kernels.KernelChoice.for_layer), from the config facts read at install. What the module
+    """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel
+    with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config facts read at install. What the module
     or transformers passes (``hf_window``, ``hf_softcap``) must agree with them. A window covering the
     ``global_len``-token gathered sequence is full causal attention. Same verdict on every rank (equal shard
     lengths, same config), raised before the layer's first all-to-all."""

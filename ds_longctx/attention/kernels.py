@@ -737,9 +737,9 @@ class KernelChoice:
         names = ("sdpa_cpu_flash", "sdpa_cuda_flash") if self.name == "sdpa" else (self.name,)
         for n in names:
             cls = BACKENDS[n]
-            lacking = [what for what, on, ok in (("a sliding window of %s tokens" % window, window, cls.supports_window),
-                                                 ("attention soft-capping %s" % softcap, softcap,
-                                                  cls.supports_softcap)) if on and not ok]
+            asks = ((f"a sliding window of {window} tokens", window, cls.supports_window),
+                    (f"attention soft-capping {softcap}", softcap, cls.supports_softcap))
+            lacking = [what for what, on, ok in asks if on and not ok]
             if lacking:
                 raise ConfigError(KERNEL_KEY, f"{where} has {' and '.join(lacking)}, which kernel {n!r} "
                                   f"({self.name!r}) cannot apply", "set long_context.attention.kernel to 'auto': "
@@ -813,5 +813,6 @@ def reference_attention(q, k, v, causal: bool, scale: float, window: Optional[in
 
 
 __all__ = ["Backend", "BACKENDS", "KernelChoice", "Windowed", "TorchBanded", "banded_attention_forward",
-           "banded_attention_backward", "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
+           "banded_attention_backward",
+           "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
            "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]

@@ -1,7 +1,8 @@
 """Which decoder layers do NOT attend plain causal over the whole sequence: sliding windows, chunked
-attention, other layer types; bidirectional attention. Read from the config the way transformers' own
-modeling code reads it, so the SP attention paths (full causal over the gathered sequence) can refuse
-what they would silently compute differently.
+attention, other layer types; bidirectional attention; attention soft-capping. Read from the config the way
+transformers' own modeling code reads it, so the SP attention paths apply what they can (windows and
+soft-caps, on the gathered sequence) and refuse what they would silently compute differently (chunks shorter
+than the sequence, other layer types, bidirectional attention).
 
 * ``layer_types`` (Gemma2/3, Qwen2 with ``use_sliding_window``, GPT-OSS, Llama4, Cohere2, ...): a
   'sliding_attention' layer uses ``config.sliding_window``, a 'chunked_attention' layer
