@@ -143,7 +143,13 @@ CASES = [("gemma3", "ulysses", None, False), ("gemma3", "function", None, True),
          ("mistral", "ulysses", None, True),
          ("qwen2", "fused", None, True), ("qwen2", "function", None, True), ("qwen2", "ulysses", None, False),
          ("gemma2", "ulysses", "flex_attention", False), ("gemma2", "ulysses", "flex_attention", True),
-         ("llama", "ulysses", "flex_attention", False), ("llama", "ulysses", "flex_attention", True)]
+         ("llama", "ulysses", "flex_attention", False), ("llama", "ulysses", "flex_attention", True),
+         # the memory stack on top (offloaded checkpointing: the windowed layers recomputed in backward)
+         ("mistral", "fused+stack", None, True), ("gemma3", "function+stack", None, False),
+         ("gemma2", "ulysses+stack", "flex_attention", True)]
+STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+         "tiled_mlp": {"enabled": True, "shards": 3}, "tiled_loss": {"enabled": True, "shards": 2},
+         "rms_norm": {"enabled": True}}
 
 
 def _sp_worker(rank, world):
@@ -156,7 +162,8 @@ def _sp_worker(rank, world):
         name, impl, attn, packed = case
         model = build(name, attn)
         engine, *_ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                           config=ds_config(3, world, {"attention": IMPLS[impl]}))
+                                           config=ds_config(3, world, dict(STACK if "+stack" in impl else {},
+                                                                           attention=IMPLS[impl.split("+")[0]])))
         before = full_params(engine.module)
         loss = engine(**shard_batch(batch(packed), rank, world)).loss
         engine.backward(loss)
