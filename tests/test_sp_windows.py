@@ -32,10 +32,16 @@ KERNEL_CASES = [(1, 40, 4, 2, 5, None), (2, 300, 4, 1, 130, None), (1, 300, 2, 2
                 (1, 260, 4, 2, 129, 2.0), (1, 50, 2, 1, 1, None), (1, 70, 2, 2, 200, 5.0)]
 
 
+@pytest.mark.parametrize("tile_elements", [None, 700])
 @pytest.mark.parametrize("b,s,h,hk,window,softcap", KERNEL_CASES)
-def test_banded_kernel_equals_dense_masked_reference(b, s, h, hk, window, softcap):
+def test_banded_kernel_equals_dense_masked_reference(b, s, h, hk, window, softcap, tile_elements, monkeypatch):
+    """700: tiles of a few query rows (what a wide band gets at long context), odd tile edges."""
+    from ds_longctx.attention import kernels
     from ds_longctx.attention.kernels import (banded_attention_backward, banded_attention_forward,
                                               reference_attention)
+
+    if tile_elements is not None:
+        monkeypatch.setattr(kernels, "BANDED_TILE_ELEMENTS", tile_elements)
 
     g = torch.Generator().manual_seed(s + h)
     q = torch.randn(b, s, h, 8, dtype=torch.float64, generator=g, requires_grad=True)

@@ -155,14 +155,20 @@ class TorchCPUFlash(Backend):
 
 
 BANDED_QUERY_TILE = 128  # query rows per tile of the banded kernel: its scores are [b, h, tile, tile + window - 1]
+BANDED_TILE_ELEMENTS = 1 << 24  # at most this many scores per tile (fewer rows when the band or batch is wide)
 
 
-def _banded_tiles(s_q: int, s_k: int, causal: bool, window: int):
+def _banded_tiles(s_q: int, s_k: int, causal: bool, window: int, bh: int = 1):
     """(q0, q1, k0, k1) per query tile: the keys any row of the tile may see (causal bottom-right aligned,
-    inside the window); keys outside [k0, k1) are never read."""
+    inside the window); keys outside [k0, k1) are never read. ``bh``: batch x query heads (the tile's rows
+    shrink so that a tile holds at most BANDED_TILE_ELEMENTS scores: a soft-capped full layer's band is the
+    whole sequence)."""
     off = s_k - s_q
-    for q0 in range(0, s_q, BANDED_QUERY_TILE):
-        q1 = min(s_q, q0 + BANDED_QUERY_TILE)
+    rows = BANDED_QUERY_TILE
+    span = min(s_k, window + rows - 1) if window > 0 else s_k
+    rows = max(1, min(rows, BANDED_TILE_ELEMENTS // max(1, bh * span)))
+    for q0 in range(0, s_q, rows):
+        q1 = min(s_q, q0 + rows)
         k1 = min(s_k, q1 + off) if causal else s_k
         k0 = max(0, q0 + off - window + 1) if window > 0 else 0
         yield q0, q1, k0, k1
@@ -199,7 +205,7 @@ def banded_attention_forward(q, k, v, causal: bool, scale: float, window: int = 
     acc = _acc_dtype(q)
     out = torch.empty(b, s_q, h, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s_q, dtype=acc, device=q.device)
-    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window):
+    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h):
         qt = q[:, q0:q1].to(acc).reshape(b, q1 - q0, hk, rep, d)
         kt, vt = k[:, k0:k1].to(acc), v[:, k0:k1].to(acc)
         sc, _ = _banded_scores(qt, kt, scale, softcap, q0, k0, s_k - s_q, causal, window)
@@ -223,7 +229,7 @@ def banded_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: floa
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     lse4 = lse.reshape(b, hk, rep, s_q)
-    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window):
+    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h):
         t = q1 - q0
         qt = q[:, q0:q1].to(acc).reshape(b, t, hk, rep, d)
         kt, vt = k[:, k0:k1].to(acc), v[:, k0:k1].to(acc)
