@@ -218,6 +218,15 @@ def _sp2_worker(rank, world):
     flex = _tiny(LlamaConfig(**SMALL))
     flex.config._attn_implementation = "flex_attention"
     out["flex"] = config_error(patch_model, flex, _lc("untied_ulysses", sp=2), group)
+    # GPT-OSS: windows would run, but its attention sinks (s_aux) would be dropped by the SP kernels
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(0)
+    oss = AutoModelForCausalLM.from_config(GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                        sliding_window=4), attn_implementation="flex_attention")
+    handle = patch_model(oss, lc, group)
+    out["sinks"] = config_error(lambda: oss(**shard))
+    handle.remove()
     return out
 
 
@@ -231,4 +240,5 @@ def test_refusals_at_sp2_on_every_rank():
         assert "kernel 'sdpa_cpu_flash' ('sdpa') cannot apply" in out["runtime_window"]
         assert out["mask_4d"] is not None and "custom 4-D masks are not supported" in out["mask_4d"]
         assert out["flex"] is not None and "flex_attention" in out["flex"]
+        assert out["sinks"] is not None and "layer 0 has attention sinks (s_aux" in out["sinks"], out["sinks"]
         assert out["ok_loss"] > 0

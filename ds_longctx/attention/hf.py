@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
                       is_llama_style_rmsnorm, rms_norm, rope_bshd, text_config)
+from ..models.windows import sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG
@@ -334,6 +335,8 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     """HF layout in: query [b, H, s, d], key/value [b, G, s, d]; out [b, s, H, d], weights None."""
     if dropout:
         raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 (got {dropout})")
+    if kwargs.get("s_aux") is not None:
+        raise sinks_error(getattr(module, "layer_idx", None), "untied_ulysses")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise ValueError("untied attention is causal-only; this attention module is bidirectional")
     s = query.shape[2]
@@ -365,26 +368,13 @@ _LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version
 _UNSET = object()
 
 
-def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
-    """The refusal of a layer the SP attention does not compute (chunked shorter than the sequence, other
-    layer types), for direct callers of patch_model (initialize refuses them first, config.py)."""
-    what = (f"chunked attention of {facts.chunk}-token chunks" if facts.kind == "chunked_attention" else
-            f"a '{facts.kind}' layer")
-    return ConfigError("long_context.attention.implementation",
-                       f"layer {idx} has {what}; {impl!r} computes causal attention (with sliding windows) over the "
-                       f"gathered {global_len}-token sequence, so it would be silently changed",
-                       "this layer type is not supported under sequence parallelism yet; train with "
-                       "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
-                       "transformers' own attention runs it exactly")
-
-
 def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET):
     """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel
     with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config facts read at install. What the module
     or transformers passes (``hf_window``, ``hf_softcap``) must agree with them. A window covering the
     ``global_len``-token gathered sequence is full causal attention. Same verdict on every rank (equal shard
     lengths, same config), raised before the layer's first all-to-all."""
-    from ..models.windows import LayerAttention
+    from ..models.windows import LayerAttention, not_runnable
 
     idx = getattr(module, "layer_idx", None)
     layers = state.layers

@@ -19,6 +19,7 @@ from typing import List
 
 import torch
 
+from ..models.windows import sinks_error
 from . import registry
 from .documents import document_core
 
@@ -50,7 +51,7 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
     kernels.KernelChoice for the banded kernel. The window and soft-cap come from the model config per
     layer; what transformers passes (``sliding_window``, ``softcap``) must agree, else an error."""
     from ..errors import ConfigError
-    from ..models.windows import LayerAttention
+    from ..models.windows import LayerAttention, not_runnable
 
     flash = impl.startswith("flash_attention")
     sdpa = registry.original("sdpa") if impl == "flex_attention" else None
@@ -66,8 +67,6 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
                               "its attention pattern wrongly")
         S = query.shape[2]
         if not facts.runnable(S):
-            from .hf import not_runnable
-
             raise not_runnable(idx, facts, S, "ulysses")
         window = facts.window_for(S)
         if flash:  # transformers' flash path applies the window (window_size) and soft-cap natively
@@ -116,6 +115,8 @@ def install_ulysses(model, group) -> registry.Installation:
     uattn.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if kwargs.get("s_aux") is not None and not impl.startswith("flash_attention"):
+            raise sinks_error(getattr(module, "layer_idx", None), "ulysses")  # before the all-to-all, every rank
         bs = query.shape[0]
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
             uattn.batch_size = bs

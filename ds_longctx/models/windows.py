@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from ..errors import ConfigError
 from ._common import text_config
 
 _FULL = ("full_attention",)
@@ -129,10 +130,33 @@ def layer_attention(model_config) -> List[LayerAttention]:
     return out
 
 
+def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
+    """The refusal of a layer the SP attention does not compute (chunked shorter than the sequence, other
+    layer types), for direct callers of patch_model (initialize refuses them first, config.py)."""
+    what = (f"chunked attention of {facts.chunk}-token chunks" if facts.kind == "chunked_attention" else
+            f"a '{facts.kind}' layer")
+    return ConfigError("long_context.attention.implementation",
+                       f"layer {idx} has {what}; {impl!r} computes causal attention (with sliding windows) over the "
+                       f"gathered {global_len}-token sequence, so it would be silently changed",
+                       "this layer type is not supported under sequence parallelism yet; train with "
+                       "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
+                       "transformers' own attention runs it exactly")
+
+
+def sinks_error(idx, impl: str) -> ConfigError:
+    """The refusal of attention sinks (``s_aux``) on an SP path whose kernel would drop them."""
+    return ConfigError("model.config._attn_implementation", f"layer {idx} has attention sinks (s_aux, GPT-OSS style), "
+                       f"which {impl!r} does not apply with this attention implementation (the SP kernels would "
+                       "silently drop them)", "on a GPU, load the model with attn_implementation='flash_attention_2' "
+                       "(or a kernel with sinks) under implementation 'ulysses', whose flash core applies them; "
+                       "otherwise train with long_context.attention.implementation 'none' at sequence_parallel_size 1")
+
+
 def is_bidirectional(model_config) -> bool:
     """Gemma3-style embedding configs attend both ways (``use_bidirectional_attention``)."""
     tc = text_config(model_config)
     return bool(getattr(tc, "use_bidirectional_attention", False)) or getattr(tc, "is_causal", True) is False
 
 
-__all__ = ["LayerAttention", "RestrictedLayers", "layer_attention", "restricted_layers", "is_bidirectional"]
+__all__ = ["LayerAttention", "RestrictedLayers", "layer_attention", "restricted_layers", "is_bidirectional",
+           "not_runnable", "sinks_error"]
