@@ -319,9 +319,10 @@ def _install_function_level(model, state: _State) -> registry.Installation:
     if impl is None or impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
         raise ConfigError("model.config._attn_implementation",
                           f"{impl!r} does not go through transformers' attention interface",
-                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model with no "
-                          "SDPA path (Gemma2: attention soft-capping) trains with attn_implementation='flex_attention' "
-                          "under long_context.attention.implementation 'ulysses'")
+                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model with "
+                          "no SDPA path (Gemma2: attention soft-capping) trains with "
+                          "attn_implementation='flex_attention' under long_context.attention.implementation "
+                          "'ulysses'")
 
     def untied(module, query, key, value, attention_mask, *args, **kwargs):
         return _function_level_attention(state, module, query, key, value, attention_mask, *args, **kwargs)
@@ -370,10 +371,10 @@ _UNSET = object()
 
 def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET):
     """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel
-    with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config facts read at install. What the module
-    or transformers passes (``hf_window``, ``hf_softcap``) must agree with them. A window covering the
-    ``global_len``-token gathered sequence is full causal attention. Same verdict on every rank (equal shard
-    lengths, same config), raised before the layer's first all-to-all."""
+    with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config
+    facts read at install. What the module or transformers passes (``hf_window``, ``hf_softcap``) must agree
+    with them. A window covering the ``global_len``-token gathered sequence is full causal attention. Same
+    verdict on every rank (equal shard lengths, same config), raised before the layer's first all-to-all."""
     from ..models.windows import LayerAttention, not_runnable
 
     idx = getattr(module, "layer_idx", None)
