@@ -193,7 +193,7 @@ def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple
     # the step's work is affine in depth too (every layer does the same work)
     work = {}
     for key in set(a.work) | set(b.work):
-        wa, wb = a.work.get(key, (0.0, 0.0)), b.work.get(key, (0.0, 0.0))
+        wa, wb = a.work.get(key, (0.0, 0.0, 0.0)), b.work.get(key, (0.0, 0.0, 0.0))
         work[key] = tuple(max(0.0, x + k * (y - x)) for x, y in zip(wa, wb))
     return br, host, [lo, hi], True, a.seconds + b.seconds, work
 

@@ -118,7 +118,7 @@ class Accountant(TorchDispatchMode):
         self.host_scope = False
         self._last_bwd = "other"
         self._keep: list = []
-        # work of the step (measure/flops.py): (kind, phase, key) -> [flops, bytes]; phase forward / backward /
+        # work of the step (measure/flops.py): (kind, phase, key) -> [flops, bytes, calls]; phase forward / backward /
         # recompute (a forward op run inside backward: checkpoint recompute, tiled recompute, attention recompute)
         self.work: Dict[tuple, List[float]] = {}
         self.in_backward = False
@@ -199,9 +199,10 @@ class Accountant(TorchDispatchMode):
             return
         kind, key, flops, nbytes = cost
         scale = _flops.current_scale()
-        slot = self.work.setdefault((kind, self._phase(func), key), [0.0, 0.0])
+        slot = self.work.setdefault((kind, self._phase(func), key), [0.0, 0.0, 0.0])
         slot[0] += flops * scale
         slot[1] += nbytes * scale
+        slot[2] += scale  # ops dispatched (one tile stands for ``scale`` tiles: as many calls)
 
     def _transient(self, func, args):
         """Memory a kernel holds only during its call (the GPU attention backward's workspace): peak only."""
@@ -500,7 +501,7 @@ class StepMemory:
     num_layers: int
     seconds: float
     notes: List[str] = field(default_factory=list)
-    # (kind, phase, key) -> (flops, bytes) of the step (Accountant.work; measure/flops.py)
+    # (kind, phase, key) -> (flops, bytes, calls) of the step (Accountant.work; measure/flops.py)
     work: Dict[tuple, tuple] = field(default_factory=dict)
 
 
