@@ -229,6 +229,12 @@ class Planner:
         self.full_depth = full_depth
         self.lc = parse(self.ds_config)
         check_against(self.lc, self.model_config, self.world)
+        for key in ("keep_attention_output", "keep_on_device"):
+            if getattr(self.lc.activation_checkpointing, key) == "auto":
+                raise ConfigError(f"long_context.activation_checkpointing.{key}", "'auto' is a choice the planner "
+                                  "makes (ds_longctx.planner.resolve_auto, run by ds_longctx.initialize), not a "
+                                  "setting one step can be planned with", "plan with true/false (a number of "
+                                  "layers for keep_on_device: the plan lists the options that fit), or resolve first")
         self.sim_lc = host_plan.simulation_lc(self.lc)  # every input to host; targets by arithmetic
         self.params = _persistent(self.ds_config, params or param_info(model_config))
         self.states = ms.compute(self.ds_config, self.params, self.world)
