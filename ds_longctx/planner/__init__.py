@@ -53,6 +53,27 @@ def resolve_auto(ds_config, model_config, world_size: int, gpu_mem_bytes, seq_le
         return out
 
 
+def planned_work(ds_config, model_config, world_size: int, seq_len: int) -> dict:
+    """The planner's counts of one rank's step of one micro batch ({"flops": {kind_phase: FLOPs}, "calls": {...}}:
+    StepTime's, and "micro_batch"),
+    for the profiler's measured-vs-planned table. No budget applies (only the work is wanted). In a process
+    with a real process group the simulation runs in a child process."""
+    from .simulate import NeedsOwnProcess
+
+    mc = load_model_config(model_config)
+    try:
+        p = Planner(ds_config, mc, world_size, gpu_mem=1 << 60, reserve="0")
+        t = p.run(int(seq_len)).time
+        from .core import _micro_batch
+
+        return {"flops": t["flops"], "calls": t["calls"], "micro_batch": _micro_batch(p.ds_config)}
+    except NeedsOwnProcess:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(1) as pool:
+            return pool.apply(planned_work, (ds_config, mc.to_dict(), world_size, seq_len))
+
+
 def _resolve_in_child(cfg, mc, world_size, gpu_mem_bytes, seq, host_mem, reserve, gpus_per_node=None):
     import multiprocessing as mp
 
@@ -68,4 +89,4 @@ def _child(cfg, mc_dict, world_size, gpu_mem_bytes, seq, host_mem, reserve, gpus
                         gpus_per_node), lines
 
 
-__all__ = ["plan", "max_context", "resolve_auto", "PlanResult", "Planner", "load_model_config"]
+__all__ = ["plan", "max_context", "planned_work", "resolve_auto", "PlanResult", "Planner", "load_model_config"]

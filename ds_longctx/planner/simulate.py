@@ -184,25 +184,8 @@ class Accountant(TorchDispatchMode):
         else:
             me._host -= nbytes
 
-    def _phase(self, func) -> str:
-        if not self.in_backward:
-            return "forward"
-        if _flops.is_backward_attention(func._overloadpacket):
-            return "backward"
-        if func._overloadpacket in _flops.ATTENTION or self.recomputing or torch.is_grad_enabled():
-            return "recompute"
-        return "backward"
-
     def _count(self, func, args, kwargs, out):
-        cost = _flops.op_cost(func, args, kwargs, out)
-        if cost is None:
-            return
-        kind, key, flops, nbytes = cost
-        scale = _flops.current_scale()
-        slot = self.work.setdefault((kind, self._phase(func), key), [0.0, 0.0, 0.0])
-        slot[0] += flops * scale
-        slot[1] += nbytes * scale
-        slot[2] += scale  # ops dispatched (one tile stands for ``scale`` tiles: as many calls)
+        _flops.add_work(self.work, func, args, kwargs, out, self.in_backward, bool(self.recomputing))
 
     def _transient(self, func, args):
         """Memory a kernel holds only during its call (the GPU attention backward's workspace): peak only."""
