@@ -11,6 +11,7 @@ and process count.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import logging
@@ -459,12 +460,26 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     return float(t[0] / max(t[1], 1))
 
 
+def _resolved_config(ds_config: dict, lc) -> dict:
+    """``ds_config`` with the "auto" values initialize resolved (``engine.long_context``) written in."""
+    import copy
+
+    cfg = copy.deepcopy(ds_config)
+    sec = cfg.get("long_context") or {}
+    for part, key in (("attention", "heads_per_chunk"), ("activation_checkpointing", "keep_attention_output"),
+                      ("activation_checkpointing", "keep_on_device")):
+        if (sec.get(part) or {}).get(key) == "auto":
+            sec[part][key] = getattr(getattr(lc, part), key)
+    return cfg
+
+
 def main(argv=None):
     args = parse_args(argv)
     import ds_longctx
     from ds_longctx import comm
     from ds_longctx.config import load_ds_config, parse
     from ds_longctx.measure.profiler import StepProfiler
+    from ds_longctx.planner import planned_work
 
     ds_config = load_ds_config(args.deepspeed_config)
     lc = parse(ds_config)
@@ -502,8 +517,12 @@ def main(argv=None):
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     # time, tokens/s, TFLOPs (the one formula) and peak memory of every step; with long_context.profile
     # enabled also a torch.profiler trace (+ CUDA memory snapshot) of the chosen steps, into its output_dir
+    # rank 0's profiled steps also count the executed FLOPs per category next to the planner's (the config as
+    # initialize resolved it)
     profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=rank, model=engine.module,
-                            seq_len=seq_len)
+                            seq_len=seq_len, plan_work=functools.partial(
+                                planned_work, _resolved_config(ds_config, engine.long_context), model.config, world)
+                            if rank == 0 and lc.profile.enabled else None)
 
     if len(loader) == 0:
         raise _config_error("--data", f"{len(dataset)} samples give no micro batch of {micro} per data-parallel "
@@ -572,6 +591,12 @@ def main(argv=None):
             rec["profile_artifacts"] = prof["artifacts"]
         if "allocator_model" in prof:
             rec["allocator_model"] = prof["allocator_model"]
+        if "flops_by_category" in prof:
+            rec["flops_by_category"] = prof["flops_by_category"]
+            from ds_longctx.measure.profiler import format_flops
+
+            _logger().info(f"step {step}: executed FLOPs per category, measured vs the planner's (this rank):\n"
+                           + "\n".join(format_flops(prof["flops_by_category"])))
         if metrics:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()

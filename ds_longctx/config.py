@@ -19,6 +19,7 @@ from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.C
 
 SECTION = "long_context"
 PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 def _fix(text: str) -> dict:
@@ -65,19 +66,25 @@ class ActivationCheckpointingConfig(_Strict):
         default=3, ge=2, description="offload='nvme': staging buffers (pinned host memory) between device and "
         "drive; 2 is the least that overlaps a write with the next layer's forward.",
         json_schema_extra=_fix("use 2 or 3 (one buffer is written while the next layer fills another)"))
-    keep_on_device: int = Field(
-        default=0, ge=0, description="With offload: the last this-many decoder layers keep their checkpointed "
+    keep_on_device: Union[NonNegativeInt, Literal["auto"]] = Field(
+        default=0, description="With offload: the last this-many decoder layers keep their checkpointed "
         "input on the device. Backward needs those first, so with HBM headroom they cost no transfer and save "
-        "their host/NVMe bytes (the planner reports how many fit: ds-longctx plan).",
-        json_schema_extra=_fix("give the number of last layers whose inputs stay on the device"))
+        "their host/NVMe bytes (the planner reports how many fit: ds-longctx plan). 'auto' (needs "
+        "sequence_length): ds_longctx.initialize has the planner pick the most layers that fit this device's "
+        "memory, on rank 0, logged and the same on every rank.",
+        json_schema_extra=_fix("give the number of last layers whose inputs stay on the device, or 'auto'"))
     pin_memory: bool = Field(default=True, description="Offload into pinned host memory (async copies on CUDA).")
     use_reentrant: bool = Field(default=False, description="torch.utils.checkpoint's use_reentrant.")
     prefetch: bool = Field(default=True, description="Bring the next layer's input back while the current "
                            "layer's backward runs.")
-    keep_attention_output: bool = Field(
+    keep_attention_output: Union[bool, Literal["auto"]] = Field(
         default=False, description="Untied attention: keep each layer's attention output and LSE from the first "
         "forward (where its input goes: device, host or NVMe) so the recompute skips q/k/v and the attention "
-        "forward; costs one more [seq/SP, heads x head_dim] + fp32 [heads/SP, seq] per layer.")
+        "forward; costs one more [seq/SP, heads x head_dim] + fp32 [heads/SP, seq] per layer. 'auto' (needs "
+        "sequence_length): ds_longctx.initialize turns it on where the planner predicts a faster step that fits "
+        "this device's memory and this machine's host memory per local rank (DS_LONGCTX_HOST_MEM overrides the "
+        "host budget per node), on rank 0, logged and the same on every rank.",
+        json_schema_extra=_fix("use true, false or 'auto'"))
 
 
 class TiledConfig(_Strict):
@@ -168,7 +175,10 @@ def _from_validation_error(err: ValidationError) -> ConfigError:
         want = {1: "a positive integer", 0: "0 or more"}.get(ge, f"an integer of at least {ge}")
         return ConfigError(key, f"must be {want}, got {got!r}", _field_fix(loc, f"use {want}"))
     if e["type"] == "bool_type":
-        return ConfigError(key, f"expected true or false, got {got!r}", "write a JSON boolean (true/false, no quotes)")
+        alt = [x for x in errors[1:] if x["type"] == "literal_error"]
+        want = "true or false" + (f" or {alt[0]['ctx']['expected']}" if alt else "")
+        return ConfigError(key, f"expected {want}, got {got!r}", "write a JSON boolean (true/false, no quotes)"
+                           + (f" or {alt[0]['ctx']['expected']}" if alt else ""))
     if e["type"] == "int_type":
         alt = [x for x in errors[1:] if x["type"] == "literal_error"]
         want = "an integer" + (f" or {alt[0]['ctx']['expected']}" if alt else "")
@@ -288,11 +298,16 @@ def parse(ds_config: dict) -> LongContextConfig:
                           "a sequence length, and long_context.sequence_length is not set",
                           "set long_context.sequence_length, or give a positive integer (1 saves the most memory)")
     ac = cfg.activation_checkpointing
+    for key, fix in (("keep_attention_output", "give true or false"), ("keep_on_device", "give a number of layers")):
+        if getattr(ac, key) == "auto" and cfg.sequence_length is None:
+            raise ConfigError(f"{SECTION}.activation_checkpointing.{key}", "'auto' is resolved by the memory "
+                              "planner for a sequence length, and long_context.sequence_length is not set",
+                              f"set long_context.sequence_length, or {fix}")
     if ac.offload != "none" and not ac.enabled:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
                           f"offload {ac.offload!r} needs checkpointing", "also set activation_checkpointing.enabled=true")
     _check_nvme_keys(ac)
-    if ac.keep_attention_output:
+    if ac.keep_attention_output is True:  # "auto" resolves to False where these do not hold (planner/search.py)
         key = f"{SECTION}.activation_checkpointing.keep_attention_output"
         if not ac.enabled:
             raise ConfigError(key, "keeps what a checkpointed layer's recompute would rebuild, and checkpointing "
@@ -357,7 +372,8 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
     from .models import text_config
 
     layers = getattr(text_config(model_config), "num_hidden_layers", None)
-    if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device > layers:
+    if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device != "auto" \
+            and ac.keep_on_device > layers:
         raise ConfigError(f"{SECTION}.activation_checkpointing.keep_on_device",
                           f"{ac.keep_on_device} is more than the model's {layers} decoder layers",
                           f"give at most {layers} ({layers} keeps every input on the device: then offload='none' "

@@ -48,15 +48,56 @@ def _device_budget_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs: host RAM is the device
 
 
+HOST_MEM_ENV = "DS_LONGCTX_HOST_MEM"
+
+
+def _local_ranks(world: int) -> int:
+    """Ranks on this machine: the launcher's count (torchrun, deepspeed, Open MPI, SLURM), else the CUDA
+    devices here (capped by the world), else the whole world (a CPU run on one machine)."""
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 0:
+            return min(int(v), world)
+    if torch.cuda.is_available():
+        return max(1, min(world, torch.cuda.device_count()))
+    return world
+
+
+def _host_budget():
+    """(host memory per node, where it came from): ``DS_LONGCTX_HOST_MEM`` (a size, e.g. 512GiB) when set,
+    else this machine's RAM (planner/host.machine_ram_bytes, the planner's own detection)."""
+    from .planner.host import machine_ram_bytes
+    from .planner.units import fmt_bytes, parse_bytes
+
+    raw = os.environ.get(HOST_MEM_ENV)
+    if raw:
+        try:
+            return parse_bytes(raw), f"{HOST_MEM_ENV}={raw}"
+        except ValueError:
+            raise ConfigError(HOST_MEM_ENV, f"{raw!r} is not a size", "write it like 512GiB, or unset it to use "
+                              "this machine's RAM") from None
+    ram = machine_ram_bytes()
+    return ram, f"this machine's RAM ({fmt_bytes(ram)})"
+
+
 def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
     """Replace "auto" values by the planner's fastest fitting choice: computed on rank 0 (the
-    simulation is pure but costs seconds) and broadcast, so every rank builds the same model."""
+    simulation is pure but costs seconds) and broadcast, so every rank builds the same model. Budgets:
+    this device's memory, and the host memory per node (``DS_LONGCTX_HOST_MEM`` or this machine's RAM)
+    shared by the ranks on this machine."""
     from .planner import resolve_auto
+    from .planner.units import fmt_bytes
 
     box = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            box[0] = resolve_auto(ds_config, model_config, world, _device_budget_bytes(), log=logger.info)
+            host, source = _host_budget()
+            local = _local_ranks(world)
+            device = _device_budget_bytes()
+            logger.info(f"ds_longctx auto: budgets: device {fmt_bytes(device)} per rank, host {fmt_bytes(host)} "
+                        f"per node ({source}) over {local} local rank(s): {fmt_bytes(host // local)} per rank")
+            box[0] = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=logger.info,
+                                  gpus_per_node=local)
         except ConfigError as e:
             box[0] = e
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -64,6 +105,11 @@ def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
     if isinstance(box[0], Exception):
         raise box[0]
     return box[0]
+
+
+def _has_auto(lc) -> bool:
+    ac = lc.activation_checkpointing
+    return "auto" in (lc.attention.heads_per_chunk, ac.keep_attention_output, ac.keep_on_device)
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
@@ -94,7 +140,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective
 
-    if lc.attention.heads_per_chunk == "auto":
+    if _has_auto(lc):
         # the planner checked every candidate against the model and world (Planner.run: check_against)
         ds_config = _resolve_auto(ds_config, model_config, world)
         lc = parse(ds_config)

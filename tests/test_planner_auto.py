@@ -2,6 +2,8 @@
 where the budgets allow, and every choice is by fit and predicted step time."""
 import copy
 
+import pytest
+
 from ds_longctx.planner import Planner, load_model_config, resolve_auto
 
 SMALL = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
@@ -59,3 +61,69 @@ def test_auto_keep_on_device_takes_the_device_headroom():
     tight = r.peak_device_bytes - (k * r.offload["layer_input_bytes"]) + 2 * 2**30 + r.offload["layer_input_bytes"] // 2
     out = resolve_auto(cfg, SMALL, 8, tight, host_mem="2TiB", reserve="2GiB", log=logs.append)
     assert _ac(out)["keep_on_device"] == 0, logs[-1]
+
+
+def test_initialize_resolves_keep_attention_output_auto_with_this_machines_host_budget(monkeypatch, caplog):
+    """ds_longctx.initialize's resolution (initialize._resolve_auto: rank 0 of no process group here) of a
+    config that says "auto": the host budget is DS_LONGCTX_HOST_MEM (else this machine's RAM) shared by the
+    local ranks, the device budget this device's; where the host budget holds the kept outputs too it is
+    turned on, where it holds only the layer inputs it is not, and each choice is logged with its reason."""
+    import logging
+
+    from tiny_models import tiny_config
+
+    import importlib
+
+    init = importlib.import_module("ds_longctx.initialize")
+    from ds_longctx.config import parse
+
+    mc = tiny_config(heads=4, kv_heads=2, head_dim=8, layers=2)
+    seq = 256
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "sequence_parallel_size": 1,
+           "long_context": {"sequence_length": seq,
+                            "attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1},
+                            "activation_checkpointing": {"enabled": True, "offload": "cpu",
+                                                         "keep_attention_output": "auto"}}}
+    assert parse(cfg).activation_checkpointing.keep_attention_output == "auto"
+
+    def host_node(keep):
+        c = copy.deepcopy(cfg)
+        _ac(c)["keep_attention_output"] = keep
+        return Planner(c, mc, 1, 2**40, "1TiB", "0", gpus_per_node=1).run(seq).host_bytes_per_node
+
+    off, on = host_node(False), host_node(True)
+    assert on > off > 0
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for budget, want in ((str(4 * on), True), (str((off + on) // 2), False)):
+        monkeypatch.setenv(init.HOST_MEM_ENV, budget)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ds_longctx"):
+            out = init._resolve_auto(cfg, mc, 1)
+        msgs = [r.getMessage() for r in caplog.records]
+        assert _ac(out)["keep_attention_output"] is want, msgs
+        assert any(f"{init.HOST_MEM_ENV}={budget}" in m and "1 local rank" in m for m in msgs), msgs
+        assert any(f"keep_attention_output={want}:" in m for m in msgs), msgs
+        if not want:
+            assert any("it does not fit" in m and "host memory" in m for m in msgs), msgs
+    monkeypatch.setenv(init.HOST_MEM_ENV, "lots")
+    with pytest.raises(Exception, match="DS_LONGCTX_HOST_MEM.*not a size"):
+        init._resolve_auto(cfg, mc, 1)
+
+
+def test_auto_keep_values_are_refused_where_nothing_resolves_them():
+    from tiny_models import tiny_config
+
+    from ds_longctx.config import ConfigError, parse
+
+    cfg = {"long_context": {"attention": {"implementation": "untied_ulysses"},
+                            "activation_checkpointing": {"enabled": True, "keep_attention_output": "auto"}}}
+    with pytest.raises(ConfigError, match="keep_attention_output.*sequence_length is not set"):
+        parse(cfg)
+    cfg["long_context"]["sequence_length"] = 64
+    with pytest.raises(ConfigError, match="keep_attention_output.*a choice the planner makes"):
+        Planner(cfg, tiny_config(), 1, 2**40)
+    from ds_longctx.patch import patch_model
+    from tiny_models import build
+
+    with pytest.raises(ConfigError, match="keep_attention_output.*unresolved"):
+        patch_model(build(tiny_config()), parse(cfg), None, 1.0)

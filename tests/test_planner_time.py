@@ -63,3 +63,84 @@ def test_planner_counts_the_whole_step():
     t = r.time
     assert t["seconds"] > 0 and 0 < t["mfu"] < 1 and t["target"] == "h100"
     assert abs(t["seconds"] - max(t["compute_s"], t["overlapped_s"]) - t["serial_s"]) < 1e-9
+
+
+def test_step_time_fixed_costs_per_op_and_per_all_to_all():
+    """The host term (ops dispatched x op_overhead_us) adds to the kernels on a CPU target (the host runs them)
+    and hides under them on a GPU target (async issue) unless it is longer; each all-to-all call adds its
+    latency to the serial part."""
+    import dataclasses
+
+    from ds_longctx.planner.rates import H100, step_time
+
+    work = {("gemm", "forward", 1024): (7.66e13, 1e9, 1000.0), ("other", "forward", ""): (0.0, 2.93e9, 3000.0),
+            ("a2a", "forward", "all_to_all"): (0.0, 3.5e9, 20.0)}
+    r = dataclasses.replace(H100, op_overhead_us=10.0, collective_latency_us=30.0)
+    kernels = 7.66e13 / (r.gemm_tflops * 1e12) + 2.93e9 / (r.hbm_gbps * 1e9)
+    t = step_time(work, {}, r, 1e12, 1000, a2a_internode=False)
+    assert t.calls == {"ops": 4000, "a2a": 20}
+    assert t.compute_s == kernels  # 4000 x 10 us = 0.04 s < kernels: hidden
+    assert t.parts["host_overhead"] == 4000 * 10e-6
+    assert t.serial_s == 3.5e9 / (r.a2a_intra_gbps * 1e9) + 20 * 30e-6
+    cpu = step_time(work, {}, dataclasses.replace(r, host_async=False), 1e12, 1000, a2a_internode=False)
+    assert cpu.compute_s == kernels + 4000 * 10e-6
+    slow = step_time(work, {}, dataclasses.replace(r, op_overhead_us=1000.0), 1e12, 1000, a2a_internode=False)
+    assert slow.compute_s == 4000 * 1000e-6  # host-bound: the device waits for the issue
+    # the old (flops, bytes) work records still read, with no calls
+    old = step_time({k: v[:2] for k, v in work.items()}, {}, r, 1e12, 1000, a2a_internode=False)
+    assert old.calls == {"ops": 0, "a2a": 0} and old.compute_s == kernels
+
+
+def test_counted_calls_match_a_real_cpu_step():
+    """The planner's op counts (Accountant.work's calls) are the ops a real step dispatches: GEMM and attention
+    calls exactly (u=1 against u=2: the per-stage calls the fixed-cost term charges), the other ops within 5%
+    (the fake step's shortcuts for in-place ops are counted alike; a few input set-up ops differ)."""
+    import os
+    import sys
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import planner_time as pt
+
+    from ds_longctx.config import parse
+    from ds_longctx.measure.flops import op_cost
+    from ds_longctx.patch import patch_model
+    from ds_longctx.planner import load_model_config
+    from ds_longctx.planner.simulate import simulate_step
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            c = op_cost(func, args, kwargs or {}, out)
+            if c is not None:
+                self.n[c[0]] = self.n.get(c[0], 0) + 1
+            return out
+
+    seq, counts = 512, {}
+    for variant in ("full", "untied-u2"):
+        ds = pt.ds_config(seq, variant)
+        model = pt._build(seq, variant)
+        patched = patch_model(model, parse(ds), None, 1.0)
+        ids = torch.randint(0, pt.MODEL["vocab_size"], (1, seq))
+        try:
+            with Count() as real:
+                model(input_ids=ids, position_ids=torch.arange(seq).unsqueeze(0), shift_labels=ids).loss.backward()
+        finally:
+            patched.remove()
+        sim = {}
+        r = simulate_step(load_model_config(dict(pt.MODEL)), ds, parse(ds), 1, seq, pt.MODEL["num_hidden_layers"],
+                          device="cpu")
+        for (kind, _, _), (_, _, calls) in r.work.items():
+            sim[kind] = sim.get(kind, 0) + calls
+        assert sim["gemm"] == real.n["gemm"] and sim["attention"] == real.n["attention"], (variant, sim, real.n)
+        assert abs(sim["other"] / real.n["other"] - 1) < 0.05, (variant, sim, real.n)
+        counts[variant] = sim
+    # u=1 runs twice the stages of u=2 (4 heads): twice the attention calls, more GEMMs
+    assert counts["full"]["attention"] == 2 * counts["untied-u2"]["attention"]
+    assert counts["full"]["gemm"] > counts["untied-u2"]["gemm"]

@@ -83,3 +83,12 @@ def test_profile_writes_traces_and_metrics(tmp_path):
     assert [("profile_artifacts" in r) for r in recs] == [False, True, False]
     rank0 = json.load(open(out_dir / "steps_rank0.json"))
     assert [r["tflops"] for r in recs] == [r["tflops_per_gpu"] for r in rank0]  # one formula
+    # rank 0's profiled step: executed FLOPs per category next to the planner's, printed and recorded
+    assert "executed FLOPs per category, measured vs the planner's" in out
+    f = rank0[1]["flops_by_category"]
+    assert "flops_by_category" not in rank0[0] and "flops_by_category" in recs[1]
+    assert f["attention_forward"]["measured"] == f["attention_forward"]["planned"] > 0, f
+    assert abs(f["gemm_forward"]["ratio"] - 1) < 0.01, f
+    # not asserted: this 2-rank ZeRO-3 SP=2 run measures ~7 lm_head-sized GEMMs more in the recompute and one
+    # more in backward than the planner's fake step (in one process, SP=1, the counts agree exactly:
+    # tests/test_profiling.py): a gap the table shows, not yet explained

@@ -19,6 +19,7 @@ import math
 from typing import Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
@@ -110,6 +111,85 @@ def op_cost(func, args, kwargs, out) -> Optional[Tuple[str, object, float, float
     return "other", "", flops, float(nbytes)
 
 
+def phase(packet, in_backward: bool, recomputing: bool = False) -> str:
+    """Which part of the step an op belongs to: ``forward``; ``backward``; ``recompute`` (a forward op run
+    inside backward: checkpoint recompute, a tiled op's per-tile recompute, an attention forward). One rule
+    for the planner's fake step and a real one (inside backward, forward work runs with grad enabled)."""
+    if not in_backward:
+        return "forward"
+    if packet in _BACKWARD_ATTENTION:
+        return "backward"
+    if packet in ATTENTION or recomputing or torch.is_grad_enabled():
+        return "recompute"
+    return "backward"
+
+
+def add_work(work: dict, func, args, kwargs, out, in_backward: bool, recomputing: bool = False) -> None:
+    """Add one op's (flops, bytes, calls) to ``work[(kind, phase, key)]`` (the ``representing`` scale applied)."""
+    cost = op_cost(func, args, kwargs, out)
+    if cost is None:
+        return
+    kind, key, flops, nbytes = cost
+    scale = _SCALE.get()
+    slot = work.setdefault((kind, phase(func._overloadpacket, in_backward, recomputing), key), [0.0, 0.0, 0.0])
+    slot[0] += flops * scale
+    slot[1] += nbytes * scale
+    slot[2] += scale  # ops dispatched (one tile stands for ``scale`` tiles: as many calls)
+
+
+def by_category(work: dict) -> dict:
+    """``work`` summed per ``{kind}_{phase}``: {"flops": {...}, "bytes": {...}, "calls": {...}} (the keys of
+    the planner's StepTime.flops)."""
+    out = {"flops": {}, "bytes": {}, "calls": {}}
+    for (kind, ph, _), v in work.items():
+        for i, name in enumerate(("flops", "bytes", "calls")):
+            if v[i]:
+                out[name][f"{kind}_{ph}"] = out[name].get(f"{kind}_{ph}", 0.0) + v[i]
+    return out
+
+
+class WorkCounter(TorchDispatchMode):
+    """The planner's counting on a real step: every dispatched op's FLOPs, bytes and calls by (kind, phase,
+    key), phase by :func:`phase` (backward = inside the autograd engine). ``with WorkCounter() as c: step()``;
+    then ``c.work`` / ``by_category(c.work)``. Counts every op while active (an optimizer step's too: "other")."""
+
+    def __init__(self):
+        super().__init__()
+        self.work: dict = {}
+        self.recomputing = 0
+        self._seam = None
+
+    @contextlib.contextmanager
+    def _layer_run(self):
+        # a checkpointed layer's run inside backward is its recompute, no_grad parts (a tiled MLP's forward)
+        # included: the planner's simulation marks it the same way (the same seam)
+        inside = torch._C._current_graph_task_id() != -1
+        self.recomputing += inside
+        try:
+            yield
+        finally:
+            self.recomputing -= inside
+
+    def __enter__(self):
+        from ..memory.checkpointing import around_checkpointed_runs
+
+        self._seam = around_checkpointed_runs(self._layer_run)
+        self._seam.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._seam.__exit__(None, None, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        add_work(self.work, func, args, kwargs, out, torch._C._current_graph_task_id() != -1, bool(self.recomputing))
+        return out
+
+
 def _clamped_sum(c: int, n: int, cap: int) -> int:
     """sum over x = c .. c+n-1 of min(max(x, 0), cap)."""
     if n <= 0:
@@ -157,5 +237,5 @@ def attention_flops(b: int, h_q: int, s_q: int, s_k: int, d: int, causal: bool, 
     return fwd * 5 // 2 if backward else fwd
 
 
-__all__ = ["ATTENTION", "GEMMS", "attention_flops", "causal_pairs", "current_scale", "intensity_bucket", "op_cost",
-           "register_attention", "representing"]
+__all__ = ["ATTENTION", "GEMMS", "WorkCounter", "add_work", "attention_flops", "by_category", "causal_pairs",
+           "current_scale", "intensity_bucket", "op_cost", "phase", "register_attention", "representing"]

@@ -19,6 +19,14 @@ attention width w = query heads x head_dim (not the hidden size: they differ, e.
                                             halved by the causal mask)
     TFLOPs per GPU = (dense + attention) * samples / C / step_seconds / 1e12
 
+Where the step goes (profiled steps, when ``plan_work`` is given): the step's ops are counted as the
+planner counts its fake step (measure/flops.WorkCounter: torch's FLOP formulas + the attention ops'
+causal-aware ones, by kind and phase: attention forward / backward / recompute, GEMMs forward / backward /
+recompute, other ops' bytes, all-to-all bytes, calls), and put next to the planner's counts for the same
+config and length (``plan_work(seq_len)``, e.g. ``functools.partial(ds_longctx.planner.planned_work,
+ds_config, model_config, world_size)``; ``rec["flops_by_category"]``: measured, planned, measured / planned per category;
+``format_flops`` prints it). These are executed FLOPs (recompute included), not the MFU formula below.
+
 This is the one FLOPs formula of the project (train.py reports it). ``tokens`` given to ``end_step``
 is the global tokens the rank's SP group processed this step (sequence length x samples); tokens/s is
 reported per GPU (divided by C), as UPipe and ALST do.
@@ -29,7 +37,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -105,7 +113,8 @@ class StepProfiler:
     is reported on CPU instead of RSS."""
 
     def __init__(self, cfg=None, model_config=None, world_size: int = 1, sp_size: int = 1, rank: int = 0,
-                 model=None, tracker=None, device: Optional[str] = None, seq_len: Optional[int] = None):
+                 model=None, tracker=None, device: Optional[str] = None, seq_len: Optional[int] = None,
+                 plan_work: Optional[Callable[[int], dict]] = None):
         self.enabled = bool(_cfg_get(cfg, "enabled", False))
         self.steps = set(int(s) for s in (_cfg_get(cfg, "steps", []) or []))
         self.output_dir = _cfg_get(cfg, "output_dir", "profiles")
@@ -130,6 +139,9 @@ class StepProfiler:
             raise ValueError("profile.allocator_check replays CUDA allocations: it needs a CUDA device")
         self._alloc_start = None
         self.history: List[Dict[str, Any]] = []
+        self.plan_work = plan_work
+        self._counter = None
+        self._planned: Dict[int, dict] = {}  # tokens per sample -> the planner's counts
 
     @staticmethod
     def _estimate_params(tc) -> int:
@@ -169,6 +181,11 @@ class StepProfiler:
             self._prof.__enter__()
             self._sampler = _Sampler(self.cuda)
             self._sampler.start()
+            if self.plan_work is not None:
+                from .flops import WorkCounter
+
+                self._counter = WorkCounter()
+                self._counter.__enter__()
         self._t0 = time.perf_counter()
 
     def _peak_memory(self):
@@ -185,6 +202,9 @@ class StepProfiler:
         if self.cuda:
             torch.cuda.synchronize()
         dt = time.perf_counter() - (self._t0 if self._t0 is not None else time.perf_counter())
+        counter, self._counter = self._counter, None
+        if counter is not None:
+            counter.__exit__(None, None, None)
         peak, source = self._peak_memory()
         seq = self.seq_len or tokens  # FLOPs scale with S^2 per sample, not per step
         samples = tokens / seq
@@ -207,10 +227,33 @@ class StepProfiler:
                                       "measured_peak_reserved": rec["peak_reserved_bytes"],
                                       "measured_peak_allocated": int(torch.cuda.max_memory_allocated())}
             self._alloc_start = None
+        if counter is not None:
+            rec["flops_by_category"] = self._compare(counter.work, int(seq), samples)
         if self._profiled(step):
             rec["artifacts"] = self._finish_artifacts(step)
         self.history.append(rec)
         return rec
+
+    def planned_work(self, seq_len: int) -> dict:
+        """The planner's counts for one micro batch of ``seq_len`` tokens (``plan_work``; cached)."""
+        if seq_len not in self._planned:
+            self._planned[seq_len] = self.plan_work(seq_len)
+        return self._planned[seq_len]
+
+    def _compare(self, work: dict, seq_len: int, samples: float) -> Dict[str, Any]:
+        from .flops import by_category
+
+        measured = by_category(work)["flops"]
+        plan = self.planned_work(seq_len)
+        per = samples / plan["micro_batch"]  # the planner's step is one micro batch
+        planned = {k: v * per for k, v in plan["flops"].items()}
+        out = {}
+        for k in sorted(set(measured) | set(planned)):
+            m, p = measured.get(k, 0.0), planned.get(k, 0.0)
+            out[k] = {"measured": m, "planned": p, "ratio": m / p if p else None}
+        m, p = sum(measured.values()), sum(planned.values())
+        out["total"] = {"measured": m, "planned": p, "ratio": m / p if p else None}
+        return out
 
     def _finish_artifacts(self, step: int) -> List[str]:
         out = []
@@ -266,4 +309,16 @@ class StepProfiler:
         return path
 
 
-__all__ = ["StepProfiler", "flops_per_sample", "attention_width", "count_params"]
+def format_flops(by_category: Dict[str, Any]) -> List[str]:
+    """A profiled step's ``flops_by_category`` as table lines: category, measured and planned TFLOP, share of
+    the measured step, measured / planned."""
+    total = by_category.get("total", {}).get("measured") or 1.0
+    lines = [f"{'category':<22}{'measured TFLOP':>16}{'planned TFLOP':>16}{'share':>8}{'meas/plan':>11}"]
+    for k, v in sorted(by_category.items(), key=lambda kv: (kv[0] == "total", -kv[1]["measured"])):
+        ratio = f"{v['ratio']:.3f}" if v["ratio"] is not None else "-"
+        lines.append(f"{k:<22}{v['measured'] / 1e12:>16.6g}{v['planned'] / 1e12:>16.6g}"
+                     f"{100 * v['measured'] / total:>7.1f}%{ratio:>11}")
+    return lines
+
+
+__all__ = ["StepProfiler", "flops_per_sample", "attention_width", "count_params", "format_flops"]

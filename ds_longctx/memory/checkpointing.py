@@ -84,6 +84,12 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
                           f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to "
                           "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
                           "enabled=false")
+    for key in ("keep_attention_output", "keep_on_device"):
+        if getattr(ac_cfg, key, None) == "auto":
+            raise ConfigError(f"long_context.activation_checkpointing.{key}", "'auto' is resolved by "
+                              "ds_longctx.initialize (the planner, for this machine's budgets) and reached the model "
+                              "unresolved", "go through ds_longctx.initialize, or resolve it with "
+                              "ds_longctx.planner.resolve_auto, or give a value")
     keep_attn = bool(getattr(ac_cfg, "keep_attention_output", False))
     fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader, keep_attn)
     # the last `keep` layers' inputs stay on the device: backward needs them first

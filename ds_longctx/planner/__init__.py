@@ -2,22 +2,27 @@
 
 ``plan(ds_config, model_config, world_size=8, gpu_mem="80GiB", seq_len=...)`` -> :class:`PlanResult`;
 ``max_context(...)``; ``resolve_auto(ds_config, model_config, world_size, gpu_mem_bytes)`` -> ds_config
-with "auto" heads_per_chunk / tiled shards replaced. CLI: ``ds-longctx plan`` (cli.py).
+with "auto" heads_per_chunk / tiled shards / keep_attention_output / keep_on_device replaced. CLI:
+``ds-longctx plan`` (cli.py).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from .core import PlanResult, Planner, load_model_config, max_context, plan
 
 
 def resolve_auto(ds_config, model_config, world_size: int, gpu_mem_bytes, seq_len: Optional[int] = None,
-                 host_mem=None, reserve="0", log=None) -> dict:
-    """A copy of ``ds_config`` with "auto" heads_per_chunk and tiled shard counts replaced by the fastest
-    values whose simulated step fits ``gpu_mem_bytes``; each choice is logged with its reason.
+                 host_mem=None, reserve="0", log=None, gpus_per_node: Optional[int] = None) -> dict:
+    """A copy of ``ds_config`` with "auto" values (heads_per_chunk, tiled shard counts,
+    activation_checkpointing.keep_attention_output / keep_on_device) replaced by the fastest values whose
+    simulated step fits ``gpu_mem_bytes`` per device and ``host_mem`` per node of ``gpus_per_node`` ranks
+    (default min(world, 8)); each choice is logged with its reason (planner/search.resolve).
 
     Pure (same answer on every rank). Inside a process that already runs a real process group the
-    simulation runs in a child process (the fake group needs the default group to itself).
+    simulation runs in a child process (the fake group needs the default group to itself); its log lines
+    come back and go through ``log`` here.
     """
     import copy
 
@@ -35,29 +40,53 @@ def resolve_auto(ds_config, model_config, world_size: int, gpu_mem_bytes, seq_le
 
     def factory(c):
         nonlocal params
-        p = Planner(c, mc, world_size, gpu_mem_bytes, host_mem, reserve, params=params)
+        p = Planner(c, mc, world_size, gpu_mem_bytes, host_mem, reserve, gpus_per_node=gpus_per_node, params=params)
         params = p.params
         return p
 
     try:
         return resolve(factory, cfg, mc, world_size, int(seq), log)
     except NeedsOwnProcess:
-        return _resolve_in_child(cfg, mc, world_size, gpu_mem_bytes, int(seq), host_mem, reserve)
+        out, lines = _resolve_in_child(cfg, mc, world_size, gpu_mem_bytes, int(seq), host_mem, reserve, gpus_per_node)
+        for line in lines:
+            (log or logging.getLogger("ds_longctx.planner").info)(line)
+        return out
 
 
-def _resolve_in_child(cfg, mc, world_size, gpu_mem_bytes, seq, host_mem, reserve):
+def planned_work(ds_config, model_config, world_size: int, seq_len: int) -> dict:
+    """The planner's counts of one rank's step of one micro batch ({"flops": {kind_phase: FLOPs}, "calls": {...}}:
+    StepTime's, and "micro_batch"),
+    for the profiler's measured-vs-planned table. No budget applies (only the work is wanted). In a process
+    with a real process group the simulation runs in a child process."""
+    from .simulate import NeedsOwnProcess
+
+    mc = load_model_config(model_config)
+    try:
+        p = Planner(ds_config, mc, world_size, gpu_mem=1 << 60, reserve="0")
+        t = p.run(int(seq_len)).time
+        from .core import _micro_batch
+
+        return {"flops": t["flops"], "calls": t["calls"], "micro_batch": _micro_batch(p.ds_config)}
+    except NeedsOwnProcess:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(1) as pool:
+            return pool.apply(planned_work, (ds_config, mc.to_dict(), world_size, seq_len))
+
+
+def _resolve_in_child(cfg, mc, world_size, gpu_mem_bytes, seq, host_mem, reserve, gpus_per_node=None):
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
-        return pool.apply(_child, (cfg, mc.to_dict(), world_size, gpu_mem_bytes, seq, host_mem, reserve))
+        return pool.apply(_child, (cfg, mc.to_dict(), world_size, gpu_mem_bytes, seq, host_mem, reserve,
+                                   gpus_per_node))
 
 
-def _child(cfg, mc_dict, world_size, gpu_mem_bytes, seq, host_mem, reserve):
-    import logging
+def _child(cfg, mc_dict, world_size, gpu_mem_bytes, seq, host_mem, reserve, gpus_per_node=None):
+    lines = []
+    return resolve_auto(cfg, mc_dict, world_size, gpu_mem_bytes, seq, host_mem, reserve, lines.append,
+                        gpus_per_node), lines
 
-    logging.basicConfig(level=logging.INFO)
-    return resolve_auto(cfg, mc_dict, world_size, gpu_mem_bytes, seq, host_mem, reserve)
 
-
-__all__ = ["plan", "max_context", "resolve_auto", "PlanResult", "Planner", "load_model_config"]
+__all__ = ["plan", "max_context", "planned_work", "resolve_auto", "PlanResult", "Planner", "load_model_config"]

@@ -107,7 +107,9 @@ def _time_lines(t: dict) -> list:
             f"({t['model_flops'] / 1e12:.4g} model TFLOP per GPU), {t['tokens_per_s']:.4g} tokens/s per GPU; "
             f"{tf:.4g} TFLOP executed (recompute included)",
             f"  compute {t['compute_s']:.3g} s, overlapped transfers {t['overlapped_s']:.3g} s (offload, ZeRO), "
-            f"serial transfers {t['serial_s']:.3g} s (all-to-all, optimizer offload): {parts}"]
+            f"serial transfers {t['serial_s']:.3g} s (all-to-all, optimizer offload): {parts}"
+            + (f"; {t['calls'].get('ops', 0):,} ops and {t['calls'].get('a2a', 0):,} all-to-alls dispatched"
+               if t.get("calls") else "")]
 
 
 _COLORS = {"model_states": "#4c4c4c", "attention": "#1f77b4", "mlp": "#ff7f0e", "loss": "#2ca02c", "other": "#9467bd"}

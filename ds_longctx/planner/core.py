@@ -193,7 +193,7 @@ def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple
     # the step's work is affine in depth too (every layer does the same work)
     work = {}
     for key in set(a.work) | set(b.work):
-        wa, wb = a.work.get(key, (0.0, 0.0)), b.work.get(key, (0.0, 0.0))
+        wa, wb = a.work.get(key, (0.0, 0.0, 0.0)), b.work.get(key, (0.0, 0.0, 0.0))
         work[key] = tuple(max(0.0, x + k * (y - x)) for x, y in zip(wa, wb))
     return br, host, [lo, hi], True, a.seconds + b.seconds, work
 
@@ -229,6 +229,12 @@ class Planner:
         self.full_depth = full_depth
         self.lc = parse(self.ds_config)
         check_against(self.lc, self.model_config, self.world)
+        for key in ("keep_attention_output", "keep_on_device"):
+            if getattr(self.lc.activation_checkpointing, key) == "auto":
+                raise ConfigError(f"long_context.activation_checkpointing.{key}", "'auto' is a choice the planner "
+                                  "makes (ds_longctx.planner.resolve_auto, run by ds_longctx.initialize), not a "
+                                  "setting one step can be planned with", "plan with true/false (a number of "
+                                  "layers for keep_on_device: the plan lists the options that fit), or resolve first")
         self.sim_lc = host_plan.simulation_lc(self.lc)  # every input to host; targets by arithmetic
         self.params = _persistent(self.ds_config, params or param_info(model_config))
         self.states = ms.compute(self.ds_config, self.params, self.world)

@@ -9,17 +9,26 @@ adds ZeRO-3 and offload traffic by arithmetic. Seconds:
              + other ops' bytes / HBM                                              (memory-bound)
     overlapped = ZeRO-3 all-gather + reduce-scatter (overlap_comm: side streams, prefetched)
                + layer-input offload to host / NVMe and back (side streams, prefetched one layer ahead)
+    host     = ops dispatched x op_overhead_us        (dispatcher, autograd, our Python around each op)
     serial   = Ulysses all-to-alls (issued on the compute stream, waited on: no overlap in this code)
+               + all-to-all calls x collective_latency_us
              + optimizer offload traffic (inside optimizer.step(), after backward)
-    step     = max(compute, overlapped) + serial
+    compute' = compute + host            (host_async False: a CPU target, the host runs the kernels itself)
+               max(compute, host)        (host_async True: a GPU, the host issues kernels ahead of the device;
+                                          host-bound only where kernels are shorter than their issue cost)
+    step     = max(compute', overlapped) + serial
 
-Not modelled: kernel launch gaps, the CPU optimizer's own arithmetic (offload_optimizer), host-side
-Python, allocator stalls. Each rate names its source; "measured" ones are in bench/results/.
+The op and all-to-all counts come from the simulation (every dispatched op with tensor data, each tile of
+a tiled op counted: measure/flops.py, Accountant.work's third column), so a configuration that runs more,
+smaller stages (heads_per_chunk 1 against 2, more tiles) pays its fixed costs per stage.
+Not modelled: the CPU optimizer's own arithmetic (offload_optimizer), host syncs that stall the issue
+queue (the host cost is hidden entirely under async launch), allocator stalls, the lower efficiency of
+narrow kernels below the roofline. Each rate names its source; "measured" ones are in bench/results/.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict
 
 from ..config import ConfigError
 
@@ -36,6 +45,9 @@ class Rates:
     pcie_gbps: float                    # pinned host <-> device, per direction, per GPU
     nvme_gbps: float                    # per node, read or write
     sources: Dict[str, str] = field(default_factory=dict)
+    op_overhead_us: float = 0.0         # host time per dispatched op (dispatch, autograd, Python), microseconds
+    collective_latency_us: float = 0.0  # fixed cost per all-to-all call (latency, launch, sync), microseconds
+    host_async: bool = True             # the host issues ahead of the device (GPU); False: they are one (CPU)
 
     def attention_rate(self, head_dim: int) -> float:
         known = sorted(self.attention_tflops)
@@ -67,7 +79,12 @@ H100 = Rates(
                           "nccl-tests alltoall bus bandwidth class figure",
         "a2a_inter_gbps": "NOT measured: 400 Gb/s NIC per GPU (50 GB/s), ~90% achieved",
         "nvme_gbps": "NOT measured (the lent image has no libaio): ~4 Gen4 drives x 3 GB/s sustained per node",
-    })
+        "op_overhead_us": "NOT measured on the GPU: ~10 us of host time per eager op with autograd (dispatcher + "
+                          "autograd node + our Python; the 2-core CPU box measures 10-20 us per counted op with "
+                          "bench/planner_time.py); hidden under async launch unless kernels are shorter",
+        "collective_latency_us": "NOT measured (one-GPU machine): ~30 us per 8-GPU NVLink all-to-all of small "
+                                 "messages (nccl-tests alltoall latency class figure)",
+    }, op_overhead_us=10.0, collective_latency_us=30.0)
 
 H200 = Rates(
     name="h200", peak_tflops=989.0, gemm_tflops=790.0, attention_tflops={64: 432.0, 128: 551.0},
@@ -79,7 +96,8 @@ H200 = Rates(
         "hbm_gbps": "4.8 TB/s datasheet x the H100's measured copy efficiency (0.87); not measured",
         "a2a_intra_gbps": "as h100 (NOT measured)", "a2a_inter_gbps": "as h100 (NOT measured)",
         "pcie_gbps": "as h100's measured pinned copies", "nvme_gbps": "as h100 (NOT measured)",
-    })
+        "op_overhead_us": "as h100 (NOT measured)", "collective_latency_us": "as h100 (NOT measured)",
+    }, op_overhead_us=10.0, collective_latency_us=30.0)
 
 TARGETS = {"h100": H100, "h200": H200}
 
@@ -107,6 +125,7 @@ class StepTime:
     tokens_per_s: float            # per GPU, as StepProfiler reports
     target: str
     bytes: Dict[str, float] = field(default_factory=dict)
+    calls: Dict[str, int] = field(default_factory=dict)  # ops dispatched ("ops") and all-to-all calls ("a2a")
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -116,7 +135,7 @@ class StepTime:
 
 def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates, model_flops: float,
               tokens_per_gpu: float, a2a_internode: bool) -> StepTime:
-    """``work``: (kind, phase, key) -> (flops, bytes) of one rank's step; ``traffic``: bytes per rank of
+    """``work``: (kind, phase, key) -> (flops, bytes[, calls]) of one rank's step; ``traffic``: bytes per rank of
     zero3_gather, zero3_reduce (over a2a_inter if ``zero3_internode``), offload_host, offload_nvme (per
     rank's share of the node's drive), optimizer_offload; ``model_flops`` per GPU."""
     parts: Dict[str, float] = {}
@@ -126,7 +145,10 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
     def add(name, secs):
         parts[name] = parts.get(name, 0.0) + secs
 
-    for (kind, phase, key), (f, b) in work.items():
+    calls = {"ops": 0.0, "a2a": 0.0}
+    for (kind, phase, key), v in work.items():
+        f, b = v[0], v[1]
+        calls["a2a" if kind == "a2a" else "ops"] += v[2] if len(v) > 2 else 0.0
         if kind == "attention":
             add(f"attention_{phase}", f / (rates.attention_rate(int(key)) * 1e12))
         elif kind == "gemm":
@@ -137,14 +159,21 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
             add("all_to_all", b / ((rates.a2a_inter_gbps if a2a_internode else rates.a2a_intra_gbps) * 1e9))
         if f:
             flops[f"{kind}_{phase}"] = flops.get(f"{kind}_{phase}", 0.0) + f
-    compute = sum(v for k, v in parts.items() if k != "all_to_all")
+    kernels = sum(v for k, v in parts.items() if k != "all_to_all")
+    host = calls["ops"] * rates.op_overhead_us * 1e-6
+    if host:
+        parts["host_overhead"] = host
+    compute = max(kernels, host) if rates.host_async else kernels + host
+    if calls["a2a"] and rates.collective_latency_us:
+        parts["all_to_all_latency"] = calls["a2a"] * rates.collective_latency_us * 1e-6
     zlink = (rates.a2a_inter_gbps if traffic.get("zero3_internode") else rates.a2a_intra_gbps) * 1e9
     over = {"zero3": (traffic.get("zero3_gather", 0) + traffic.get("zero3_reduce", 0)) / zlink,
             "offload_host": traffic.get("offload_host", 0) / (rates.pcie_gbps * 1e9),
             "offload_nvme": traffic.get("offload_nvme", 0) / (rates.nvme_gbps * 1e9)}
     # the host copies and ZeRO's collectives run on separate engines/streams: concurrent with each other
     overlapped = max(over.values())
-    serial = parts.get("all_to_all", 0.0) + traffic.get("optimizer_offload", 0) / (rates.pcie_gbps * 1e9)
+    serial = (parts.get("all_to_all", 0.0) + parts.get("all_to_all_latency", 0.0)
+              + traffic.get("optimizer_offload", 0) / (rates.pcie_gbps * 1e9))
     for k, v in over.items():
         if v:
             parts[k] = v
@@ -155,4 +184,5 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
     return StepTime(seconds=secs, compute_s=compute, overlapped_s=overlapped, serial_s=serial,
                     parts={k: round(v, 6) for k, v in parts.items()}, flops=flops, model_flops=model_flops, mfu=mfu,
                     tokens_per_s=tokens_per_gpu / secs if secs > 0 else 0.0, target=rates.name,
-                    bytes={k: float(v) for k, v in traffic.items() if not isinstance(v, bool)})
+                    bytes={k: float(v) for k, v in traffic.items() if not isinstance(v, bool)},
+                    calls={k: round(v) for k, v in calls.items()})

@@ -118,7 +118,7 @@ class Accountant(TorchDispatchMode):
         self.host_scope = False
         self._last_bwd = "other"
         self._keep: list = []
-        # work of the step (measure/flops.py): (kind, phase, key) -> [flops, bytes]; phase forward / backward /
+        # work of the step (measure/flops.py): (kind, phase, key) -> [flops, bytes, calls]; phase forward / backward /
         # recompute (a forward op run inside backward: checkpoint recompute, tiled recompute, attention recompute)
         self.work: Dict[tuple, List[float]] = {}
         self.in_backward = False
@@ -184,24 +184,8 @@ class Accountant(TorchDispatchMode):
         else:
             me._host -= nbytes
 
-    def _phase(self, func) -> str:
-        if not self.in_backward:
-            return "forward"
-        if _flops.is_backward_attention(func._overloadpacket):
-            return "backward"
-        if func._overloadpacket in _flops.ATTENTION or self.recomputing or torch.is_grad_enabled():
-            return "recompute"
-        return "backward"
-
     def _count(self, func, args, kwargs, out):
-        cost = _flops.op_cost(func, args, kwargs, out)
-        if cost is None:
-            return
-        kind, key, flops, nbytes = cost
-        scale = _flops.current_scale()
-        slot = self.work.setdefault((kind, self._phase(func), key), [0.0, 0.0])
-        slot[0] += flops * scale
-        slot[1] += nbytes * scale
+        _flops.add_work(self.work, func, args, kwargs, out, self.in_backward, bool(self.recomputing))
 
     def _transient(self, func, args):
         """Memory a kernel holds only during its call (the GPU attention backward's workspace): peak only."""
@@ -500,7 +484,7 @@ class StepMemory:
     num_layers: int
     seconds: float
     notes: List[str] = field(default_factory=list)
-    # (kind, phase, key) -> (flops, bytes) of the step (Accountant.work; measure/flops.py)
+    # (kind, phase, key) -> (flops, bytes, calls) of the step (Accountant.work; measure/flops.py)
     work: Dict[tuple, tuple] = field(default_factory=dict)
 
 
