@@ -35,3 +35,17 @@ def shift_labels_of(labels: torch.Tensor) -> torch.Tensor:
     """labels[:, 1:] followed by one ignored position: the target of token t is labels[t + 1]."""
     pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
     return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def fused_token_fields(logits: torch.Tensor, shift_labels: torch.Tensor) -> dict:
+    """TRL's fused LM head's per-token fields (``trl.trainer.utils.add_fused_lm_head``) from fp32 logits
+    [b, s, vocab] and pre-shifted labels [b, s]: the label's log-probability, the entropy of the next-token
+    distribution, whether the label is its first arg-max, and the label mask; zero where the label is ignored."""
+    labels = shift_labels.to(logits.device)
+    mask = labels != IGNORE_INDEX
+    logp = torch.log_softmax(logits, dim=-1)
+    safe = labels.clamp(min=0).unsqueeze(-1)
+    log_probs = logp.gather(-1, safe).squeeze(-1).masked_fill(~mask, 0.0)
+    entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
+    is_top1 = (logits.detach().argmax(-1) == labels) & mask
+    return {"log_probs": log_probs, "entropy": entropy, "is_top1": is_top1, "label_mask": mask}

@@ -78,6 +78,8 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
         if labels is None and shift_labels is None:
             return orig_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **kwargs)
+        fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's fused LM head (SFTTrainer's loss and metrics)
+        unshifted = shift_labels is None
         if shift_labels is None:
             if sp > 1:
                 raise ConfigError("batch.labels", "unshifted labels on a sequence shard lose the target of the "
@@ -94,12 +96,21 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
                                  use_cache=False, **kwargs)
         hidden = out.last_hidden_state
         logits = None
+        if fused:  # TRL's per-token fields, from the logits (untiled: [b, s_local, vocab] for this forward)
+            from .compat import fused_lm_head_output
+            from .loss import fused_token_fields, lm_logits
+
+            fields = fused_token_fields(lm_logits(self.lm_head, hidden, logit_fn), shift_labels)
+            if unshifted:  # TRL's shape for unshifted labels: [b, seq - 1] (the last token has no target)
+                fields = {k: v[:, :-1] for k, v in fields.items()}
+            loss = sp_loss(-fields["log_probs"].sum(), fields["label_mask"].sum())
+            return fused_lm_head_output(loss, fields)
         if tiled.enabled:
             loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group,
                                                        logit_fn, shared=tied)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels, logit_fn)
-        return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled)
+        return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled, evaluating=not self.training)
 
     model.forward = types.MethodType(forward, model)
 
