@@ -333,13 +333,13 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         key = f"{SECTION}.sequence_length" if sequence_length is None else "sequence length"
         raise ConfigError(key, f"{seq} is not divisible by sequence_parallel_size={sp}",
                           f"use a multiple of {sp}, e.g. {(seq // sp + 1) * sp}")
-    if model_config is None:
-        return
+    impl = cfg.attention.implementation
+    if model_config is None or (sp == 1 and impl != "untied_ulysses"):
+        return  # transformers' own attention, nothing split: any model (state-space ones too) trains here
     from .models import attention_shape
 
     shape = attention_shape(model_config)
     heads, kv = shape.heads, shape.kv_heads
-    impl = cfg.attention.implementation
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):

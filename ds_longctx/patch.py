@@ -58,9 +58,10 @@ def _sp_of(group) -> int:
 def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
     from .compat import causal_lm_output
-    from .models.logits import logit_transform
+    from .models.logits import decoder_of, logit_transform
 
     logit_fn = logit_transform(model)  # the model's own lm_head -> loss transform (ConfigError if unknown)
+    decoder_of(model)  # found now (ConfigError at patch time, not at the first forward)
     sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
     sp = _sp_of(group)
     tiled = lc.tiled_loss
@@ -92,7 +93,7 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
                               "ds_longctx.data.shard_batch")
         kwargs.pop("use_cache", None)
         kwargs.pop("logits_to_keep", None)
-        out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = decoder_of(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False, **kwargs)
         hidden = out.last_hidden_state
         logits = None
@@ -245,7 +246,9 @@ def install_document_forward(model, group, own_attention: bool) -> None:
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
                 raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "shard_batch already turned right padding into an ignored document: drop the mask")
+                                  "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                                  "turns right padding into an ignored document, its targets dropped) and give the "
+                                  "model shard_batch's output without another mask")
             attention_mask = None
             docs = Documents(cu)
             if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):

@@ -48,7 +48,9 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
             if input_ids is None or tensors:
                 what = tensors[0] if tensors else "inputs_embeds"
                 raise ConfigError(f"batch.{what}", "cannot be sharded with a full-length eval batch",
-                                  "give input_ids, labels, position_ids and attention_mask only")
+                                  "give input_ids, labels, position_ids and attention_mask only (a loss mask "
+                                  "belongs in labels as -100); a per-token input the model needs has no SP path yet: "
+                                  "evaluate at sequence_parallel_size 1")
             return None  # sharded in turns: shard_batch checks it
         if doc_lens is not None:
             raise ConfigError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
@@ -64,7 +66,9 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
                 raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "shard_batch already turned right padding into an ignored document: drop the mask")
+                                  "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                                  "turns right padding into an ignored document, its targets dropped) and give the "
+                                  "model shard_batch's output without another mask")
             docs = Documents(cu)
             if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
                 raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
