@@ -107,7 +107,23 @@ def _sp2(rank, world):
     except LogitsNotComputed as e:
         out["trainer_tiled"] = str(e)
     state.reset()
+    out["trl"] = _trl_eval(2, rank)
+    state.reset()
     return out
+
+
+def _trl_eval(sp, rank, use_ds_longctx=True):
+    """TRL's SFTTrainer, one SGD step then evaluate(): its eval loss comes from the fused LM head's log_probs."""
+    import eco_cases  # noqa: F401  (puts examples/ on sys.path)
+    import trl_sft
+
+    out = trl_sft.train(sp=sp, use_ds_longctx=use_ds_longctx, packing=False, steps=1, eval_samples=4, seq_len=16,
+                        output_dir=f"/tmp/ds_longctx_test_trl_eval{rank}")["eval"]
+    return {k: out[k] for k in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy")}
+
+
+def _trl_eval_reference(rank, world):
+    return _trl_eval(1, rank, use_ds_longctx=False)
 
 
 @pytest.mark.distributed
@@ -135,3 +151,8 @@ def test_eval_outputs_under_sp_equal_one_process():
         assert got.shape == want.shape == (4, 16, 64), (got.shape, want.shape)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert "prediction_loss_only" in r["trainer_tiled"] and "tiled_loss.enabled=false" in r["trainer_tiled"]
+    # TRL's SFTTrainer.evaluate() under SP=2 (fused LM head: loss, token accuracy, entropy) = one process
+    trl_ref = run_distributed(_trl_eval_reference, 1)[0]
+    for r in res:
+        for k, v in trl_ref.items():
+            assert isclose(r["trl"][k], v), (k, r["trl"][k], v)
