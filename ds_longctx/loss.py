@@ -22,10 +22,14 @@ def lm_logits(lm_head: torch.nn.Module, hidden: torch.Tensor, logit_fn=None) -> 
 
 
 def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor, logit_fn=None):
-    """Untiled reference: materialises [b, s_local, vocab] logits."""
-    logits = lm_logits(lm_head, hidden, logit_fn)
+    """Untiled reference: materialises [b, s_local, vocab] logits. Returns them as the model's forward does:
+    after its logit transform, in lm_head's dtype (the cross entropy runs on an fp32 copy, as HF's loss does)."""
+    logits = lm_head(hidden)
+    if logit_fn is not None:
+        logits = logit_fn(logits)
+    fp32 = logits.float()
     labels = shift_labels.to(logits.device)
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    loss_sum = F.cross_entropy(fp32.reshape(-1, fp32.shape[-1]), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count, logits
