@@ -344,7 +344,10 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):
             raise ConfigError("model.config._attn_implementation", f"{attn_impl!r} cannot run sequence parallel",
-                              "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
+                              "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model "
+                              "with no SDPA path (Gemma2: attention soft-capping) trains with "
+                              "attn_implementation='flex_attention' under long_context.attention.implementation "
+                              "'ulysses'")
         check_sp_heads(heads, kv, sp)
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         check_sp_attention_pattern(impl, model_config, seq)
@@ -412,41 +415,42 @@ _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at
                      "transformers' own attention runs it exactly")
 
 
-def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) -> None:
+def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], layer_kinds: bool = True) -> None:
     """Our SP attention ('ulysses' at SP > 1, 'untied_ulysses') computes causal attention over the whole
-    gathered sequence. Refuse every model whose attention is not that: sliding windows or chunks shorter
-    than the sequence (or of unknown coverage: no sequence_length), other layer types, bidirectional
-    attention, and flex_attention (its BlockMask is built for the local shard). Never advise dropping the
-    window: the pretrained model attends through it."""
+    gathered sequence, applying each layer's sliding window and attention soft-cap there
+    (models.windows.layer_attention). Refuse every model whose attention is something else: chunked
+    attention and other layer types, bidirectional attention, and flex_attention under 'untied_ulysses'
+    (its BlockMask is built for the local shard; 'ulysses' runs flex layers causal). Never advise dropping
+    a window: the pretrained model attends through it. ``layer_kinds`` False: only the model-wide refusals
+    (the installs, which check each layer's type at its forward, with the sequence length)."""
     from .models import text_config
     from .models.windows import is_bidirectional, restricted_layers
 
     key = f"{SECTION}.attention.implementation"
     name = getattr(text_config(model_config), "model_type", None) or type(model_config).__name__
     attn_impl = getattr(model_config, "_attn_implementation", None)
-    if attn_impl == "flex_attention":
+    if attn_impl == "flex_attention" and impl == "untied_ulysses":
         raise ConfigError("model.config._attn_implementation",
                           f"'flex_attention' under {impl!r}: its BlockMask is built for the local sequence shard, "
                           "and without it flex_attention is not causal",
                           "load the model with attn_implementation='sdpa' (or flash_attention_2/3): the same "
-                          f"attention, which {impl!r} runs causal over the gathered sequence")
+                          f"attention, which {impl!r} runs causal over the gathered sequence; or use "
+                          "implementation 'ulysses', which runs flex_attention models causal")
     if is_bidirectional(model_config):
         raise ConfigError(key, f"the {name} model attends bidirectionally (use_bidirectional_attention), and "
                           f"{impl!r} computes causal attention only", _NOT_YET_UNDER_SP)
-    for group in restricted_layers(model_config):
-        if group.exact_for(seq_len):
-            continue
+    for group in restricted_layers(model_config) if layer_kinds else ():
+        if group.kind == "sliding_attention" or group.exact_for(seq_len):
+            continue  # windows are applied on the gathered sequence (a window covering it is full causal)
         if group.span is None:
             raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
-                              "computes full causal attention over the gathered sequence",
+                              "computes causal attention (with sliding windows) over the gathered sequence",
                               f"this layer type is not supported under sequence parallelism; {_NOT_YET_UNDER_SP}")
-        what = "window" if group.kind == "sliding_attention" else "chunking"
         length = (f"shorter than long_context.sequence_length {seq_len}" if seq_len is not None else
                   "and long_context.sequence_length is not set, so nothing shows it covers every sample")
-        fix = (f"{group.kind.replace('_', ' ')} is not supported under sequence parallelism yet; "
-               f"{_NOT_YET_UNDER_SP}")
+        fix = f"chunked attention is not supported under sequence parallelism yet; {_NOT_YET_UNDER_SP}"
         if seq_len is None:
             fix += (f", or set long_context.sequence_length if every sample has at most {group.span} tokens (a "
-                    f"{what} covering the whole sample is exact)")
-        raise ConfigError(key, f"the {name} model has {group.describe()}, {length}; {impl!r} computes full causal "
-                          f"attention over the gathered sequence, so the {what} would be silently dropped", fix)
+                    "chunk covering the whole sample is exact)")
+        raise ConfigError(key, f"the {name} model has {group.describe()}, {length}; {impl!r} computes causal "
+                          "attention over the gathered sequence, so the chunking would be silently dropped", fix)

@@ -1,6 +1,8 @@
 """Attention the SP paths would compute differently is refused (issue 19), with a fix that does not lead to
-wrong training: sliding windows (Gemma2/3 layer_types, Qwen2 use_sliding_window, Mistral), flex_attention,
-custom 4-D masks. Pure checks and SP=1 forwards in one process; real transformers configs and tiny models."""
+wrong training: chunked attention (Llama4), bidirectional models, flex_attention under untied, a named kernel
+that cannot apply a layer's sliding window, custom 4-D masks. Sliding windows themselves are applied
+(tests/test_sp_windows.py) and pass the checks. Pure checks and SP=1 forwards in one process; real
+transformers configs and tiny models."""
 import pytest
 import torch
 
@@ -33,50 +35,54 @@ def _gemma3(**kw):
 
 
 @pytest.mark.parametrize("impl", ["ulysses", "untied_ulysses"])
-def test_sliding_window_refused_under_sp(impl):
-    e = _check(impl, _gemma3(), seq=32)
-    assert e is not None and e.startswith("long_context.attention.implementation")
-    assert "sliding window of 8 tokens" in e and "layers [0, 1]" in e and "shorter than" in e and "32" in e
-    fix = e.split("Fix:")[1]
-    assert "'none' at sequence_parallel_size 1" in fix and "drop" not in fix and "remove" not in fix
-    # a window covering the whole configured sequence is exactly full causal attention
-    assert _check(impl, _gemma3(), seq=8) is None
-
-
-def test_window_rules_per_model():
+def test_sliding_windows_pass_the_sp_check(impl):
+    """Windows are applied on the gathered sequence now (tests/test_sp_windows.py): no refusal, whatever the
+    model's way of declaring them, with or without sequence_length."""
     from transformers import Gemma2Config, MistralConfig, Qwen2Config
 
-    # Qwen2 carries sliding_window but uses it only with use_sliding_window, on layers >= max_window_layers
-    assert _check("ulysses", Qwen2Config(**SMALL)) is None
-    e = _check("ulysses", Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=1),
-               seq=64)
-    assert "sliding window of 16 tokens on layers [1]" in e
-    # Gemma2: alternating layer_types
-    e = _check("untied_ulysses", Gemma2Config(**{**SMALL, "num_hidden_layers": 4}, sliding_window=16), seq=64)
-    assert "layers [0, 2]" in e
-    # Mistral: one window on every layer; without sequence_length nothing shows it covers the samples
-    e = _check("ulysses", MistralConfig(**SMALL, sliding_window=4096))
-    assert "4096 tokens on layers [0, 1]" in e and "long_context.sequence_length is not set" in e
-    assert "set long_context.sequence_length if every sample has at most 4096 tokens" in e
-    assert _check("ulysses", MistralConfig(**SMALL, sliding_window=4096), seq=4096) is None
-    assert _check("ulysses", MistralConfig(**SMALL, sliding_window=None)) is None
-    # SP=1 on "ulysses" is transformers' own attention (exact); untied at SP=1 is ours (refused)
-    assert _check("ulysses", _gemma3(), sp=1, seq=32) is None
-    assert "sliding window of 8" in _check("untied_ulysses", _gemma3(), sp=1, seq=32)
-    assert "bidirectionally" in _check("ulysses", _gemma3(use_bidirectional_attention=True), seq=8)
+    assert _check(impl, _gemma3(), seq=32) is None
+    assert _check(impl, Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+                  seq=64) is None
+    assert _check(impl, Gemma2Config(**{**SMALL, "num_hidden_layers": 4}, sliding_window=16), seq=64) is None
+    assert _check(impl, MistralConfig(**SMALL, sliding_window=4096)) is None
 
 
-def test_flex_attention_refused_under_sp():
+def _llama4(chunk=8):
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(**{**SMALL, "num_hidden_layers": 4}, attention_chunk_size=chunk)
+
+
+def test_chunked_and_bidirectional_still_refused():
+    """Chunked attention (Llama4: layers 0-2) and bidirectional models are not what the SP paths compute."""
+    for impl in ("ulysses", "untied_ulysses"):
+        e = _check(impl, _llama4(), seq=32)
+        assert e.startswith("long_context.attention.implementation")
+        assert "chunked attention of 8-token chunks on layers [0, 1, 2]" in e and "shorter than" in e
+        fix = e.split("Fix:")[1]
+        assert "'none' at sequence_parallel_size 1" in fix and "drop" not in fix and "remove" not in fix
+        assert _check(impl, _llama4(), seq=8) is None  # a chunk covering the sample is full causal
+        assert "set long_context.sequence_length if every sample has at most 8" in _check(impl, _llama4())
+        assert "bidirectionally" in _check(impl, _gemma3(use_bidirectional_attention=True), seq=8)
+    # SP=1 on "ulysses" is transformers' own attention (exact); untied at SP=1 is ours (checked)
+    assert _check("ulysses", _llama4(), sp=1, seq=32) is None
+    assert "chunked attention" in _check("untied_ulysses", _llama4(), sp=1, seq=32)
+
+
+def test_flex_attention_refused_under_untied_only():
+    """'ulysses' runs flex_attention models causal (tests/test_sp_windows.py); untied's install would get the
+    shard's BlockMask."""
     from transformers import LlamaConfig
 
-    e = _check("ulysses", LlamaConfig(**SMALL), attn="flex_attention")
+    e = _check("untied_ulysses", LlamaConfig(**SMALL), attn="flex_attention")
     assert e.startswith("model.config._attn_implementation") and "flex_attention" in e and "sdpa" in e.split("Fix:")[1]
+    assert _check("ulysses", LlamaConfig(**SMALL), attn="flex_attention") is None
     assert _check("ulysses", LlamaConfig(**SMALL), sp=1, attn="flex_attention") is None
 
 
-def test_gemma3_tiled_mlp_and_the_window_refusal():
+def test_gemma3_tiled_mlp_and_windows_under_sp():
     """Gemma3's MLP is tiled (models/gemma.py; it used to be refused, with a fix leading to the window case):
-    at SP=1 on 'none' the stack applies, and under SP the window is still refused by initialize's check."""
+    at SP=1 on 'none' the stack applies, and under SP its windows pass the check (they are applied)."""
     from transformers import AutoModelForCausalLM
 
     from ds_longctx.patch import patch_model
@@ -86,7 +92,7 @@ def test_gemma3_tiled_mlp_and_the_window_refusal():
     handle = patch_model(model, _lc("none", sp=1, tiled_mlp={"enabled": True}))
     assert len(handle.memory.tiled_mlps) == 2
     handle.remove()
-    assert "sliding window of 8" in _check("ulysses", _gemma3(), seq=32)
+    assert _check("ulysses", _gemma3(), seq=32) is None
 
 
 def _tiny(cfg):
@@ -97,22 +103,33 @@ def _tiny(cfg):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-def test_untied_forward_names_the_window(fuse):
-    """patch_model without initialize's check: the untied forward itself refuses the window, naming it."""
+def test_untied_kernel_without_windows_names_the_layer(fuse):
+    """A named kernel that cannot apply the window ('sdpa': torch's flash op) is refused at the windowed layer's
+    forward, naming it and the fix; with the fix ('auto') the loss is HF's."""
     from transformers import MistralConfig
 
     from ds_longctx.patch import patch_model
 
     model = _tiny(MistralConfig(**SMALL, sliding_window=8))
-    lc = _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses", "heads_per_chunk": 1,
-                                                "fuse_projections": fuse})
-    handle = patch_model(model, lc)
-    try:
-        ids = torch.randint(0, 64, (1, 16))
-        e = config_error(lambda: model(input_ids=ids, labels=ids))
-    finally:
-        handle.remove()
-    assert e is not None and "sliding window of 8 tokens" in e and "layer 0" in e and "'none'" in e
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids).loss
+    for kernel in ("sdpa", "auto"):
+        lc = _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses", "heads_per_chunk": 1,
+                                                    "fuse_projections": fuse, "kernel": kernel})
+        handle = patch_model(model, lc)
+        try:
+            with torch.no_grad():
+                e = config_error(lambda: model(input_ids=ids, labels=ids))
+                got = model(input_ids=ids, labels=ids).loss if e is None else None
+        finally:
+            handle.remove()
+        if kernel == "sdpa":
+            assert e is not None and e.startswith("long_context.attention.kernel")
+            assert "layer 0 has a sliding window of 8 tokens" in e and "'auto'" in e.split("Fix:")[1]
+        else:
+            assert e is None
+            torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
 
 
 def _prefix_lm_mask(b, s, prefix):
@@ -174,18 +191,21 @@ def _sp2_worker(rank, world):
 
     out = {}
     ulysses = {"attention": {"implementation": "ulysses"}}
-    # initialize: the window refused by the config check, on every rank
-    out["initialize"] = config_error(ds_longctx.initialize, model=_tiny(Gemma3TextConfig(**SMALL, sliding_window=8)),
-                                     config=ds_config(0, 2, ulysses), model_parameters=None)
+    # initialize: a bidirectional model refused by the config check, on every rank
+    bidi = Gemma3TextConfig(**SMALL, sliding_window=8, use_bidirectional_attention=True)
+    out["initialize"] = config_error(ds_longctx.initialize, model=_tiny(bidi), config=ds_config(0, 2, ulysses),
+                                     model_parameters=None)
     comm.initialize_groups(2)
     group = comm.sp_group()
     lc = _lc("ulysses", sp=2)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     shard = shard_batch({"input_ids": ids}, rank, 2)
     shard.pop("doc_cu_seqlens", None)
-    # patch_model directly (no config check): the Ulysses wrapper refuses the window per layer
+    # patch_model directly (no config check): a kernel without windows is refused at the windowed layer
     model = _tiny(MistralConfig(**SMALL, sliding_window=8))
-    handle = patch_model(model, lc, group)
+    untied_sdpa = _lc("untied_ulysses", sp=2, attention={"implementation": "untied_ulysses", "heads_per_chunk": 1,
+                                                         "kernel": "sdpa"})
+    handle = patch_model(model, untied_sdpa, group)
     out["runtime_window"] = config_error(lambda: model(**shard))
     handle.remove()
     # a hand-cut shard with a custom 4-D mask (was a raw RuntimeError in the contiguity check)
@@ -197,7 +217,16 @@ def _sp2_worker(rank, world):
     handle.remove()
     flex = _tiny(LlamaConfig(**SMALL))
     flex.config._attn_implementation = "flex_attention"
-    out["flex"] = config_error(patch_model, flex, lc, group)
+    out["flex"] = config_error(patch_model, flex, _lc("untied_ulysses", sp=2), group)
+    # GPT-OSS: windows would run, but its attention sinks (s_aux) would be dropped by the SP kernels
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    torch.manual_seed(0)
+    oss = AutoModelForCausalLM.from_config(GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
+                                                        sliding_window=4), attn_implementation="flex_attention")
+    handle = patch_model(oss, lc, group)
+    out["sinks"] = config_error(lambda: oss(**shard))
+    handle.remove()
     return out
 
 
@@ -206,9 +235,10 @@ def test_refusals_at_sp2_on_every_rank():
     from dist_utils import run_distributed
 
     for out in run_distributed(_sp2_worker, 2):
-        assert "sliding window of 8 tokens on layers [0, 1]" in out["initialize"], out["initialize"]
-        assert "layer 0 has a sliding window of 8 tokens, shorter than the 16-token sequence" in out["runtime_window"]
-        assert "'ulysses'" in out["runtime_window"]
+        assert "attends bidirectionally" in out["initialize"], out["initialize"]
+        assert "layer 0 has a sliding window of 8 tokens" in out["runtime_window"], out["runtime_window"]
+        assert "kernel 'sdpa_cpu_flash' ('sdpa') cannot apply" in out["runtime_window"]
         assert out["mask_4d"] is not None and "custom 4-D masks are not supported" in out["mask_4d"]
         assert out["flex"] is not None and "flex_attention" in out["flex"]
+        assert out["sinks"] is not None and "layer 0 has attention sinks (s_aux" in out["sinks"], out["sinks"]
         assert out["ok_loss"] > 0

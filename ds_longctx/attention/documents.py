@@ -216,6 +216,10 @@ class DocumentBackend(Backend):
     def __init__(self, inner: Backend, docs: Documents, varlen: bool = True):
         # varlen=False: the per-document loop on CUDA too (the GPU bench's reference for the varlen call)
         self.inner, self.docs, self.varlen = inner, docs, varlen
+        if getattr(inner, "pattern", (0, 0.0)) != (0, 0.0):
+            # a layer's sliding window / soft-cap (kernels.Windowed): the varlen calls apply neither, so the
+            # per-document loop runs the windowed kernel (the window then lies within each document)
+            self.varlen = False
         self.name = f"{inner.name}+documents"
         self.device_type = inner.device_type
         self.native_gqa = True

@@ -11,7 +11,9 @@ Two ways in, picked by ``long_context.attention.fuse_projections``:
   computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
 
 The model sees per-rank local position_ids (the loader shards input_ids and position_ids), so HF's
-rotary embedding yields local cos/sin; attention is causal over the gathered sequence, or within
+rotary embedding yields local cos/sin; attention is causal over the gathered sequence (with the layer's
+sliding window and soft-cap from models.windows.layer_attention, applied by the kernel per stage: a
+kernel that cannot apply them is replaced by the banded one under 'auto', refused when named), or within
 each document when the forward patch_model installs passes the batch's documents
 (``documents.DOCS_KWARG``; HF's packed mask is then redundant and ignored). Without documents a
 causal mask built by HF for the local shard is ignored; any other mask (padding, packed documents)
@@ -23,7 +25,7 @@ import importlib
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
                       is_llama_style_rmsnorm, rms_norm, rope_bshd, text_config)
+from ..models.windows import sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG
@@ -50,6 +53,7 @@ class _State:
     schedule: Schedule  # built once at install for the model's head counts and the SP degree
     shape: Optional[AttentionShape] = None  # heads, KV heads, head_dim (models.attention_shape), read once
     facts: Optional[AttentionFacts] = None
+    layers: Tuple = ()  # models.windows.layer_attention per layer_idx: sliding window, soft-cap, type
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,14 @@ def install_untied(model, attn_cfg, group) -> UntiedInstall:
         # config-level error naming the key; what that check does not cover raises Schedule's ValueError
         check_heads_per_chunk(hpc, heads, kv, sp)
         schedule = Schedule(heads, kv, sp, hpc)
+    from ..config import check_sp_attention_pattern
+    from ..models.windows import layer_attention
+
+    # for callers of patch_model without initialize's check: flex_attention and bidirectional models are
+    # refused here; windows and soft-caps are applied; chunked layers are checked per forward (their length)
+    check_sp_attention_pattern("untied_ulysses", model.config, 10 ** 18, layer_kinds=False)
     state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=backend.name, backend=backend,
-                   schedule=schedule, shape=shape)
+                   schedule=schedule, shape=shape, layers=tuple(layer_attention(tc)))
     handle = UntiedInstall()
     if attn_cfg.fuse_projections:
         _install_fused(model, tc, state, handle)
@@ -264,10 +274,12 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         raise ValueError("untied attention needs position_embeddings (cos, sin) from the model's rotary embedding")
     b, s, _ = hidden_states.shape
     docs = kwargs.get(DOCS_KWARG)
-    # the window first: HF's mask of a windowed layer is not plain causal, and the window is the reason
-    check_window(_sliding_window(self, facts), s * state.sp, getattr(self, "layer_idx", None))
+    # the layer's window / soft-cap (from the config; the module's own attribute must agree), applied by the
+    # kernel per stage; before the mask check: HF's mask of a windowed layer is not plain causal
+    backend, window = layer_backend(state, self, s * state.sp, hidden_states.device, _sliding_window(self, facts),
+                                    None)
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
-        _check_mask(attention_mask, s)
+        _check_mask(attention_mask, s, window)
     if self.training and getattr(self, "attention_dropout", 0.0):
         raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 "
                          f"(got {self.attention_dropout})")
@@ -290,8 +302,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         o.weight, heads=layer.heads, kv_heads=layer.kv_heads, spec=layer.spec, norm_weight=norm_w,
         norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias, bo=o.bias,
         q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
-        group=state.group, heads_per_chunk=state.heads_per_chunk,
-        backend=state.backend.on(hidden_states.device), causal=True, scale=self.scaling,
+        group=state.group, heads_per_chunk=state.heads_per_chunk, backend=backend, causal=True, scale=self.scaling,
         docs=docs, schedule=state.schedule)
     return out, None
 
@@ -308,7 +319,10 @@ def _install_function_level(model, state: _State) -> registry.Installation:
     if impl is None or impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
         raise ConfigError("model.config._attn_implementation",
                           f"{impl!r} does not go through transformers' attention interface",
-                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3)")
+                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model with "
+                          "no SDPA path (Gemma2: attention soft-capping) trains with "
+                          "attn_implementation='flex_attention' under long_context.attention.implementation "
+                          "'ulysses'")
 
     def untied(module, query, key, value, attention_mask, *args, **kwargs):
         return _function_level_attention(state, module, query, key, value, attention_mask, *args, **kwargs)
@@ -322,8 +336,8 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     """HF layout in: query [b, H, s, d], key/value [b, G, s, d]; out [b, s, H, d], weights None."""
     if dropout:
         raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 (got {dropout})")
-    if softcap:
-        raise ValueError("untied attention does not support attention logit softcapping")
+    if kwargs.get("s_aux") is not None:
+        raise sinks_error(getattr(module, "layer_idx", None), "untied_ulysses")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise ValueError("untied attention is causal-only; this attention module is bidirectional")
     s = query.shape[2]
@@ -331,15 +345,15 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
     docs = kwargs.get(DOCS_KWARG)
-    check_window(sliding_window, s * state.sp, getattr(module, "layer_idx", None))
+    backend, window = layer_backend(state, module, s * state.sp, query.device, sliding_window, softcap)
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
-        _check_mask(attention_mask, s)
+        _check_mask(attention_mask, s, window)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     sc = state.schedule
     # the install's schedule is for the config's head counts; a module attending over others gets its own
     sched = sc if (q.shape[2], k.shape[2]) == (sc.heads, sc.kv_heads) else None
     out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
-                                  backend=state.backend.on(q.device), causal=True,
+                                  backend=backend, causal=True,
                                   scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
                                   schedule=sched)
     return out, None
@@ -352,27 +366,43 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
 _LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version, verdict
 
 
-def check_window(window, global_len, layer=None, impl="untied_ulysses"):
-    """Same verdict on every rank (equal shard lengths), raised before the layer's first all-to-all."""
-    if window and window < global_len:
-        where = f"layer {layer}" if layer is not None else "this layer"
-        raise ConfigError("long_context.attention.implementation",
-                          f"{where} has a sliding window of {window} tokens, shorter than the {global_len}-token "
-                          f"sequence; {impl!r} computes full causal attention over the gathered sequence, so the "
-                          "window would be silently dropped",
-                          "sliding-window attention is not supported under sequence parallelism yet; train with "
-                          "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
-                          "transformers' own attention runs it exactly")
+_UNSET = object()
 
 
-def _check_mask(mask, s_local):
-    """Accept None or the plain causal mask of the local shard; reject padding/packed masks."""
+def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET):
+    """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel
+    with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config
+    facts read at install. What the module or transformers passes (``hf_window``, ``hf_softcap``) must agree
+    with them. A window covering the ``global_len``-token gathered sequence is full causal attention. Same
+    verdict on every rank (equal shard lengths, same config), raised before the layer's first all-to-all."""
+    from ..models.windows import LayerAttention, not_runnable
+
+    idx = getattr(module, "layer_idx", None)
+    layers = state.layers
+    facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
+    if not facts.runnable(global_len):
+        raise not_runnable(idx, facts, global_len, "untied_ulysses")
+    for what, hf, ours in (("sliding_window", hf_window, facts.window), ("softcap", hf_softcap, facts.softcap)):
+        if hf is not _UNSET and (hf or None) != ours:
+            raise ConfigError("model.config", f"layer {idx}: the model applies {what}={hf!r}, the config reads as "
+                              f"{ours!r}", "report this model: ds_longctx.models.windows reads its attention "
+                              "pattern wrongly")
+    where = f"layer {idx}" if idx is not None else "this layer"
+    return state.backend.for_layer(device, facts.window_for(global_len), facts.softcap, where), facts.window
+
+
+def _check_mask(mask, s_local, window=None):
+    """Accept None or the plain causal mask of the local shard (with the layer's sliding ``window``, as HF
+    builds it for a windowed layer: the kernel applies the window over the gathered sequence); reject
+    padding/packed masks."""
     if mask is None:
         return
     if not isinstance(mask, torch.Tensor):  # e.g. flex BlockMask
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
+    if mask.device.type == "meta":  # the planner's stand-in device: no values (its batches are plain causal)
+        return
     ref, version, verdict = _LAST_MASK
-    if ref is not None and ref() is mask and version == mask._version:  # one mask is shared by all layers
+    if ref is not None and ref() is mask and version == (mask._version, window):  # one mask is shared by layers
         if not verdict:
             raise ValueError(_BAD_MASK)
         return
@@ -382,10 +412,12 @@ def _check_mask(mask, s_local):
         allowed = mask if mask.dtype == torch.bool else (mask == 0)
         sq, sk = allowed.shape[-2:]
         causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).tril(sk - sq)
+        if window:
+            causal &= ~torch.ones(sq, sk, dtype=torch.bool, device=mask.device).tril(sk - sq - window)
         ok = bool((allowed == causal).all())
     else:
         ok = False
-    _LAST_MASK[:] = [weakref.ref(mask), mask._version, ok]
+    _LAST_MASK[:] = [weakref.ref(mask), (mask._version, window), ok]
     if not ok:
         raise ValueError(_BAD_MASK)
 

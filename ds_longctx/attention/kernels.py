@@ -5,8 +5,14 @@ Layout (every backend, both directions):
     out: [b, s_q, h_q, d]  (same dtype as q)
     lse: [b, h_q, s_q] float32, natural log (may be a strided view; treat it as opaque)
 
-    forward(q, k, v, causal, scale) -> (out, lse)
-    backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)   (dk/dv shaped like k/v)
+    forward(q, k, v, causal, scale, window=None, softcap=None) -> (out, lse)
+    backward(dout, q, k, v, out, lse, causal, scale, window=None, softcap=None) -> (dq, dk, dv)
+    (dk/dv shaped like k/v)
+
+``window`` is transformers' sliding window (query at position p attends keys in (p - window, p], with
+positions aligned bottom right like the causal mask), ``softcap`` the attention logit soft-capping
+(Gemma2: scores = softcap * tanh(scale * q.k / softcap)). A backend applies them only when it says so
+(``supports_window`` / ``supports_softcap``); :meth:`KernelChoice.for_layer` picks one that does, or refuses.
 
 Inputs may be strided views as long as the head_dim is contiguous. A backend that cannot do GQA
 itself gets k/v expanded here and dk/dv summed back. Nothing here knows about sequence parallelism.
@@ -15,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from typing import Dict, Tuple, Type
+from typing import Dict, Optional, Tuple, Type
 
 import torch
 
@@ -29,6 +35,8 @@ class Backend:
     name = "base"
     native_gqa = False
     device_type = "cpu"
+    supports_window = False   # applies a sliding window (never silently ignores one: forward refuses)
+    supports_softcap = False  # applies attention logit soft-capping
 
     @staticmethod
     def available() -> bool:
@@ -49,31 +57,63 @@ class Backend:
         # elsewhere (tests) is called directly
         return self.fake_only or BACKENDS.get(self.name) is type(self)
 
-    def fwd(self, q, k, v, causal, scale):
-        if self._through_op():
-            return torch.ops.ds_longctx.attention_forward(q, k, v, causal, float(scale), self.name)
+    def _fwd_pattern(self, q, k, v, causal, scale, window: int, softcap: float):
+        """The kernel with a sliding window (``window`` > 0) and/or soft-capping (``softcap`` > 0); a backend
+        that supports neither only ever gets window 0 and softcap 0 (``forward`` refuses the rest)."""
+        if window > 0 or softcap > 0:
+            raise NotImplementedError(f"{self.name} applies no sliding window or soft-capping")
         return self._fwd(q, k, v, causal, scale)
 
-    def bwd(self, dout, q, k, v, out, lse, causal, scale):
-        if self._through_op():
-            return torch.ops.ds_longctx.attention_backward(dout, q, k, v, out, lse, causal, float(scale), self.name)
+    def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window: int, softcap: float):
+        if window > 0 or softcap > 0:
+            raise NotImplementedError(f"{self.name} applies no sliding window or soft-capping")
         return self._bwd(dout, q, k, v, out, lse, causal, scale)
 
-    def forward(self, q, k, v, causal: bool, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    def fwd(self, q, k, v, causal, scale, window: int = 0, softcap: float = 0.0):
+        if self._through_op():
+            return torch.ops.ds_longctx.attention_forward(q, k, v, causal, float(scale), self.name, int(window),
+                                                          float(softcap))
+        return self._fwd_pattern(q, k, v, causal, scale, int(window), float(softcap))
+
+    def bwd(self, dout, q, k, v, out, lse, causal, scale, window: int = 0, softcap: float = 0.0):
+        if self._through_op():
+            return torch.ops.ds_longctx.attention_backward(dout, q, k, v, out, lse, causal, float(scale), self.name,
+                                                           int(window), float(softcap))
+        return self._bwd_pattern(dout, q, k, v, out, lse, causal, scale, int(window), float(softcap))
+
+    def _pattern(self, causal, window, softcap) -> Tuple[int, float]:
+        """(window, softcap) as the ops take them (0: none); refuses what this backend would drop."""
+        w = int(window) if window else 0
+        c = float(softcap) if softcap else 0.0
+        if w < 0 or c < 0:
+            raise ValueError(f"{self.name}: sliding window {window!r} and soft-cap {softcap!r} must be positive")
+        if w and not causal:
+            raise ValueError(f"{self.name}: a sliding window needs causal attention")
+        if not self.fake_only and ((w and not self.supports_window) or (c and not self.supports_softcap)):
+            what = " and ".join(n for n, on in (("a sliding window", w), ("attention soft-capping", c)) if on)
+            raise ConfigError(KERNEL_KEY, f"kernel {self.name!r} cannot apply {what}",
+                              "set long_context.attention.kernel to 'auto', which picks a kernel that applies them")
+        return w, c
+
+    def forward(self, q, k, v, causal: bool, scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         _check(self, q, k, v)
+        w, c = self._pattern(causal, window, softcap)
         rep = q.shape[2] // k.shape[2]
         if rep > 1 and not self.native_gqa:
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        return self.fwd(q, k, v, causal, scale)
+        return self.fwd(q, k, v, causal, scale, w, c)
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, window: Optional[int] = None,
+                 softcap: Optional[float] = None):
+        w, c = self._pattern(causal, window, softcap)
         rep = q.shape[2] // k.shape[2]
         if rep > 1 and not self.native_gqa:
             b, s, hk, d = k.shape
             ke, ve = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-            dq, dk, dv = self.bwd(dout, q, ke, ve, out, lse, causal, scale)
+            dq, dk, dv = self.bwd(dout, q, ke, ve, out, lse, causal, scale, w, c)
             return dq, dk.view(b, s, hk, rep, d).sum(3), dv.view(b, s, hk, rep, d).sum(3)
-        return self.bwd(dout, q, k, v, out, lse, causal, scale)
+        return self.bwd(dout, q, k, v, out, lse, causal, scale, w, c)
 
 
 def _check(backend, q, k, v):
@@ -112,6 +152,154 @@ class TorchCPUFlash(Backend):
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+BANDED_QUERY_TILE = 128  # query rows per tile of the banded kernel: its scores are [b, h, tile, tile + window - 1]
+BANDED_TILE_ELEMENTS = 1 << 24  # at most this many scores per tile (fewer rows when the band or batch is wide)
+
+
+def _banded_tiles(s_q: int, s_k: int, causal: bool, window: int, bh: int = 1):
+    """(q0, q1, k0, k1) per query tile: the keys any row of the tile may see (causal bottom-right aligned,
+    inside the window); keys outside [k0, k1) are never read. ``bh``: batch x query heads (the tile's rows
+    shrink so that a tile holds at most BANDED_TILE_ELEMENTS scores: a soft-capped full layer's band is the
+    whole sequence)."""
+    off = s_k - s_q
+    rows = BANDED_QUERY_TILE
+    span = min(s_k, window + rows - 1) if window > 0 else s_k
+    rows = max(1, min(rows, BANDED_TILE_ELEMENTS // max(1, bh * span)))
+    for q0 in range(0, s_q, rows):
+        q1 = min(s_q, q0 + rows)
+        k1 = min(s_k, q1 + off) if causal else s_k
+        k0 = max(0, q0 + off - window + 1) if window > 0 else 0
+        yield q0, q1, k0, k1
+
+
+def _banded_scores(qt, kt, scale, softcap, q0, k0, off, causal, window):
+    """Scores of a query tile [b, t, hk, rep, d] against keys [b, n, hk, d] -> (s, allowed, tanh or None),
+    s [b, hk, rep, t, n] in the accumulation dtype, soft-capped, masked to -inf outside causal/window."""
+    s = torch.einsum("bthrd,bnhd->bhrtn", qt, kt) * scale
+    th = None
+    if softcap > 0:
+        th = torch.tanh(s / softcap)
+        s = th * softcap
+    pos = torch.arange(q0, q0 + qt.shape[1], device=qt.device)[:, None] + off
+    key = torch.arange(k0, k0 + kt.shape[1], device=qt.device)[None, :]
+    allowed = key <= pos if causal else torch.ones_like(key <= pos)
+    if window > 0:
+        allowed = allowed & (key > pos - window)
+    s = s.masked_fill(~allowed, float("-inf"))
+    return s, th
+
+
+def _acc_dtype(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def banded_attention_forward(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0):
+    """Attention with a sliding window and/or soft-capping, computed tile by tile over the band: each query
+    tile reads only the keys its rows may see (never an S x S score or mask). Layout as the module doc
+    (GQA natively); out in q's dtype, lse [b, h, s_q] fp32 (fp64 for fp64 inputs)."""
+    b, s_q, h, d = q.shape
+    s_k, hk = k.shape[1], k.shape[2]
+    rep = h // hk
+    acc = _acc_dtype(q)
+    out = torch.empty(b, s_q, h, v.shape[-1], dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, s_q, dtype=acc, device=q.device)
+    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h):
+        qt = q[:, q0:q1].to(acc).reshape(b, q1 - q0, hk, rep, d)
+        kt, vt = k[:, k0:k1].to(acc), v[:, k0:k1].to(acc)
+        sc, _ = _banded_scores(qt, kt, scale, softcap, q0, k0, s_k - s_q, causal, window)
+        m = torch.logsumexp(sc, dim=-1)  # [b, hk, rep, t]
+        p = torch.exp(sc - m[..., None])
+        o = torch.einsum("bhrtn,bnhd->bthrd", p, vt)
+        out[:, q0:q1] = o.reshape(b, q1 - q0, h, -1).to(q.dtype)
+        lse[:, :, q0:q1] = m.reshape(b, h, q1 - q0)
+    return out, lse
+
+
+def banded_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, window: int = 0,
+                              softcap: float = 0.0):
+    """Gradients of :func:`banded_attention_forward` from its LSE (the scores are recomputed per tile, the
+    soft-cap's derivative is 1 - tanh^2); dk/dv accumulate over the tiles in fp32 (fp64 for fp64)."""
+    b, s_q, h, d = q.shape
+    s_k, hk = k.shape[1], k.shape[2]
+    rep = h // hk
+    acc = _acc_dtype(q)
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    lse4 = lse.reshape(b, hk, rep, s_q)
+    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h):
+        t = q1 - q0
+        qt = q[:, q0:q1].to(acc).reshape(b, t, hk, rep, d)
+        kt, vt = k[:, k0:k1].to(acc), v[:, k0:k1].to(acc)
+        do = dout[:, q0:q1].to(acc).reshape(b, t, hk, rep, -1)
+        ot = out[:, q0:q1].to(acc).reshape(b, t, hk, rep, -1)
+        sc, th = _banded_scores(qt, kt, scale, softcap, q0, k0, s_k - s_q, causal, window)
+        p = torch.exp(sc - lse4[..., q0:q1].to(acc)[..., None])  # [b, hk, rep, t, n]
+        dv[:, k0:k1] += torch.einsum("bhrtn,bthrd->bnhd", p, do)
+        dp = torch.einsum("bthrd,bnhd->bhrtn", do, vt)
+        delta = (do * ot).sum(-1).permute(0, 2, 3, 1)  # [b, hk, rep, t]
+        ds = p * (dp - delta[..., None])
+        if th is not None:
+            ds = ds * (1 - th * th)
+        ds = ds * scale
+        dq[:, q0:q1] = torch.einsum("bhrtn,bnhd->bthrd", ds, kt).reshape(b, t, h, d).to(q.dtype)
+        dk[:, k0:k1] += torch.einsum("bhrtn,bthrd->bnhd", ds, qt)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+class TorchBanded(Backend):
+    """Sliding windows and soft-capping in plain torch ops, tile by tile over the band (banded_attention_*):
+    what 'auto' runs for a windowed or soft-capped layer on CPU (torch's CPU flash op has neither)."""
+    name = "torch_banded"
+    native_gqa = True
+    device_type = "cpu"
+    supports_window = True
+    supports_softcap = True
+
+    @staticmethod
+    def available() -> bool:
+        return True
+
+    def _fwd(self, q, k, v, causal, scale):
+        return banded_attention_forward(q, k, v, causal, scale)
+
+    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        return banded_attention_backward(dout, q, k, v, out, lse, causal, scale)
+
+    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
+        return banded_attention_forward(q, k, v, causal, scale, window, softcap)
+
+    def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        return banded_attention_backward(dout, q, k, v, out, lse, causal, scale, window, softcap)
+
+
+class TorchBandedCUDA(TorchBanded):
+    """The same banded computation on CUDA tensors: 'auto''s kernel for windowed or soft-capped layers on a GPU
+    until a flash kernel's native window_size/softcap is wired and measured here (NOT run in CI: no GPU)."""
+    name = "torch_banded_cuda"
+    device_type = "cuda"
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+
+class Windowed(Backend):
+    """``inner`` with one layer's sliding window and soft-cap bound: the staged loops and the per-document
+    wrapper call ``forward(q, k, v, causal, scale)`` unchanged and the pattern is applied on every call."""
+
+    def __init__(self, inner: Backend, window: int, softcap: float):
+        self.inner, self.pattern = inner, (int(window or 0), float(softcap or 0.0))
+        self.name = f"{inner.name}+window{self.pattern[0]}+softcap{self.pattern[1]:g}"
+        self.device_type, self.native_gqa = inner.device_type, True
+
+    def forward(self, q, k, v, causal: bool, scale: float, window=None, softcap=None):
+        return self.inner.forward(q, k, v, causal, scale, *self.pattern)
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, window=None, softcap=None):
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale, *self.pattern)
 
 
 class TorchCUDAFlash(Backend):
@@ -256,14 +444,14 @@ class FlashAttn3(Backend):
 
 @torch.library.custom_op("ds_longctx::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                      backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _instance(BACKENDS[backend])._fwd(q, k, v, causal, scale)
+                      backend: str, window: int = 0, softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _instance(BACKENDS[backend])._fwd_pattern(q, k, v, causal, scale, window, softcap)
     # a custom op may not return an input or a view of one: never the case for a kernel's fresh buffers
     return out, lse
 
 
 @attention_forward.register_fake
-def _(q, k, v, causal, scale, backend):
+def _(q, k, v, causal, scale, backend, window=0, softcap=0.0):
     b, s, h, _ = q.shape
     return (torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device),
             torch.empty(b, h, s, dtype=torch.float32, device=q.device))
@@ -271,14 +459,14 @@ def _(q, k, v, causal, scale, backend):
 
 @torch.library.custom_op("ds_longctx::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, causal: bool, scale: float,
-                       backend: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _instance(BACKENDS[backend])._bwd(dout, q, k, v, out, lse, causal, scale)
+                       lse: torch.Tensor, causal: bool, scale: float, backend: str, window: int = 0,
+                       softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _instance(BACKENDS[backend])._bwd_pattern(dout, q, k, v, out, lse, causal, scale, window, softcap)
     return dq, dk, dv
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, scale, backend):
+def _(dout, q, k, v, out, lse, causal, scale, backend, window=0, softcap=0.0):
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
             torch.empty(v.shape, dtype=v.dtype, device=v.device))
 
@@ -302,14 +490,15 @@ def _register_flop_formulas():
     fwd, bwd = torch.ops.ds_longctx.attention_forward, torch.ops.ds_longctx.attention_backward
 
     @register_flop_formula(fwd)
-    def _fwd_flops(q, k, v, causal, scale, backend, *args, out_shape=None, **kwargs) -> int:
+    def _fwd_flops(q, k, v, causal, scale, backend, window=0, softcap=0.0, *args, out_shape=None, **kwargs) -> int:
         b, s, h, d = q
-        return attention_flops(b, h, s, k[1], d, causal, backward=False)
+        return attention_flops(b, h, s, k[1], d, causal, backward=False, window=window or None)
 
     @register_flop_formula(bwd)
-    def _bwd_flops(dout, q, k, v, out, lse, causal, scale, backend, *args, out_shape=None, **kwargs) -> int:
+    def _bwd_flops(dout, q, k, v, out, lse, causal, scale, backend, window=0, softcap=0.0, *args, out_shape=None,
+                   **kwargs) -> int:
         b, s, h, d = q
-        return attention_flops(b, h, s, k[1], d, causal, backward=True)
+        return attention_flops(b, h, s, k[1], d, causal, backward=True, window=window or None)
 
     register_attention(fwd, backward=False)
     register_attention(bwd, backward=True)
@@ -355,9 +544,13 @@ def overridden(device_type: str, cls: Type[Backend]):
         _INSTANCES.pop(cls, None)
 
 
+# device type -> the kernels 'auto' gives a layer with a sliding window or soft-capping, in order
+_BANDED: Dict[str, Tuple[str, ...]] = {"cpu": ("torch_banded",), "cuda": ("torch_banded_cuda",)}
+
 # CUDA "auto" measures every available candidate (MeasuredChoice); this order only breaks exact ties
 for _cls, _auto, _named in ((FlashAttn3, True, True), (FlashAttn2, True, True), (TorchCUDAcuDNN, True, True),
-                            (TorchCUDAFlash, True, True), (TorchCPUFlash, True, False)):
+                            (TorchCUDAFlash, True, True), (TorchCPUFlash, True, False), (TorchBanded, False, False),
+                            (TorchBandedCUDA, False, False)):
     register_backend(_cls, auto=_auto, config_name=_named)
 
 
@@ -460,11 +653,13 @@ class MeasuredChoice(Backend):
         _log_choice(sig, self.choices[sig])
         return chosen
 
-    def forward(self, q, k, v, causal: bool, scale: float):
+    def forward(self, q, k, v, causal: bool, scale: float, window=None, softcap=None):
         _check(self, q, k, v)
+        self._pattern(causal, window, softcap)  # a windowed layer is given a capable kernel (for_layer), not this
         return self.choose(q, k, v, causal, scale).forward(q, k, v, causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
+    def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, window=None, softcap=None):
+        self._pattern(causal, window, softcap)
         sig = self.signature(q, k, causal)
         if sig not in self._chosen:
             raise RuntimeError(f"attention 'auto': backward of a signature {sig} whose forward never ran")
@@ -540,6 +735,43 @@ class KernelChoice:
             backend = self._by_device[dev] = _resolve(self.name, dev)
         return backend
 
+    def check_pattern(self, window: Optional[int], softcap: Optional[float], where: str) -> None:
+        """At install, no tensor yet: a named kernel (or 'sdpa') that cannot apply the layer's sliding window or
+        soft-capping is refused here, naming the layer; 'auto' always finds one (the banded kernel)."""
+        if not window and not softcap or self.name == "auto":
+            return
+        names = ("sdpa_cpu_flash", "sdpa_cuda_flash") if self.name == "sdpa" else (self.name,)
+        for n in names:
+            cls = BACKENDS[n]
+            asks = ((f"a sliding window of {window} tokens", window, cls.supports_window),
+                    (f"attention soft-capping {softcap}", softcap, cls.supports_softcap))
+            lacking = [what for what, on, ok in asks if on and not ok]
+            if lacking:
+                raise ConfigError(KERNEL_KEY, f"{where} has {' and '.join(lacking)}, which kernel {n!r} "
+                                  f"({self.name!r}) cannot apply", "set long_context.attention.kernel to 'auto': "
+                                  "it runs such layers on a kernel that applies them (torch_banded)")
+
+    def for_layer(self, device: torch.device, window: Optional[int], softcap: Optional[float],
+                  where: str = "this layer") -> Backend:
+        """The backend of one layer with its sliding window / soft-cap bound (:class:`Windowed`), or the plain
+        backend for a full-causal layer. 'auto' takes the device's banded kernel for such a layer; a named
+        kernel without the capability is a ConfigError naming ``where`` (also raised by check_pattern at
+        install). An overridden device type (the planner's stand-in) keeps its override: its ops' FLOP
+        formulas count the window."""
+        base = self.on(device)
+        if not window and not softcap:
+            return base
+        dev = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if dev not in _OVERRIDES:
+            self.check_pattern(window, softcap, where)
+            if (window and not base.supports_window) or (softcap and not base.supports_softcap):
+                capable = [c for c in _BANDED.get(dev, ()) if BACKENDS[c].available()]
+                if not capable:
+                    raise ConfigError(KERNEL_KEY, f"{where} needs a kernel with sliding windows / soft-capping, and "
+                                      f"none is available for {dev} tensors", "run on CPU or CUDA")
+                base = _instance(BACKENDS[capable[0]])
+        return Windowed(base, window or 0, softcap or 0.0)
+
 
 def _resolve(name: str, dev: str) -> Backend:
     """The backend of an already checked ``name`` for device type ``dev`` (no override)."""
@@ -566,19 +798,27 @@ def _resolve(name: str, dev: str) -> Backend:
     return backend
 
 
-def reference_attention(q, k, v, causal: bool, scale: float):
-    """Plain math attention in q's dtype (use float64 inputs for a reference). Same layout as the backends."""
+def reference_attention(q, k, v, causal: bool, scale: float, window: Optional[int] = None,
+                        softcap: Optional[float] = None):
+    """Plain math attention in q's dtype (use float64 inputs for a reference), a dense masked S x S: for
+    tests. Same layout and window/soft-cap semantics as the backends."""
     rep = q.shape[2] // k.shape[2]
     qh, kh, vh = _bhsd(q), _bhsd(k.repeat_interleave(rep, 2)), _bhsd(v.repeat_interleave(rep, 2))
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         sq, sk = scores.shape[-2:]
         mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        if window:
+            mask &= ~torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq - window)
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), vh)
     return out.transpose(1, 2), lse
 
 
-__all__ = ["Backend", "BACKENDS", "KernelChoice", "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
+__all__ = ["Backend", "BACKENDS", "KernelChoice", "Windowed", "TorchBanded", "banded_attention_forward",
+           "banded_attention_backward",
+           "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
            "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]

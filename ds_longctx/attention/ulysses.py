@@ -4,40 +4,119 @@ Built for our SP group instead of through DeepSpeed's ``register_with_transforme
 creates the groups (we need them earlier, and the planner needs no collectives here) and writes
 transformers' attention table process-wide; we route only this model's modules through the
 attention registry, so other models keep the original function and the install can be undone.
+
+DeepSpeed calls the core attention on the gathered sequence with no mask (HF's mask was built for the
+local shard), so the core here is what makes that exact (:func:`pattern_core`): full-causal layers run
+the model's own attention function causal over the gathered sequence; a layer with a sliding window
+shorter than the sequence or with attention soft-capping (Gemma2) runs the window / soft-cap on the
+gathered sequence (flash cores natively through transformers' flash path, every other core through
+ds_longctx's banded kernel, attention/kernels.py); 'flex_attention' (whose BlockMask was built for the
+shard; without it flex is bidirectional) runs torch's SDPA causal, or the banded kernel for such a layer.
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
+from ..models.windows import sinks_error
 from . import registry
 from .documents import document_core
+
+
+class _PatternAttention(torch.autograd.Function):
+    """HF layout q [b, h, S, d], k/v [b, hk, S, d] -> out [b, S, h, d] through one kernels.Backend (a
+    Windowed one for a window / soft-cap), keeping its LSE for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend, scale: float):
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        out, lse = backend.forward(qs, ks, vs, True, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backend, ctx.scale = backend, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        dq, dk, dv = ctx.backend.backward(dout, qs, ks, vs, out, lse, True, ctx.scale)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+
+
+def pattern_core(core, impl: str, layers: List, kernel) -> callable:
+    """The core attention DeepSpeed's Ulysses calls on the gathered sequence (see the module doc).
+
+    ``layers``: models.windows.layer_attention of the model (per layer_idx); ``kernel``: a
+    kernels.KernelChoice for the banded kernel. The window and soft-cap come from the model config per
+    layer; what transformers passes (``sliding_window``, ``softcap``) must agree, else an error."""
+    from ..errors import ConfigError
+    from ..models.windows import LayerAttention, not_runnable
+
+    flash = impl.startswith("flash_attention")
+    sdpa = registry.original("sdpa") if impl == "flex_attention" else None
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        idx = getattr(module, "layer_idx", None)
+        facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
+        hf_window, hf_cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        if (hf_window or None) != facts.window or (hf_cap or None) != facts.softcap:
+            raise ConfigError("model.config", f"layer {idx}: transformers passes sliding_window={hf_window!r}, "
+                              f"softcap={hf_cap!r}, the config reads as window={facts.window!r}, "
+                              f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
+                              "its attention pattern wrongly")
+        S = query.shape[2]
+        if not facts.runnable(S):
+            raise not_runnable(idx, facts, S, "ulysses")
+        window = facts.window_for(S)
+        if flash:  # transformers' flash path applies the window (window_size) and soft-cap natively
+            return core(module, query, key, value, None, *args, **kwargs)
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            raise ValueError(f"'ulysses': layer {idx} attends bidirectionally; ds_longctx's SP attention is causal")
+        if window is None and not facts.softcap:
+            if sdpa is not None:  # flex_attention: its BlockMask was the local shard's; SDPA causal is the same
+                kw = {n: a for n, a in kwargs.items() if n not in ("sliding_window", "softcap", "score_mod")}
+                return sdpa(module, query, key, value, None, *args, **kw)
+            return core(module, query, key, value, None, *args, **kwargs)
+        if module.training and kwargs.get("dropout"):
+            raise ValueError(f"'ulysses': layer {idx} has attention dropout {kwargs['dropout']}, which the "
+                             "windowed / soft-capped SP kernel does not apply; set attention_dropout=0")
+        scale = kwargs.get("scaling")
+        scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        backend = kernel.for_layer(query.device, window, facts.softcap, f"layer {idx}")
+        return _PatternAttention.apply(query, key, value, backend, scale), None
+
+    return attention
 
 
 def install_ulysses(model, group) -> registry.Installation:
     """Route ``model``'s attention through DeepSpeed's Ulysses for ``group`` (SP > 1). No collectives."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    from ..config import check_sp_attention_pattern
     from ..models import attention_shape, text_config
-    from .hf import check_window
+    from ..models.windows import layer_attention
+    from .kernels import KernelChoice
+
+    from ..config import check_sp_attention_pattern
 
     impl = model.config._attn_implementation
     tc = text_config(model.config)
-    if impl == "flex_attention":  # refused by initialize already; here too for direct callers of patch_model
-        check_sp_attention_pattern("ulysses", model.config, None)
+    # for callers of patch_model without initialize's check (bidirectional models); layer types per forward
+    check_sp_attention_pattern("ulysses", model.config, 10 ** 18, layer_kinds=False)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     shape = attention_shape(tc)
+    core = pattern_core(registry.original(impl), impl, layer_attention(tc), KernelChoice("auto"))
     uattn = UlyssesSPAttentionHF(
-        attn=document_core(registry.original(impl), impl), batch_size=1, attn_head_count=shape.heads,
+        attn=document_core(core, impl), batch_size=1, attn_head_count=shape.heads,
         attn_head_size=shape.head_dim, kv_head_count=shape.kv_heads, num_hidden_layers=tc.num_hidden_layers,
         process_group=group,
         seq_length_is_variable=True)
-    uattn.core_attn_implementation = impl
+    # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
+    uattn.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        # HF passes the layer's window (None on full-attention layers): refused unless it covers the sequence
-        check_window(kwargs.get("sliding_window"), query.shape[2] * uattn.world_size,
-                      getattr(module, "layer_idx", None), "ulysses")
+        if kwargs.get("s_aux") is not None and not impl.startswith("flash_attention"):
+            raise sinks_error(getattr(module, "layer_idx", None), "ulysses")  # before the all-to-all, every rank
         bs = query.shape[0]
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
             uattn.batch_size = bs
@@ -45,8 +124,8 @@ def install_ulysses(model, group) -> registry.Installation:
                 shape = list(getattr(uattn, name))
                 shape[1] = bs
                 setattr(uattn, name, torch.Size(shape))
-        # HF built the mask for the local shard; attention runs causal over the gathered sequence (flex_attention,
-        # whose BlockMask would carry causality, and windowed layers are refused above).
+        # HF built the mask for the local shard: the core runs causal (+ the layer's window / soft-cap) over the
+        # gathered sequence instead
         return uattn(module, query, key, value, None, *args, **kwargs)
 
     # Same interception as DeepSpeed's register_with_transformers (the core key is overridden, which
@@ -54,4 +133,4 @@ def install_ulysses(model, group) -> registry.Installation:
     return registry.install(model, impl, ulysses_attention, "DeepSpeed Ulysses")
 
 
-__all__ = ["install_ulysses"]
+__all__ = ["install_ulysses", "pattern_core"]

@@ -110,11 +110,30 @@ def op_cost(func, args, kwargs, out) -> Optional[Tuple[str, object, float, float
     return "other", "", flops, float(nbytes)
 
 
-def causal_pairs(s_q: int, s_k: int, causal: bool) -> int:
+def _clamped_sum(c: int, n: int, cap: int) -> int:
+    """sum over x = c .. c+n-1 of min(max(x, 0), cap)."""
+    if n <= 0:
+        return 0
+    lo, hi = c, c + n - 1
+    total = 0
+    a, b = max(lo, 1), min(hi, cap - 1)  # the rising part: x itself
+    if a <= b:
+        total += (a + b) * (b - a + 1) // 2
+    a = max(lo, cap)  # the capped part
+    if a <= hi:
+        total += (hi - a + 1) * cap
+    return total
+
+
+def causal_pairs(s_q: int, s_k: int, causal: bool, window: Optional[int] = None) -> int:
     """Query-key pairs an attention kernel computes: all of them, or under a causal mask aligned to the
-    bottom right (query i sees keys up to i + s_k - s_q) only those not masked."""
+    bottom right (query i sees keys up to i + s_k - s_q) only those not masked. ``window`` (causal only):
+    transformers' sliding window, query at position p sees keys in (p - window, p]."""
     if not causal:
         return s_q * s_k
+    if window is not None and window > 0:
+        off = s_k - s_q  # keys <= i + off, minus those <= i + off - window
+        return _clamped_sum(off + 1, s_q, s_k) - _clamped_sum(off + 1 - window, s_q, s_k)
     off = s_k - s_q
     full = max(0, min(s_q, -off))  # leading rows with no key (s_q > s_k): nothing
     rows = s_q - full
@@ -129,10 +148,12 @@ def causal_pairs(s_q: int, s_k: int, causal: bool) -> int:
     return lin + (rows - n_lin) * s_k
 
 
-def attention_flops(b: int, h_q: int, s_q: int, s_k: int, d: int, causal: bool, backward: bool) -> int:
-    """QK^T and PV (2 GEMMs, 2 FLOPs per multiply-add) over the unmasked pairs; backward 5 GEMMs (scores
-    recomputed, dV, dP, dQ, dK) = 2.5x forward, torch's convention (flop_counter.sdpa_backward_flop_count)."""
-    fwd = 4 * b * h_q * d * causal_pairs(s_q, s_k, causal)
+def attention_flops(b: int, h_q: int, s_q: int, s_k: int, d: int, causal: bool, backward: bool,
+                    window: Optional[int] = None) -> int:
+    """QK^T and PV (2 GEMMs, 2 FLOPs per multiply-add) over the unmasked pairs (inside the sliding
+    ``window`` when one is given); backward 5 GEMMs (scores recomputed, dV, dP, dQ, dK) = 2.5x forward,
+    torch's convention (flop_counter.sdpa_backward_flop_count)."""
+    fwd = 4 * b * h_q * d * causal_pairs(s_q, s_k, causal, window)
     return fwd * 5 // 2 if backward else fwd
 
 

@@ -103,7 +103,8 @@ class AttentionFacts:
     o: str = "o_proj"
     q_norm: Optional[str] = None
     k_norm: Optional[str] = None
-    # where a sliding window would come from (module attr first, then config attr); None = no window
+    # where the module itself keeps its sliding window (a dotted attribute path); the fused forward checks it
+    # against models.windows.layer_attention (the window it applies); None = the module keeps none
     sliding_window_attr: Optional[str] = None
 
 

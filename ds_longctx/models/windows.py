@@ -1,7 +1,8 @@
 """Which decoder layers do NOT attend plain causal over the whole sequence: sliding windows, chunked
-attention, other layer types; bidirectional attention. Read from the config the way transformers' own
-modeling code reads it, so the SP attention paths (full causal over the gathered sequence) can refuse
-what they would silently compute differently.
+attention, other layer types; bidirectional attention; attention soft-capping. Read from the config the way
+transformers' own modeling code reads it, so the SP attention paths apply what they can (windows and
+soft-caps, on the gathered sequence) and refuse what they would silently compute differently (chunks shorter
+than the sequence, other layer types, bidirectional attention).
 
 * ``layer_types`` (Gemma2/3, Qwen2 with ``use_sliding_window``, GPT-OSS, Llama4, Cohere2, ...): a
   'sliding_attention' layer uses ``config.sliding_window``, a 'chunked_attention' layer
@@ -10,14 +11,17 @@ what they would silently compute differently.
 * no ``layer_types`` (Mistral, Mixtral, Phi3, Starcoder2, Qwen3-MoE): a set ``sliding_window`` applies to
   every layer. Qwen-family configs already turn it to None/0 when ``use_sliding_window`` is false.
 
-HF's window: query q sees keys k with q - window < k <= q, so a window (or chunk) of at least the
-sequence length is exactly full causal attention.
+HF's window (transformers' masking_utils.sliding_window_overlay, and flash's window_size = (window - 1, ...)):
+query q sees keys k with q - window < k <= q, so a window (or chunk) of at least the sequence length is
+exactly full causal attention. :func:`layer_attention` gives each layer's window and attention soft-cap,
+which the SP paths apply (attention/ulysses.py, attention/hf.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from ..errors import ConfigError
 from ._common import text_config
 
 _FULL = ("full_attention",)
@@ -72,10 +76,87 @@ def restricted_layers(model_config) -> List[RestrictedLayers]:
     return out
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one decoder layer's attention applies besides full causal attention, as transformers' modeling
+    code reads it: its sliding window (tokens; None: full causal) and attention logit soft-cap (Gemma2's
+    ``attn_logit_softcapping``; None: none). ``kind`` is the layer type (chunked and other types are not
+    runnable by the SP paths: ``runnable`` is False for them)."""
+    window: Optional[int] = None
+    softcap: Optional[float] = None
+    kind: str = "full_attention"
+    chunk: Optional[int] = None  # a 'chunked_attention' layer's chunk (tokens)
+
+    def runnable(self, seq_len: int) -> bool:
+        """Causal attention (with this window) over ``seq_len`` tokens is what the layer computes: any layer
+        but other types, and a chunked layer only when its chunk covers the sequence."""
+        if self.kind == "chunked_attention":
+            return self.chunk is not None and self.chunk >= seq_len
+        return self.kind in ("full_attention", "sliding_attention")
+
+    def window_for(self, seq_len: int) -> Optional[int]:
+        """The window that matters for a ``seq_len``-token sequence: None when it covers the whole sequence
+        (then it is exactly full causal attention)."""
+        return self.window if self.window is not None and self.window < seq_len else None
+
+    def describe(self, layer: Optional[int]) -> str:
+        where = f"layer {layer}" if layer is not None else "this layer"
+        parts = ([f"a sliding window of {self.window} tokens"] if self.window else []) + \
+            ([f"attention soft-capping {self.softcap:g}"] if self.softcap else [])
+        return f"{where} ({' and '.join(parts) or self.kind})"
+
+
+def layer_attention(model_config) -> List[LayerAttention]:
+    """Per decoder layer (index = ``layer_idx``), its window, soft-cap and type: the facts the SP attention
+    paths apply (Gemma2/3, Qwen2 and GPT-OSS-style ``layer_types``; Mistral's ``sliding_window`` on every
+    layer; Gemma2's ``attn_logit_softcapping`` on every layer)."""
+    tc = text_config(model_config)
+    n = int(getattr(tc, "num_hidden_layers", 0) or 0)
+    window = getattr(tc, "sliding_window", None) or None  # Qwen2-MoE writes 0 for "off"
+    cap = getattr(tc, "attn_logit_softcapping", None) or None
+    cap = float(cap) if cap is not None else None
+    types = getattr(tc, "layer_types", None)
+    if types is None:
+        return [LayerAttention(int(window) if window else None, cap,
+                               "sliding_attention" if window else "full_attention") for _ in range(n)]
+    chunk = getattr(tc, "attention_chunk_size", None) or None
+    out = []
+    for t in types:
+        if t == "sliding_attention":
+            out.append(LayerAttention(int(window) if window else None, cap, t))
+        else:
+            out.append(LayerAttention(None, cap, "full_attention" if t in _MLP_KINDS else t,
+                                      int(chunk) if chunk and t == "chunked_attention" else None))
+    return out
+
+
+def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
+    """The refusal of a layer the SP attention does not compute (chunked shorter than the sequence, other
+    layer types), for direct callers of patch_model (initialize refuses them first, config.py)."""
+    what = (f"chunked attention of {facts.chunk}-token chunks" if facts.kind == "chunked_attention" else
+            f"a '{facts.kind}' layer")
+    return ConfigError("long_context.attention.implementation",
+                       f"layer {idx} has {what}; {impl!r} computes causal attention (with sliding windows) over the "
+                       f"gathered {global_len}-token sequence, so it would be silently changed",
+                       "this layer type is not supported under sequence parallelism yet; train with "
+                       "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
+                       "transformers' own attention runs it exactly")
+
+
+def sinks_error(idx, impl: str) -> ConfigError:
+    """The refusal of attention sinks (``s_aux``) on an SP path whose kernel would drop them."""
+    return ConfigError("model.config._attn_implementation", f"layer {idx} has attention sinks (s_aux, GPT-OSS style), "
+                       f"which {impl!r} does not apply with this attention implementation (the SP kernels would "
+                       "silently drop them)", "on a GPU, load the model with attn_implementation='flash_attention_2' "
+                       "(or a kernel with sinks) under implementation 'ulysses', whose flash core applies them; "
+                       "otherwise train with long_context.attention.implementation 'none' at sequence_parallel_size 1")
+
+
 def is_bidirectional(model_config) -> bool:
     """Gemma3-style embedding configs attend both ways (``use_bidirectional_attention``)."""
     tc = text_config(model_config)
     return bool(getattr(tc, "use_bidirectional_attention", False)) or getattr(tc, "is_causal", True) is False
 
 
-__all__ = ["RestrictedLayers", "restricted_layers", "is_bidirectional"]
+__all__ = ["LayerAttention", "RestrictedLayers", "layer_attention", "restricted_layers", "is_bidirectional",
+           "not_runnable", "sinks_error"]
