@@ -154,7 +154,7 @@ def test_packed_use_cache_fix_is_exact():
     r = (loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})
     with torch.no_grad():
         unpacked = ref(**b).loss
-    assert abs(float(unpacked) - float(loss)) > 1e-4  # documents attending across would be another loss
+    assert abs(float(unpacked) - loss.item()) > 1e-4  # documents attending across would be another loss
     _assert_exact(r, got)
 
 
@@ -251,25 +251,35 @@ def test_model_without_heads_fix_leads_past_the_heads_check():
     assert e.startswith("model.config.num_attention_heads") and "set num_attention_heads" not in e
     assert "train it at sequence_parallel_size 1 with long_context.attention.implementation 'none'" in e
     check_against(_parse(), cfg, 1)
+    e = config_error(check_against, _parse({"activation_checkpointing": {"enabled": True, "offload": "cpu",
+                                                                          "keep_on_device": 3}}), cfg, 1)
+    assert e.startswith("long_context.activation_checkpointing.keep_on_device: 3 is more than")  # still checked
     model = AutoModelForCausalLM.from_config(cfg)
     e = config_error(patch_model, model, _parse())
     assert e.startswith("model: MambaForCausalLM:") and "train this model without ds_longctx" in e
 
 
-def test_sliding_window_fix_at_sp1_is_exact():
-    """The SP refusal of a window shorter than the sample says: implementation 'none' at SP=1, where
-    transformers' own attention applies the window; with the memory stack there (tiled MLP, checkpointing,
-    tiled loss) the loss and gradients are transformers' own."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+def test_chunked_attention_fix_at_sp1_is_exact():
+    """The SP refusal of attention chunks shorter than the sample (Llama4) says: implementation 'none' at SP=1,
+    where transformers' own attention applies the chunks; with the memory stack there (checkpointing, tiled
+    loss; Llama4's MoE MLP is not tiled) the loss and gradients are transformers' own."""
+    import os
+    import sys
+
+    from transformers import AutoModelForCausalLM
 
     from ds_longctx.config import check_against
     from ds_longctx.patch import patch_model
 
-    cfg = Gemma3TextConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                           num_hidden_layers=2, intermediate_size=48, vocab_size=VOCAB, sliding_window=4,
-                           max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    from arch_sweep import tiny_config
+
+    cfg = tiny_config("llama4_text")
+    cfg.attention_chunk_size = 4
+    assert set(cfg.layer_types) == {"chunked_attention"}
     e = config_error(check_against, _parse({"attention": {"implementation": "ulysses"}}, sp=2), cfg, 2, 16)
-    assert e is not None and "sliding window" in e and "sequence_parallel_size 1" in e, e
+    assert e is not None and "chunked attention of 4-token chunks" in e and \
+        "train with long_context.attention.implementation 'none' at sequence_parallel_size 1" in e, e
 
     def build():
         torch.manual_seed(0)
@@ -277,15 +287,15 @@ def test_sliding_window_fix_at_sp1_is_exact():
 
     ref, model = _pair(build)
     stack = {"activation_checkpointing": {"enabled": True, "offload": "none"},
-             "tiled_mlp": {"enabled": True, "shards": 2}, "tiled_loss": {"enabled": True, "shards": 2}}
+             "tiled_loss": {"enabled": True, "shards": 2}}
     check_against(_parse(stack), cfg, 1, 16)
     patch_model(model, _parse(stack))
-    batch = _sample()
+    batch = dict(_sample(), use_cache=False)
     r = _loss_grads(ref, batch)
     _assert_exact(r, _loss_grads(model, batch))
     wide = copy_of(ref)
-    wide.config.sliding_window = 64
-    assert abs(float(_loss_grads(wide, batch)[0]) - float(r[0])) > 1e-5  # the window matters on these 16 tokens
+    wide.config.attention_chunk_size = 64
+    assert abs(float(_loss_grads(wide, batch)[0]) - float(r[0])) > 1e-5  # the chunks matter on these 16 tokens
 
 
 def test_varlen_keys_without_position_ids_fix():
