@@ -114,7 +114,7 @@ def _sp2(rank, world):
 
 def _trl_eval(sp, rank, use_ds_longctx=True):
     """TRL's SFTTrainer, one SGD step then evaluate(): its eval loss comes from the fused LM head's log_probs."""
-    import eco_cases  # noqa: F401  (puts examples/ on sys.path)
+    __import__("eco_cases")  # puts examples/ on sys.path
     import trl_sft
 
     out = trl_sft.train(sp=sp, use_ds_longctx=use_ds_longctx, packing=False, steps=1, eval_samples=4, seq_len=16,
