@@ -14,12 +14,18 @@ TILED = {"tiled_loss": {"enabled": True, "shards": 2}}
 
 
 def _trl_reference(name, batch):
-    """TRL's own fused LM head on an unpatched model (one process)."""
+    """TRL's own fused LM head on an unpatched model (one process); the model is kept on the output."""
     from trl.trainer.utils import add_fused_lm_head
 
     model = build_arch(name)
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
-    return model(**batch, fused_lm_head=True)
+    out = model(**batch, fused_lm_head=True)
+    out.__dict__["_model"] = model
+    return out
+
+
+def ref_model_of(out):
+    return out.__dict__["_model"]
 
 
 def _lc(extra=None):
@@ -45,8 +51,13 @@ def test_fused_lm_head_fields_equal_trl(name):
     assert torch.equal(got.is_top1, ref.is_top1) and torch.equal(got.label_mask, ref.label_mask)
     assert got.label_mask.sum() == 13 and (got.log_probs[~got.label_mask] == 0).all()
     torch.testing.assert_close(got.loss, ref.loss, rtol=1e-6, atol=1e-6)
-    got.loss.backward()  # TRL trains on -log_probs: the gradient reaches the model
-    assert model.lm_head.weight.grad.abs().max() > 0
+    # TRL trains on -log_probs (SFTTrainer at SP=1): the same gradients as through TRL's own head
+    got.loss.backward()
+    ref.loss.backward()
+    trl_grads = {n: p.grad for n, p in ref_model_of(ref).named_parameters()}
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().max() > 0, n
+        torch.testing.assert_close(p.grad, trl_grads[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_tiled_loss_eval_output_refuses_logits_with_the_fix():
