@@ -153,6 +153,28 @@ def _check_local_or_hub(flag, value):
                             "hub id of the form 'org/name'")
 
 
+def hub_load(flag, name, load):
+    """``load()`` (a transformers ``from_pretrained``) with its OSError (offline, hub unreachable, gated or private
+    repo, no such id: transformers raises OSError for each) turned into one ConfigError naming the id and the
+    ways to run without the hub."""
+    try:
+        return load()
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        if flag == "--tokenizer":
+            local = "--tokenizer <local tokenizer directory> (or a --model directory that holds one)"
+        else:
+            local = ("--model-config path/to/config.json (random init, e.g. ds_configs/models/llama3-8b.json) or "
+                     "--model <local model directory>")
+        raise _config_error(flag, f"{name!r} is not a local directory and could not be loaded from the Hugging Face "
+                            f"hub: the hub is unreachable{' (HF_HUB_OFFLINE is set)' if offline else ''}, the repo "
+                            f"is gated or private, or the id does not exist (transformers: {first[:300]})",
+                            f"pass {local}; or point HF_HOME at a cache that holds it; for a gated repo accept its "
+                            "license on huggingface.co and log in (`huggingface-cli login`, or set HF_TOKEN)"
+                            ) from None
+
+
 def _check_writable_dir(key, path):
     """``path`` exists as a writable directory or can be created (checked at start, not at step 2)."""
     path = os.path.abspath(path)
@@ -394,7 +416,8 @@ def build_model(args, ds_config):
     torch.manual_seed(args.seed)
     with ds_longctx.model_init(ds_config):
         if args.model:
-            return AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="sdpa")
+            return hub_load("--model", args.model, lambda: AutoModelForCausalLM.from_pretrained(
+                args.model, attn_implementation="sdpa"))
         cfg = load_model_config(args.model_config or DEFAULT_MODEL_CONFIG)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
     deterministic_init(model, args.seed)  # same weights for every SP degree, ZeRO stage, process count
@@ -413,7 +436,9 @@ def build_dataset(args, model_config, seq_len):
     name = args.tokenizer or args.model
     # the tokenizer is checked against the embedding before the engine starts (an id past it is an
     # IndexError deep in the forward); the error names the largest id it produced from the file
-    return TokenFileDataset(args.data, AutoTokenizer.from_pretrained(name), seq_len,
+    tokenizer = hub_load("--tokenizer" if args.tokenizer else "--model", name,
+                         lambda: AutoTokenizer.from_pretrained(name))
+    return TokenFileDataset(args.data, tokenizer, seq_len,
                             documents=not args.concat_documents, vocab_size=text_config(model_config).vocab_size,
                             tokenizer_name=name)
 
@@ -493,7 +518,7 @@ def main(argv=None):
     else:
         from transformers import AutoConfig
 
-        model_config = AutoConfig.from_pretrained(args.model)
+        model_config = hub_load("--model", args.model, lambda: AutoConfig.from_pretrained(args.model))
     check_max_position(args, model_config, seq_len)
     resume = None
     if args.resume:  # every rank reads the same files: the same verdict everywhere, before any collective

@@ -6,6 +6,7 @@ Pure helpers with no collectives (except :func:`check_mpu`, which only reads gro
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional
 
 import torch.distributed as dist
@@ -139,14 +140,84 @@ _NO_LOGITS = ("outputs.logits is not available: long_context.tiled_loss is enabl
               "long_context.tiled_loss.enabled=false, or call the model without labels/shift_labels to get logits")
 
 
-def causal_lm_output(loss, logits, tiled_loss: bool):
+_NO_EVAL_LOGITS = ("the eval step's logits are not available: long_context.tiled_loss is enabled, so the eval loss is "
+                   "computed from hidden states in sequence tiles and the [batch, seq, vocab] logits are never built. "
+                   "The HF Trainer asks for logits when prediction_loss_only is False (a compute_metrics or "
+                   "preprocess_logits_for_metrics is set). Fix: set long_context.tiled_loss.enabled=false (the eval "
+                   "step then returns the full-length logits of each rank's own batch, equal to one process), or "
+                   "evaluate the loss only (no compute_metrics, or TrainingArguments(prediction_loss_only=True))")
+
+
+class LogitsNotComputedValue(Mapping):
+    """Stands for the logits in an eval output of the tiled loss: the HF Trainer's ``prediction_step`` takes every
+    output value but the loss as "logits" (``outputs.items()``) and drops them when ``prediction_loss_only``; any
+    use of this one raises :class:`LogitsNotComputed` naming the fix instead of handing compute_metrics an empty
+    tuple. A Mapping (not a tensor, so DeepSpeed's output hooks pass it by): the Trainer's first step with logits
+    wanted, ``nested_detach``, iterates it, and so does Accelerate's ``pad_across_processes``."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args):
+        raise LogitsNotComputed(_NO_EVAL_LOGITS)
+
+    __getitem__ = __iter__ = __len__ = _refuse
+
+    def __getattr__(self, name):
+        raise LogitsNotComputed(_NO_EVAL_LOGITS)
+
+    def __repr__(self):
+        return "<logits not computed: long_context.tiled_loss>"
+
+
+def causal_lm_output(loss, logits, tiled_loss: bool, evaluating: bool = False):
     """The forward's output: a ``CausalLMOutputWithPast``; with the tiled loss, one whose ``.logits``
-    raises :class:`LogitsNotComputed` naming the key instead of returning None."""
+    raises :class:`LogitsNotComputed` naming the key instead of returning None. ``evaluating`` (the model
+    in eval mode): the tiled output also holds a :class:`LogitsNotComputedValue` under "logits", so an eval
+    loop that iterates the outputs for logits (the HF Trainer with compute_metrics) fails naming the fix."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     if not tiled_loss or logits is not None:
         return CausalLMOutputWithPast(loss=loss, logits=logits)
-    return _tiled_output_class()(loss=loss)
+    out = _tiled_output_class()(loss=loss)
+    if evaluating:
+        out["logits"] = LogitsNotComputedValue()
+    return out
+
+
+# per-token fields of TRL's fused LM head (trl.trainer.utils.FusedCausalLMOutput), which ds_longctx computes
+FUSED_FIELDS = ("log_probs", "entropy", "is_top1", "label_mask")
+
+
+def fused_lm_head_output(loss, fields: dict):
+    """TRL's ``model(..., fused_lm_head=True)`` output (``add_fused_lm_head``: SFTTrainer's loss and its entropy /
+    token-accuracy metrics read it), with the per-token fields ds_longctx computes (``loss.fused_token_fields``)."""
+    return _fused_output_class()(loss=loss, **fields)
+
+
+_FUSED_CLS = []
+
+
+def _fused_output_class():
+    if not _FUSED_CLS:
+        from dataclasses import dataclass
+        from typing import Optional
+
+        import torch
+        from transformers.utils import ModelOutput
+
+        @dataclass
+        class FusedLMHeadOutput(ModelOutput):
+            loss: Optional[torch.Tensor] = None
+            log_probs: Optional[torch.Tensor] = None
+            entropy: Optional[torch.Tensor] = None
+            log_sum_sq_probs: Optional[torch.Tensor] = None
+            mean_logits: Optional[torch.Tensor] = None
+            is_top1: Optional[torch.Tensor] = None
+            label_mask: Optional[torch.Tensor] = None
+            aux_loss: Optional[torch.Tensor] = None
+
+        _FUSED_CLS.append(FusedLMHeadOutput)
+    return _FUSED_CLS[0]
 
 
 _TILED_CLS = []

@@ -348,13 +348,32 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         key = f"{SECTION}.sequence_length" if sequence_length is None else "sequence length"
         raise ConfigError(key, f"{seq} is not divisible by sequence_parallel_size={sp}",
                           f"use a multiple of {sp}, e.g. {(seq // sp + 1) * sp}")
+    impl = cfg.attention.implementation
     if model_config is None:
         return
+    if sp > 1 or impl == "untied_ulysses":  # else transformers' own attention, nothing split: any model trains
+        _check_split_attention(cfg, model_config, seq)
+    ac = cfg.activation_checkpointing
+    from .models import text_config
+
+    layers = getattr(text_config(model_config), "num_hidden_layers", None)
+    if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device != "auto" \
+            and ac.keep_on_device > layers:
+        raise ConfigError(f"{SECTION}.activation_checkpointing.keep_on_device",
+                          f"{ac.keep_on_device} is more than the model's {layers} decoder layers",
+                          f"give at most {layers} ({layers} keeps every input on the device: then offload='none' "
+                          "says the same)")
+    check_shards(cfg, seq)
+
+
+def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[int]) -> None:
+    """check_against's part for attention that ds_longctx splits (SP > 1, untied): heads, kernel, pattern.
+    Not at SP=1 with transformers' own attention, where a model without heads (state-space) trains too."""
     from .models import attention_shape
 
+    sp, impl = cfg.sequence_parallel_size, cfg.attention.implementation
     shape = attention_shape(model_config)
     heads, kv = shape.heads, shape.kv_heads
-    impl = cfg.attention.implementation
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):
@@ -368,17 +387,6 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
         check_sp_attention_pattern(impl, model_config, seq)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
         check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)
-    ac = cfg.activation_checkpointing
-    from .models import text_config
-
-    layers = getattr(text_config(model_config), "num_hidden_layers", None)
-    if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device != "auto" \
-            and ac.keep_on_device > layers:
-        raise ConfigError(f"{SECTION}.activation_checkpointing.keep_on_device",
-                          f"{ac.keep_on_device} is more than the model's {layers} decoder layers",
-                          f"give at most {layers} ({layers} keeps every input on the device: then offload='none' "
-                          "says the same)")
-    check_shards(cfg, seq)
 
 
 def check_shards(cfg: LongContextConfig, sequence_length: Optional[int]) -> None:

@@ -40,7 +40,9 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     if seq % sp_size != 0:
         raise ConfigError("batch.input_ids", f"sequence length {seq} is not divisible by "
                           f"sequence_parallel_size={sp_size}",
-                          f"pad or cut samples to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size})")
+                          f"pad samples at the end to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size}) "
+                          "with attention_mask 0 on the padding (shard_batch turns a right-padded tail into an "
+                          "ignored document: no attention to it, no loss on it), or cut them")
     if BATCH_KEY in batch:
         raise ConfigError(f"batch.{BATCH_KEY}", "is already set: this batch was sharded before",
                           "shard each full batch once")

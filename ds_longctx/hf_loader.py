@@ -119,7 +119,9 @@ def _checked_batch(batch, sp: int) -> dict:
                 and v.dim() >= 2 and v.shape[1] == seq):
             raise ConfigError(f"batch.{k}", f"has the sequence dimension ({tuple(v.shape)}) but ds_longctx's SP "
                               "data loader only knows how to shard input_ids, labels, shift_labels, position_ids "
-                              "and attention_mask", f"drop '{k}' from the collator's output")
+                              "and attention_mask", f"drop '{k}' from the collator's output if the model and loss do not "
+                              "read it (a loss mask belongs in labels as -100, which the loader shards); a per-token "
+                              "input the model needs has no SP path yet: train at sequence_parallel_size 1")
     batch = _padded_to_multiple(_varlen_checked(batch), sp)
     shard_batch(batch, 0, sp)  # every check shard_batch makes, here, before any collective
     return batch

@@ -22,10 +22,14 @@ def lm_logits(lm_head: torch.nn.Module, hidden: torch.Tensor, logit_fn=None) -> 
 
 
 def causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor, logit_fn=None):
-    """Untiled reference: materialises [b, s_local, vocab] logits."""
-    logits = lm_logits(lm_head, hidden, logit_fn)
+    """Untiled reference: materialises [b, s_local, vocab] logits. Returns them as the model's forward does:
+    after its logit transform, in lm_head's dtype (the cross entropy runs on an fp32 copy, as HF's loss does)."""
+    logits = lm_head(hidden)
+    if logit_fn is not None:
+        logits = logit_fn(logits)
+    fp32 = logits.float()
     labels = shift_labels.to(logits.device)
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+    loss_sum = F.cross_entropy(fp32.reshape(-1, fp32.shape[-1]), labels.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count, logits
@@ -35,3 +39,17 @@ def shift_labels_of(labels: torch.Tensor) -> torch.Tensor:
     """labels[:, 1:] followed by one ignored position: the target of token t is labels[t + 1]."""
     pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
     return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def fused_token_fields(logits: torch.Tensor, shift_labels: torch.Tensor) -> dict:
+    """TRL's fused LM head's per-token fields (``trl.trainer.utils.add_fused_lm_head``) from fp32 logits
+    [b, s, vocab] and pre-shifted labels [b, s]: the label's log-probability, the entropy of the next-token
+    distribution, whether the label is its first arg-max, and the label mask; zero where the label is ignored."""
+    labels = shift_labels.to(logits.device)
+    mask = labels != IGNORE_INDEX
+    logp = torch.log_softmax(logits, dim=-1)
+    safe = labels.clamp(min=0).unsqueeze(-1)
+    log_probs = logp.gather(-1, safe).squeeze(-1).masked_fill(~mask, 0.0)
+    entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
+    is_top1 = (logits.detach().argmax(-1) == labels) & mask
+    return {"log_probs": log_probs, "entropy": entropy, "is_top1": is_top1, "label_mask": mask}

@@ -58,9 +58,10 @@ def _sp_of(group) -> int:
 def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
     from .compat import causal_lm_output
-    from .models.logits import logit_transform
+    from .models.logits import decoder_of, logit_transform
 
     logit_fn = logit_transform(model)  # the model's own lm_head -> loss transform (ConfigError if unknown)
+    decoder_of(model)  # found now (ConfigError at patch time, not at the first forward)
     sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
     sp = _sp_of(group)
     tiled = lc.tiled_loss
@@ -78,6 +79,8 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
         if labels is None and shift_labels is None:
             return orig_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **kwargs)
+        fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's fused LM head (SFTTrainer's loss and metrics)
+        unshifted = shift_labels is None
         if shift_labels is None:
             if sp > 1:
                 raise ConfigError("batch.labels", "unshifted labels on a sequence shard lose the target of the "
@@ -90,16 +93,25 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
                               "ds_longctx.data.shard_batch")
         kwargs.pop("use_cache", None)
         kwargs.pop("logits_to_keep", None)
-        out = self.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        out = decoder_of(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False, **kwargs)
         hidden = out.last_hidden_state
         logits = None
+        if fused:  # TRL's per-token fields, from the logits (untiled: [b, s_local, vocab] for this forward)
+            from .compat import fused_lm_head_output
+            from .loss import fused_token_fields, lm_logits
+
+            fields = fused_token_fields(lm_logits(self.lm_head, hidden, logit_fn), shift_labels)
+            if unshifted:  # TRL's shape for unshifted labels: [b, seq - 1] (the last token has no target)
+                fields = {k: v[:, :-1] for k, v in fields.items()}
+            loss = sp_loss(-fields["log_probs"].sum(), fields["label_mask"].sum())
+            return fused_lm_head_output(loss, fields)
         if tiled.enabled:
             loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group,
                                                        logit_fn, shared=tied)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels, logit_fn)
-        return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled)
+        return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled, evaluating=not self.training)
 
     model.forward = types.MethodType(forward, model)
 
@@ -234,7 +246,9 @@ def install_document_forward(model, group, own_attention: bool) -> None:
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
                 raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "shard_batch already turned right padding into an ignored document: drop the mask")
+                                  "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                                  "turns right padding into an ignored document, its targets dropped) and give the "
+                                  "model shard_batch's output without another mask")
             attention_mask = None
             docs = Documents(cu)
             if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):

@@ -48,7 +48,9 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
             if input_ids is None or tensors:
                 what = tensors[0] if tensors else "inputs_embeds"
                 raise ConfigError(f"batch.{what}", "cannot be sharded with a full-length eval batch",
-                                  "give input_ids, labels, position_ids and attention_mask only")
+                                  "give input_ids, labels, position_ids and attention_mask only (a loss mask "
+                                  "belongs in labels as -100); a per-token input the model needs has no SP path yet: "
+                                  "evaluate at sequence_parallel_size 1")
             return None  # sharded in turns: shard_batch checks it
         if doc_lens is not None:
             raise ConfigError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
@@ -64,7 +66,9 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
                 raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "shard_batch already turned right padding into an ignored document: drop the mask")
+                                  "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                                  "turns right padding into an ignored document, its targets dropped) and give the "
+                                  "model shard_batch's output without another mask")
             docs = Documents(cu)
             if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
                 raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
@@ -153,9 +157,15 @@ def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
 
 
 def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_ids, labels, kwargs):
-    """The loss of this rank's own full-length eval batch, computed sharded over the SP group (module doc)."""
-    from .hf_loader import shard_in_turns
+    """This rank's own full-length eval batch, computed sharded over the SP group (module doc): its loss, and
+    its full-length per-token outputs, each turn's shards gathered to the turn's owner as the turn ends:
+    ``logits`` [b, seq, vocab] (equal to one process; with long_context.tiled_loss they are not computed and
+    the output says so when they are used), or TRL's fused LM head fields (``fused_lm_head=True``: log_probs,
+    entropy, is_top1, label_mask, [b, seq - 1] as TRL gives them for unshifted labels). A right-padded tail
+    added to make the length divisible by the SP degree is cut off again."""
     from .comm import sp_rank
+    from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
+    from .hf_loader import shard_in_turns
 
     batch = {"input_ids": input_ids, "labels": labels}
     if attention_mask is not None:
@@ -163,12 +173,48 @@ def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_i
     if position_ids is not None:
         batch["position_ids"] = position_ids
     extra = dict(kwargs)  # no tensors here (local_fault)
-    shards, own = shard_in_turns(batch, sp_rank(group), group, sp, input_ids.device)
-    outs = [forward(**shard, **extra) for shard in shards]
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    fused = bool(extra.get("fused_lm_head"))
+    rank = sp_rank(group)
+    shards, own = shard_in_turns(batch, rank, group, sp, input_ids.device)
+    replicated = len(shards) == 1  # every rank holds this batch: every rank gets the whole of it
+    loss, fields = None, {}
+    for t, shard in enumerate(shards):
+        out = forward(**shard, **extra)
+        names = FUSED_FIELDS if fused else ("logits",)
+        local = {k: out.get(k) for k in names}
+        local = {k: v for k, v in local.items() if isinstance(v, torch.Tensor)}
+        full = {k: _gather_sequence(v, group, sp, None if replicated else t) for k, v in local.items()}
+        if t == own:
+            loss, fields = out.loss, {k: v for k, v in full.items() if v is not None}
+        del out, local, full
+    seq = input_ids.shape[1] - (1 if fused else 0)  # TRL drops the last token (no target) for unshifted labels
+    fields = {k: v[:, :seq] for k, v in fields.items()}
+    if fused:
+        return fused_lm_head_output(loss, fields)
+    logits = fields.get("logits")
+    tiled = logits is None
+    return causal_lm_output(loss, logits, tiled, evaluating=True)
 
-    # the loss only: each turn's logits cover this rank's shard of another batch
-    return CausalLMOutputWithPast(loss=outs[own].loss)
+
+def _gather_sequence(t: torch.Tensor, group, sp: int, owner: Optional[int]):
+    """A turn's [b, s_local, ...] shards, concatenated along the sequence on the turn's owner (SP rank; None:
+    on every rank); None on the other ranks."""
+    dtype = t.dtype
+    t = t.detach().contiguous()
+    if dtype == torch.bool:  # sent as bytes (not every backend reduces bool)
+        t = t.to(torch.uint8)
+    if owner is None:
+        parts = [torch.empty_like(t) for _ in range(sp)]
+        dist.all_gather(parts, t, group=group)
+    else:
+        from .comm import sp_rank
+
+        mine = sp_rank(group) == owner
+        parts = [torch.empty_like(t) for _ in range(sp)] if mine else None
+        dist.gather(t, gather_list=parts, dst=dist.get_global_rank(group, owner), group=group)
+        if not mine:
+            return None
+    return torch.cat(parts, dim=1).to(dtype)
 
 
 __all__ = ["agree", "eval_in_turns", "is_full_eval_batch", "local_fault"]

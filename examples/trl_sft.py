@@ -84,8 +84,9 @@ def dataset(n: int, vocab: int, seed: int = 0, lengths=(5, 10, 16)):
 def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, packing: bool = True,
           steps: int = 3, seq_len: int = 32, samples: int = 24, lr: float = 0.05, seed: int = 0,
           output_dir: str = "/tmp/ds_longctx_trl", record_params: bool = False, memory_stack: bool = False,
-          **sft_overrides):
-    """Train ``steps`` SGD steps of SFTTrainer; returns {"losses": [...], "before"/"after": params (if asked)}."""
+          eval_samples: int = 0, **sft_overrides):
+    """Train ``steps`` SGD steps of SFTTrainer; returns {"losses": [...], "before"/"after": params (if asked),
+    "eval": trainer.evaluate()'s metrics on ``eval_samples`` fixed-length samples (if asked)}."""
     from trl import SFTConfig, SFTTrainer
 
     import ds_longctx
@@ -120,11 +121,14 @@ def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, 
     trainer_cls = type("SFTTrainer", (StepLossTrainer, SFTTrainer), {})
     data = dataset(samples, model.config.vocab_size, seed) if packing else \
         dataset(samples, model.config.vocab_size, seed, lengths=(seq_len,))
-    trainer = trainer_cls(model=model, args=args, train_dataset=data,
+    evald = dataset(eval_samples, model.config.vocab_size, seed + 1, lengths=(seq_len,)) if eval_samples else None
+    trainer = trainer_cls(model=model, args=args, train_dataset=data, eval_dataset=evald,
                           processing_class=tiny_tokenizer(model.config.vocab_size))
     trainer.step_losses = []
     trainer.train()
     out = {"losses": trainer.step_losses}
+    if eval_samples:
+        out["eval"] = trainer.evaluate()
     if record_params:
         from _common import full_params
 

@@ -90,10 +90,13 @@ def max_delta_error(ref: dict, got: dict, params: dict):
     return errs[worst], worst
 
 
-def trainer_eval(name: str, sp: int, lc: dict | None, rank: int, steps: int = 1, samples: int = 4, seq: int = 16):
+def trainer_eval(name: str, sp: int, lc: dict | None, rank: int, steps: int = 1, samples: int = 4, seq: int = 16,
+                 logits: bool = False):
     """HF Trainer (SGD) with ds_longctx.enable(): ``steps`` training steps, then evaluate() on ``samples``
     full-length samples. Returns (the Trainer's eval_loss, the one-process eval loss of the same trained
-    weights: the mean over the samples of an unpatched model's loss)."""
+    weights: the mean over the samples of an unpatched model's loss). ``logits``: evaluate with a
+    compute_metrics (the Trainer then asks for logits, prediction_loss_only False) and return (the logits
+    compute_metrics got [samples, seq, vocab], the one-process logits of the same weights) instead."""
     from transformers import Trainer, TrainingArguments
 
     import ds_longctx
@@ -123,19 +126,30 @@ def trainer_eval(name: str, sp: int, lc: dict | None, rank: int, steps: int = 1,
                              **kw)
     train = RandomTokens(8, seq, VOCAB, seed=0)
     evald = RandomTokens(samples, seq, VOCAB, seed=1)
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evald)
+    got = []
+
+    def compute_metrics(pred):
+        got.append(torch.as_tensor(pred.predictions))
+        return {"n": len(got[-1])}
+
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evald,
+                      compute_metrics=compute_metrics if logits else None)
     trainer.train()
-    metrics = trainer.evaluate()
-    if lc is not None:
-        ds_longctx.disable()
+    try:
+        metrics = trainer.evaluate()
+    finally:
+        if lc is not None:
+            ds_longctx.disable()
     # the one-process eval loss of the same (trained) weights: the Trainer's mean of per-batch losses
     from _common import full_params
 
     params = full_params(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else model)
     ref.load_state_dict(params)
     with torch.no_grad():
-        one = [ref(input_ids=evald[i]["input_ids"][None], labels=evald[i]["labels"][None]).loss.item()
-               for i in range(samples)]
+        outs = [ref(input_ids=evald[i]["input_ids"][None], labels=evald[i]["labels"][None]) for i in range(samples)]
+    if logits:
+        return got[0], torch.cat([o.logits for o in outs])
+    one = [o.loss.item() for o in outs]
     return metrics["eval_loss"], sum(one) / len(one)
 
 

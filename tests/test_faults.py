@@ -281,3 +281,38 @@ def test_cli_inputs(tmp_path):
                        r"Fix: .*--allow-beyond-max-position"):
         train.check_max_position(_args("--seq-len", "8192"), mc, 8192)
     train.check_max_position(_args("--seq-len", "8192", "--allow-beyond-max-position"), mc, 8192)
+
+
+def test_hub_ids_offline_name_the_id_and_the_fix(tmp_path):
+    """--model / --tokenizer with a hub id the hub cannot give (HF_HUB_OFFLINE=1 here; the same OSError comes
+    for an unreachable hub, a gated repo, a missing id): one ConfigError naming the id and the fixes, not
+    transformers' raw OSError."""
+    data = tmp_path / "d.txt"
+    data.write_text("hello world\n")
+    script = f"""
+import sys, types
+sys.path.insert(0, {ROOT!r})
+import train
+from ds_longctx.errors import ConfigError
+for argv in (["--model", "meta-llama/Llama-3.1-8B"], ["--model", "no-such-org/no-such-model"]):
+    try:
+        train.main(["--deepspeed_config", {TINY_CPU!r}] + argv)
+    except ConfigError as e:
+        print("ERR", e)
+args = types.SimpleNamespace(data={str(data)!r}, tokenizer="no-such-org/no-such-tokenizer", model=None,
+                             concat_documents=False, seed=0)
+try:
+    train.build_dataset(args, types.SimpleNamespace(vocab_size=64), 8)
+except ConfigError as e:
+    print("ERR", e)
+"""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    errs = [line for line in p.stdout.splitlines() if line.startswith("ERR ")]
+    assert len(errs) == 3, p.stdout[-2000:] + p.stderr[-3000:]
+    for line, (flag, name) in zip(errs, (("--model", "meta-llama/Llama-3.1-8B"), ("--model", "no-such-org/no-such-model"),
+                                         ("--tokenizer", "no-such-org/no-such-tokenizer"))):
+        assert line.startswith(f"ERR {flag}: {name!r} is not a local directory"), line
+        assert "HF_HUB_OFFLINE is set" in line and "gated" in line and "huggingface-cli login" in line, line
+        assert "HF_HOME" in line and ("--model-config path/to/config.json" in line) == (flag == "--model"), line
+    assert "--tokenizer <local tokenizer directory>" in errs[2]

@@ -68,6 +68,9 @@ def test_max_context_json(tmp_path, capsys):
     (["--gpus", "8", "--gpu-mem", "1GiB", "--model-config", MODEL], None, "leaves nothing after the reserve"),
     (["--gpus", "8", "--gpu-mem", "lots", "--model-config", MODEL], None, "byte size"),
     (["--gpus", "8", "--model-config", "nope/config.json"], None, "does not exist"),
+    # a hub id: the planner reads local configs only, and says so with the fixes
+    (["--gpus", "8", "--model", "meta-llama/Llama-3.1-8B"], None, "--model: 'meta-llama/Llama-3.1-8B' is not a "
+     "local model directory (the planner reads a local config.json and does not download"),
     (["--gpus", "8", "--model-config", MODEL], dict(BASE, long_context={"tiled_mpl": {}}), "unknown key"),
 ])
 def test_bad_input_exits_2(tmp_path, capsys, args, cfg, needle):

@@ -200,7 +200,8 @@ def tiled_mlp_forward(module, x, state: TilingState):
                           f"({arch.mlp_noise_attr}={getattr(module, arch.mlp_noise_attr)}); a tile recomputed in "
                           "backward would draw other noise than its forward, so the gradient would not be this "
                           "forward's", f"set long_context.tiled_mlp.enabled=false (exact, untiled), or set the "
-                          f"model config's {arch.mlp_noise_attr} (router jitter) to 0")
+                          f"model config's {arch.mlp_noise_attr} (router jitter) to 0 if you mean to train without "
+                          "that jitter (a different regularisation than the model's config asks for)")
     fn = _batched_class_forward if arch.mlp_batched else _class_forward
     params = [p for p in module.parameters() if p.requires_grad]
     return TiledRowsFunction.apply(x, fn, module, shards, params)

@@ -39,8 +39,9 @@ def attention_shape(model_config) -> AttentionShape:
     heads = getattr(tc, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         raise ConfigError("model.config.num_attention_heads", f"the {name} config has no attention head count "
-                          f"(got {heads!r})", "ds_longctx trains decoder-only transformers with multi-head "
-                          "attention; set num_attention_heads in the model config")
+                          f"(got {heads!r})", "sequence parallelism and the planner need attention heads to "
+                          "split; a model without them (state-space, recurrent) cannot be split along the sequence: "
+                          "train it at sequence_parallel_size 1 with long_context.attention.implementation 'none'")
     if getattr(tc, "multi_query", False) is True and not getattr(tc, "new_decoder_architecture", False):
         kv = 1  # Falcon's multi-query layout (its num_kv_heads is used only by the new decoder architecture)
     else:

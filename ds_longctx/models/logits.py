@@ -193,6 +193,23 @@ def classify_forward(cls) -> Tuple[str, List[str]]:
     return KNOWN_TRANSFORMS[between][0], rest
 
 
+_CALLS_DECODER = re.compile(r"^(?:outputs|transformer_outputs)(?:: [\w.\[\]]+)? = self\.(\w+)\($")
+
+
+def decoder_of(model):
+    """The module ``model``'s forward calls for the last hidden state: the attribute its forward's source calls
+    (``outputs = self.model(`` / ``self.transformer(``), else ``get_decoder()``. ``get_decoder()`` alone is not
+    enough: Llama4ForCausalLM's returns the CausalLM itself. ConfigError when neither names a submodule."""
+    for line in _normalised_lines(type(model).forward):
+        m = _CALLS_DECODER.match(line)
+        if m and isinstance(getattr(model, m.group(1), None), torch.nn.Module):
+            return getattr(model, m.group(1))
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(dec, torch.nn.Module) or dec is model:
+        _refuse(type(model).__name__, "its decoder (the module giving the last hidden state) could not be found")
+    return dec
+
+
 def logit_transform(model) -> Optional[LogitFn]:
     """``model``'s own transform of ``lm_head``'s output (applied in lm_head's dtype, before the loss
     upcasts to fp32, as HF does), None for the identity; ConfigError when it cannot be reproduced."""
@@ -201,4 +218,4 @@ def logit_transform(model) -> Optional[LogitFn]:
     return builder(model) if builder is not None else None
 
 
-__all__ = ["logit_transform", "describe_logit_path", "classify_forward", "KNOWN_TRANSFORMS"]
+__all__ = ["decoder_of", "logit_transform", "describe_logit_path", "classify_forward", "KNOWN_TRANSFORMS"]

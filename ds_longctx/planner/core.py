@@ -119,6 +119,12 @@ def load_model_config(model_config=None, model: Optional[str] = None):
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.exists(path):
+            if model_config is None:  # --model: a local directory only (the planner fetches nothing from the hub)
+                raise ConfigError("--model", f"{os.fspath(src)!r} is not a local model directory (the planner reads "
+                                  "a local config.json and does not download from the Hugging Face hub)",
+                                  "pass --model-config path/to/config.json (e.g. ds_configs/models/llama3-8b.json) or "
+                                  "--model <local directory holding config.json> (e.g. from `huggingface-cli download "
+                                  "<id> config.json --local-dir DIR`; a gated repo needs `huggingface-cli login`)")
             raise ConfigError("--model-config", f"{path!r} does not exist",
                               "pass an HF config.json (e.g. ds_configs/models/llama3-8b.json) or a model directory")
         try:

@@ -1,0 +1,261 @@
+"""Every causal-LM architecture the installed transformers ships, through ds_longctx at SP=1: exact or a clear error.
+
+For each model type in transformers' causal-LM mapping whose config can be built tiny from its own config class
+(hidden 64, 4 heads, 2 layers, vocab 256, small MoE), in fp32 with dropout and router jitter off:
+
+* the reference: HF's own forward loss and gradients (one process, no ds_longctx);
+* ds_longctx ``patch_model`` at SP=1, attention implementation "none", the full memory stack (checkpointing with
+  CPU offload, tiled MLP, tiled loss, memory-efficient RMSNorm); a refusal whose fix switches a memory feature
+  off (most MLP classes are not in ds_longctx's tiled-MLP registry) is applied and the run repeated, so the fix
+  is checked and the loss path (the model's logit transform) and the rest of the stack still are.
+
+Each run is one of: ``exact`` (loss within 1e-5 relative, gradients within 1e-4 relative Frobenius: only the
+summation order differs), ``refused`` (a ds_longctx ConfigError: one clear message naming the fix), ``raw``
+(any other exception: a defect) or ``WRONG`` (a silent difference: a defect). Types whose tiny config or model
+transformers itself cannot build or run are counted apart (``skipped``, with the reason).
+
+    python tools/arch_sweep.py [--only llama,gemma2] [--out bench/results/arch_sweep.json] [--time-limit 600]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+VOCAB = 256
+SEQ = 16
+SIZES = {  # canonical name -> tiny value (set under whatever name the config class's __init__ takes)
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 256, "head_dim": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "ffn_hidden_size": 128,
+    "n_inner": 128, "d_ff": 128, "ffn_dim": 128, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
+    "num_decoder_layers": 2, "num_layers": 2, "decoder_layers": 2, "encoder_layers": 2,
+    "decoder_attention_heads": 4, "encoder_attention_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16,
+    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1,
+    "sliding_window": 64, "attention_chunk_size": 64, "n_shared_experts": 1, "num_shared_experts": 1,
+    "rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+ZERO = ("drop", "jitter")  # float config fields containing these are set to 0 (dropout, pdrop, drop_path)
+STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+         "tiled_mlp": {"enabled": True, "shards": 2}, "tiled_loss": {"enabled": True, "shards": 2},
+         "rms_norm": {"enabled": True}}
+MAX_PARAMS = 5_000_000
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(*_):
+    raise Timeout()
+
+
+def tiny_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    params = inspect.signature(cls.__init__).parameters
+    amap = getattr(cls, "attribute_map", {}) or {}
+    kw = {}
+    for name, value in SIZES.items():
+        for cand in (name, amap.get(name)):
+            if cand and cand in params:
+                kw[cand] = value
+                break
+    if "qk_rope_head_dim" in kw and "head_dim" in kw:  # MLA (DeepSeek-V2/3, ...): RoPE runs on qk_rope_head_dim
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    if "kv_lora_rank" in kw and "num_key_value_heads" in kw:  # MLA: as many key/value heads as query heads
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+    for name, p in params.items():
+        if any(z in name for z in ZERO) and isinstance(p.default, float):
+            kw[name] = 0.0
+    cfg = cls(**kw)
+    for sub in {id(c): c for c in (cfg, cfg.get_text_config())}.values():  # composite configs: the text part too
+        for name, value in SIZES.items():
+            if sub is not cfg and hasattr(sub, name) and name not in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                try:
+                    setattr(sub, name, value)
+                except Exception:
+                    pass
+        for name in list(vars(sub)):
+            if any(z in name for z in ZERO) and isinstance(getattr(sub, name), float):
+                setattr(sub, name, 0.0)
+    return cfg
+
+
+def _batch(seed=0):
+    ids = torch.randint(3, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, use_cache=False)  # training: no KV cache (hybrid linear-attention caches refuse it)
+    loss = out.loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _compare(ref, got):
+    (rl, rg), (gl, gg) = ref, got
+    loss_rel = abs(float(gl) - float(rl)) / max(abs(float(rl)), 1e-12)
+    worst, where = 0.0, None
+    missing = sorted(set(rg) ^ set(gg))
+    for n in rg:
+        if n not in gg:
+            continue
+        err = float((gg[n] - rg[n]).norm() / rg[n].norm().clamp(min=1e-12))
+        if rg[n].norm() < 1e-12 and gg[n].norm() < 1e-12:
+            err = 0.0
+        if err > worst:
+            worst, where = err, n
+    return loss_rel, worst, where, missing
+
+
+def run_one(model_type: str, stack: dict):
+    """(status, detail) for one architecture with one long_context section."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_longctx.config import parse
+    from ds_longctx.errors import ConfigError
+    from ds_longctx.patch import patch_model
+
+    try:
+        cfg = tiny_config(model_type)
+        with torch.device("meta"):  # count first: a config whose other defaults stay large is not built
+            n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").parameters())
+        if n > MAX_PARAMS:
+            return "skipped", f"tiny config still has {n / 1e6:.0f}M parameters"
+        torch.manual_seed(0)
+        ref_model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
+    except Timeout:
+        raise
+    except Exception as e:
+        return "skipped", f"transformers cannot build it tiny: {type(e).__name__}: {str(e)[:200]}"
+    ref_model.train()
+    model = copy.deepcopy(ref_model)
+    batch = _batch()
+    try:
+        ref = _loss_and_grads(ref_model, batch)
+        if not torch.isfinite(ref[0]):
+            return "skipped", f"HF's own loss is {float(ref[0])}"
+    except Timeout:
+        raise
+    except Exception as e:
+        return "skipped", f"HF's own forward fails: {type(e).__name__}: {str(e)[:200]}"
+    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"}, **stack}})
+    try:
+        handle = patch_model(model, lc)
+        got = _loss_and_grads(model, batch)
+        handle.remove()
+    except Timeout:
+        raise
+    except ConfigError as e:
+        return "refused", str(e)[:400]
+    except Exception as e:
+        tb = traceback.format_exc().strip().splitlines()
+        return "raw", f"{type(e).__name__}: {str(e)[:300]} | {' / '.join(tb[-4:])[:600]}"
+    loss_rel, grad_rel, where, missing = _compare(ref, got)
+    detail = {"loss_ref": float(ref[0]), "loss": float(got[0]), "loss_rel": loss_rel, "grad_rel": grad_rel,
+              "worst_grad": where}
+    if missing:
+        return "WRONG", dict(detail, missing_grads=missing[:8])
+    if loss_rel <= 1e-5 and grad_rel <= 1e-4:
+        return "exact", detail
+    return "WRONG", detail
+
+
+# refusal key -> the memory feature its fix switches off
+_FIXES = {"long_context.tiled_mlp.enabled": "tiled_mlp", "long_context.activation_checkpointing.enabled":
+          "activation_checkpointing", "long_context.rms_norm.enabled": "rms_norm",
+          "long_context.tiled_loss.enabled": "tiled_loss"}
+
+
+def _fix_of(message: str):
+    key = message.split(":")[0]
+    return _FIXES.get(key) if "enabled=false" in message or "set enabled=false" in message else None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="comma-separated model types")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "arch_sweep.json"))
+    ap.add_argument("--time-limit", type=float, default=600.0, help="stop starting new types after this many s")
+    ap.add_argument("--per-type", type=int, default=60, help="seconds allowed per type")
+    a = ap.parse_args(argv)
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    torch.set_num_threads(1)
+    types = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    if a.only:
+        types = [t for t in a.only.split(",") if t]
+    results, start = {}, time.time()
+    signal.signal(signal.SIGALRM, _alarm)
+    for t in types:
+        if time.time() - start > a.time_limit:
+            results[t] = {"full_stack": ["not run", "time limit"]}
+            continue
+        row = {}
+        t0 = time.time()
+        try:
+            signal.alarm(a.per_type)
+            row["full_stack"] = run_one(t, STACK)
+            # a refusal whose fix is to switch a memory feature off: apply the fix and run again (it must lead to
+            # exact training or to another clear error)
+            stack, last = dict(STACK), row["full_stack"]
+            while last[0] == "refused" and _fix_of(last[1]) in stack:
+                off = _fix_of(last[1])
+                stack.pop(off)
+                last = run_one(t, stack)
+                row.setdefault("after_fixes", []).append([f"{off} off"] + list(last))
+        except Timeout:
+            row.setdefault("full_stack", ["skipped", f"over {a.per_type} s"])
+        finally:
+            signal.alarm(0)
+        row["final"] = row["after_fixes"][-1][1] if row.get("after_fixes") else row["full_stack"][0]
+        row["seconds"] = round(time.time() - t0, 2)
+        results[t] = row
+        fixes = "+".join(f[0].split(" ")[0] for f in row.get("after_fixes", []))
+        last = row["after_fixes"][-1][1:] if row.get("after_fixes") else row["full_stack"]
+        print(f"{t:28s} {row['full_stack'][0]:8s} {row['final']:8s} {fixes:36s} {row['seconds']:6.1f}s  "
+              f"{str(last[1])[:120]}", flush=True)
+
+    def count(key):
+        out = {}
+        for r in results.values():
+            v = r[key] if isinstance(r[key], str) else r[key][0]
+            out[v] = out.get(v, 0) + 1
+        return out
+
+    summary = {"transformers": transformers.__version__, "torch": torch.__version__, "types": len(types),
+               "full_stack": count("full_stack"), "final (after applying each refusal's memory-feature fix)":
+               count("final"), "seconds": round(time.time() - start, 1)}
+    print(json.dumps(summary, indent=1))
+    if a.out:
+        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump({"what": "tools/arch_sweep.py: every transformers causal-LM type through ds_longctx at SP=1 "
+                               "(implementation none, full memory stack) vs HF's own loss and gradients",
+                       "summary": summary, "results": results}, f, indent=1, default=str)
+    return results
+
+
+if __name__ == "__main__":
+    main()
