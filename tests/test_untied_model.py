@@ -260,3 +260,20 @@ def test_zero3_sp2_initialize_matches_single_process(arch, fuse):
             # deltas are after - before of fp32 weights ~50x larger than the step: cancellation costs
             # ~eps*|w| absolute, so compare as the Ulysses equivalence tests do
             torch.testing.assert_close(d, ref_deltas[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {n}: {m}")
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_attention_dropout_is_refused_saying_what_the_fix_changes(fuse):
+    """Untied attention applies no attention dropout: training with it is refused, and the message says that
+    setting it to 0 changes the regularisation (the fix must not read as 'the same training')."""
+    from ds_longctx.config import parse
+    from ds_longctx.patch import patch_model
+
+    model = _model("llama", attention_dropout=0.1)
+    patch_model(model, parse({"long_context": {"attention": {"implementation": "untied_ulysses",
+                                                             "fuse_projections": fuse}}}))
+    model.train()
+    with pytest.raises(ValueError, match="does not apply attention dropout.*different regularisation.*'ulysses'"):
+        model(input_ids=_ids(), labels=_ids(), use_cache=False)
+    model.eval()  # no dropout in eval: runs
+    model(input_ids=_ids(), labels=_ids(), use_cache=False)

@@ -95,6 +95,13 @@ class UntiedInstall:
             self.function_level = None
 
 
+
+def _dropout_message(p) -> str:
+    return (f"untied attention does not apply attention dropout (the model's attention_dropout is {p}); "
+            "setting model.config.attention_dropout=0 trains without it, a different regularisation than the "
+            "config asks for; to keep it, use long_context.attention.implementation 'ulysses' (transformers' "
+            "attention function, dropout included, on full-attention layers) or 'none' at SP=1")
+
 def install_untied(model, attn_cfg, group) -> UntiedInstall:
     """Patch ``model`` (a built HF PreTrainedModel, possibly ZeRO-3 partitioned) to use untied Ulysses.
 
@@ -281,8 +288,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s, window)
     if self.training and getattr(self, "attention_dropout", 0.0):
-        raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 "
-                         f"(got {self.attention_dropout})")
+        raise ValueError(_dropout_message(self.attention_dropout))
     cos, sin = position_embeddings
     q, k, v, o = (getattr(self, n) for n in (facts.q, facts.k, facts.v, facts.o))
     qn = getattr(self, facts.q_norm) if facts.q_norm else None
@@ -335,7 +341,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
                               scaling=None, is_causal=None, sliding_window=None, softcap=None, **kwargs):
     """HF layout in: query [b, H, s, d], key/value [b, G, s, d]; out [b, s, H, d], weights None."""
     if dropout:
-        raise ValueError(f"untied attention has no attention dropout; set attention_dropout=0 (got {dropout})")
+        raise ValueError(_dropout_message(dropout))
     if kwargs.get("s_aux") is not None:
         raise sinks_error(getattr(module, "layer_idx", None), "untied_ulysses")
     if is_causal is False or getattr(module, "is_causal", True) is False:

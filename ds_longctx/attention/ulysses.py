@@ -80,7 +80,9 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
             return core(module, query, key, value, None, *args, **kwargs)
         if module.training and kwargs.get("dropout"):
             raise ValueError(f"'ulysses': layer {idx} has attention dropout {kwargs['dropout']}, which the "
-                             "windowed / soft-capped SP kernel does not apply; set attention_dropout=0")
+                             "windowed / soft-capped SP kernel does not apply; setting model.config."
+                             "attention_dropout=0 trains without it (a different regularisation than the config "
+                             "asks for); to keep it, train at SP=1 with implementation 'none'")
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
         backend = kernel.for_layer(query.device, window, facts.softcap, f"layer {idx}")
