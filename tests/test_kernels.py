@@ -270,3 +270,41 @@ def test_named_kernel_without_softcap_is_refused_for_a_soft_capped_layer():
         choice("sdpa_cuda_cudnn").check_pattern(7, None, "layer 1")
     with pytest.raises(ConfigError, match="soft-capping 2.0, which kernel 'sdpa_cpu_flash' \\('sdpa'\\)"):
         choice("sdpa").check_pattern(None, 2.0, "layer 0")
+
+
+def test_a_build_that_ignores_the_window_is_an_error_not_a_dropped_window():
+    """verify_native_pattern (called by the CUDA flash backends at their first windowed / soft-capped call):
+    a 96-token probe against the banded kernel. A kernel that drops the window or the cap (a flash build with
+    FLASHATTENTION_DISABLE_LOCAL / _SOFTCAP) is refused; a correct one passes, probed once."""
+    from ds_longctx.attention import kernels
+
+    class Probe(kernels.TorchBanded):
+        drops = False
+        probes = 0
+
+        def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
+            if q.shape[1] == 96:
+                type(self).probes += 1
+            kernels.verify_native_pattern(self, q, window, softcap)
+            if self.drops:
+                window = softcap = 0
+            return kernels.banded_attention_forward(q, k, v, causal, scale, window, softcap)
+
+    class Good(Probe):
+        name = "test_probe_good"
+
+    class DropsWindow(Probe):
+        name, drops = "test_probe_drops", True
+
+    q = torch.randn(1, 40, 2, 8, dtype=torch.bfloat16)
+    Good()._fwd_pattern(q, q, q, True, 0.3, 7, 0.0)
+    Good()._fwd_pattern(q, q, q, True, 0.3, 9, 0.0)
+    assert Good.probes == 1  # probed once per (kernel, pattern kind, dtype, device)
+    Good()._fwd_pattern(q, q, q, True, 0.3, 0, 2.0)  # soft-capping: its own probe
+    assert Good.probes == 2
+    for window, softcap, what in ((7, 0.0, "sliding window"), (0, 2.0, "soft-capping")):
+        with pytest.raises(ConfigError, match=f"'test_probe_drops' does not apply its {what} on this install.*"
+                                              "Fix: .*'auto'"):
+            DropsWindow()._fwd_pattern(q, q, q, True, 0.3, window, softcap)
+    with pytest.raises(ConfigError, match="does not apply"):  # the verdict is kept
+        DropsWindow()._fwd_pattern(q, q, q, True, 0.3, 7, 0.0)

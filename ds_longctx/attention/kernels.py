@@ -337,6 +337,7 @@ class TorchCUDAFlash(Backend):
             raise NotImplementedError(f"{self.name} applies no soft-capping")
         if window <= 0:
             return self._fwd(q, k, v, causal, scale)
+        verify_native_pattern(self, q, window, softcap)
         res = aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
                                             scale=scale, **torch_flash_window_kwargs(window))
         return res[0], res[1]
@@ -383,6 +384,39 @@ class TorchCUDAcuDNN(Backend):
 
 _FLASH_DEFAULTS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
                        alibi_slopes=None, return_softmax=False, deterministic=False, rng_state=None)
+
+
+_PATTERN_VERIFIED: Dict[Tuple[str, bool, bool, str, str], Optional[float]] = {}  # -> error (None: being probed)
+PATTERN_PROBE_TOLERANCE = 2e-2  # relative error of the probe vs the banded kernel in fp32 (bf16 inputs: ~4e-3)
+
+
+def verify_native_pattern(backend: "Backend", like: torch.Tensor, window: int, softcap: float) -> None:
+    """Once per (kernel, window or not, soft-cap or not, dtype, device type): a native window / soft-cap is
+    checked on a 96-token probe against the banded kernel (fp32), so a build that ignores the argument (flash
+    compiled with FLASHATTENTION_DISABLE_LOCAL / _SOFTCAP) is an error instead of a silently dropped window.
+    Local to this process (no collective); a few milliseconds once."""
+    if like.device.type == "meta":  # shapes only (the argument tests): no values to check
+        return
+    key = (backend.name, window > 0, softcap > 0, str(like.dtype), like.device.type)
+    if key not in _PATTERN_VERIFIED:
+        _PATTERN_VERIFIED[key] = None  # the probe's own call passes
+        try:
+            g = torch.Generator(device=like.device).manual_seed(0)
+            d, w, c = like.shape[-1], 5 if window > 0 else 0, 0.5 if softcap > 0 else 0.0
+            q, k, v = (torch.randn(1, 96, 2, d, generator=g, device=like.device).to(like.dtype) for _ in range(3))
+            out, _ = backend._fwd_pattern(q, k, v, True, d ** -0.5, w, c)
+            ref, _ = banded_attention_forward(q.float(), k.float(), v.float(), True, d ** -0.5, w, c)
+            _PATTERN_VERIFIED[key] = ((out.float() - ref).norm() / ref.norm()).item()
+        except BaseException:
+            del _PATTERN_VERIFIED[key]  # never a pass by default
+            raise
+    err = _PATTERN_VERIFIED[key]
+    if err is not None and not err <= PATTERN_PROBE_TOLERANCE:
+        what = " and ".join(n for n, on in (("sliding window", window > 0), ("soft-capping", softcap > 0)) if on)
+        raise ConfigError(KERNEL_KEY, f"kernel {backend.name!r} does not apply its {what} on this install (a "
+                          f"96-token probe differs from the banded kernel by {err:.3g}: the build ignores it)",
+                          "set long_context.attention.kernel to 'auto' (it then measures the kernels that pass, "
+                          "the banded one at least)")
 
 
 def flash_window(window: int) -> Tuple[int, int]:
@@ -508,6 +542,8 @@ class FlashAttn2(Backend):
         from flash_attn import flash_attn_interface as fa
 
         fn = fa._flash_attn_forward
+        if window > 0 or softcap > 0:
+            verify_native_pattern(self, q, window, softcap)
         res = _call_by_name(fn, q=q, k=k, v=v, softmax_scale=scale, causal=causal,
                             **flash_pattern_kwargs(fn, window, softcap, self.name))
         return res[0], _lse_from(res, q)
@@ -546,6 +582,8 @@ class FlashAttn3(Backend):
         import flash_attn_interface as fa3
 
         fn = fa3._flash_attn_forward
+        if window > 0 or softcap > 0:
+            verify_native_pattern(self, q, window, softcap)
         res = _call_by_name(fn, q=q, k=k, v=v, softmax_scale=scale, causal=causal,
                             **flash_pattern_kwargs(fn, window, softcap, self.name))
         return res[0], _lse_from(res, q)
