@@ -13,6 +13,10 @@ Layout (every backend, both directions):
 positions aligned bottom right like the causal mask), ``softcap`` the attention logit soft-capping
 (Gemma2: scores = softcap * tanh(scale * q.k / softcap)). A backend applies them only when it says so
 (``supports_window`` / ``supports_softcap``); :meth:`KernelChoice.for_layer` picks one that does, or refuses.
+Who applies what: torch's CUDA flash op the window (window_size_left = window - 1, right 0: flash_window),
+flash-attn 2/3 the window and the soft-cap (as far as the installed release takes them), the banded kernels
+both (CPU and CUDA), cuDNN and torch's CPU flash op neither. A native window / soft-cap is probed once against
+the banded kernel (verify_native_pattern) before it is trusted.
 
 Inputs may be strided views as long as the head_dim is contiguous. A backend that cannot do GQA
 itself gets k/v expanded here and dk/dv summed back. Nothing here knows about sequence parallelism.
