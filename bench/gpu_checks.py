@@ -4,7 +4,11 @@ Parts (``--part a,b,...``), each written into the JSON of ``--out`` as soon as i
 killed by its limit loses only itself:
 
   kernels    every CUDA kernel backend vs an fp32 reference (out, lse, dq, dk, dv; MHA/GQA/MQA, causal or
-             not), and whether each aten op takes fewer kv heads natively (no repeat_interleave)
+             not), and whether each aten op takes fewer kv heads natively (no repeat_interleave); under
+             "windows": every backend that applies sliding windows / soft-capping (flash's native
+             window_size / softcap, the banded kernel) on windows ``--windows`` over ``--window-seq`` tokens,
+             GQA, causal, dense and packed documents (the varlen calls), a soft-capped case where a kernel
+             takes softcap, vs the fp64 reference and vs the banded kernel; "auto"'s choice per pattern
   attention  untied (head-chunked) vs tied attention, q/k/v projection + RoPE + attention, forward and
              backward, Llama-3-8B attention shapes, bf16, SP=1: speed (modes alternated round by round)
              and peak (max_memory_allocated and max_memory_reserved); "auto"'s measured choice
@@ -139,6 +143,104 @@ def part_kernels(dev, dtype, args):
                     res["cases"][key] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
         res["ok"] = all(c.get("ok") for c in res["cases"].values())
         out[name] = res
+    try:
+        out["windows"] = _kernel_windows(dev, dtype, args)
+    except Exception:  # noqa: BLE001 - recorded, the other results stay
+        out["windows"] = {"ok": False, "error": traceback.format_exc()[-2000:]}
+    return out
+
+
+def _rel_floor(a, b):
+    """Relative error with a floor on the reference's norm (1e-2 per element, rms): with a window of 1 token
+    dq and dk are exactly 0 and only an absolute error means anything."""
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp(min=1e-2 * b.numel() ** 0.5)).item()
+
+
+def _grads_errs(got, want, prefix=""):
+    return {prefix + n: round(_rel_floor(a, b), 6) for n, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
+
+
+def _kernel_windows(dev, dtype, args):
+    """Sliding windows / soft-capping on every kernel that applies them (issue 19): the fp64 dense reference
+    (reference_attention) and the banded kernel side by side, dense and packed documents (DocumentBackend:
+    torch's / flash-attn's varlen call with the window, or the per-document loop), then what "auto" picks."""
+    from ds_longctx.attention.documents import DocumentBackend, Documents
+    from ds_longctx.attention.kernels import BACKENDS, KernelChoice, Windowed, reference_attention
+
+    hq, hk, d = 8, 2, SHAPES["head_dim"]
+    b, s, scale, cap = 1, args.window_seq, SHAPES["head_dim"] ** -0.5, 2.0  # cap 2: the tanh bends the scores
+    banded_name = "torch_banded_cuda" if dev.type == "cuda" else "torch_banded"
+    kernels = {n: cls() for n, cls in BACKENDS.items() if cls.device_type == dev.type and cls.available()
+               and (cls.supports_window or cls.supports_softcap)}
+    out = {"seq": s, "heads": [hq, hk], "kernels": sorted(kernels), "cases": {}}
+    g = torch.Generator(device=dev).manual_seed(5)
+    q, k, v = (torch.randn(b, s, h, d, generator=g, device=dev, dtype=dtype) for h in (hq, hk, hk))
+    do = torch.randn(b, s, hq, d, generator=g, device=dev, dtype=dtype)
+    docs = Documents(_doc_bounds(s, max(2, s // 512), seed=3))
+    bounds = docs.bounds[0]
+
+    def reference(window, softcap, packed):
+        ref_in = [t.double().requires_grad_(True) for t in (q, k, v)]
+        spans = bounds if packed else [(0, s)]
+        outs, lses = [], []
+        for a, e in spans:
+            o, lse = reference_attention(*(t[:, a:e] for t in ref_in), True, scale, window or None, softcap or None)
+            outs.append(o)
+            lses.append(lse)
+        o, lse = torch.cat(outs, 1), torch.cat(lses, 2)
+        o.backward(do.double())
+        return [o.detach(), lse.detach()] + [t.grad for t in ref_in]
+
+    cases = [(w, 0.0, packed) for w in args.windows for packed in (False, True)]
+    cases += [(0, cap, False), (args.windows[-1], cap, False), (args.windows[-1], cap, True)]
+    for window, softcap, packed in cases:
+        key = f"window{window}-softcap{softcap:g}-{'packed' if packed else 'dense'}"
+        runs = [n for n, kb in kernels.items() if (not window or kb.supports_window)
+                and (not softcap or kb.supports_softcap)]
+        if not runs:
+            continue
+        want = reference(window, softcap, packed)
+        case = {}
+        got_banded = None
+        for name in sorted(runs, key=lambda n: n != banded_name):  # the banded kernel first: the others vs it
+            try:
+                be = Windowed(kernels[name], window, softcap)
+                route = "dense"
+                if packed:  # the banded kernel per document (the reference loop); the others as training runs
+                    be = DocumentBackend(be, docs, varlen=name != banded_name)
+                    route = be._route(q, k, v, True, scale)[0]
+                o, lse = be.forward(q, k, v, True, scale)
+                dq, dk, dv = be.backward(do, q, k, v, o, lse, True, scale)
+                got = [o, lse, dq, dk, dv]
+                errs = _grads_errs(got, want)
+                row = {"route": route, "ok": all(e < 2e-2 for e in errs.values()) and dk.shape == k.shape, **errs}
+                if name == banded_name:
+                    got_banded = got
+                elif got_banded is not None:
+                    row.update(_grads_errs(got, got_banded, "vs_banded_"))
+                case[name] = row
+            except Exception as e:  # noqa: BLE001
+                case[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        out["cases"][key] = case
+        del want
+    # "auto" per pattern: a windowed layer and a full one are measured apart (MeasuredChoice signature)
+    choice = KernelChoice("auto")
+    picked = {}
+    for window, softcap in [(0, 0.0), (args.windows[-1], 0.0), (args.windows[-1], cap)]:
+        try:
+            be = choice.for_layer(dev, window or None, softcap or None)
+            o, lse = be.forward(q, k, v, True, scale)
+            be.backward(do, q, k, v, o, lse, True, scale)
+            measured = choice.on(dev)
+            chosen = getattr(measured, "choices", {})
+            picked[f"window{window}-softcap{softcap:g}"] = {
+                "backend": be.name, "choices": {str(k_): c_ for k_, c_ in chosen.items()}}
+        except Exception as e:  # noqa: BLE001
+            picked[f"window{window}-softcap{softcap:g}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    out["auto"] = picked
+    out["ok"] = all(r.get("ok") for c in out["cases"].values() for r in c.values()) and \
+        not any("error" in r for r in picked.values())
     return out
 
 
@@ -465,6 +567,8 @@ def main(argv=None):
     p.add_argument("--varlen-seq", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--docs", type=int, default=64, help="varlen: documents per sample")
     p.add_argument("--kernel-seq", type=int, default=1000)
+    p.add_argument("--window-seq", type=int, default=4096, help="kernels: tokens of the sliding-window cases")
+    p.add_argument("--windows", type=int, nargs="+", default=[1, 7, 256], help="kernels: sliding windows")
     p.add_argument("--nvme-dir", default="/tmp", help="nvme: where the activation files go")
     p.add_argument("--block-hidden", type=int, default=1024)
     p.add_argument("--block-seq", type=int, default=4096)
@@ -482,6 +586,7 @@ def main(argv=None):
         SHAPES.update(hidden=64, heads=4, kv_heads=2, head_dim=16)
         args.seq, args.varlen_seq, args.hpc, args.steps = [128], [128], [1, 2], 1
         args.docs, args.kernel_seq, args.block_hidden, args.block_seq = 8, 32, 64, 64
+        args.window_seq, args.windows = 96, [1, 7, 24]
         args.keep_seq, args.keep_hpc, args.keep_intermediate = [128], 2, 128
         dev, dtype = torch.device("cpu"), torch.float32
     else:

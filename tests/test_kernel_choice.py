@@ -145,3 +145,113 @@ def test_varlen_arguments_cover_every_document_of_the_flattened_batch():
     assert docs.varlen_args("cpu")[0] is cu  # built once per batch
     assert cu.dtype == torch.int32
     assert cu.tolist() == [0, 5, 12, 16, 32] and longest == 16
+
+
+# ---------------------------------------------------------------------------------------------
+# windowed / soft-capped layers under the measured "auto"
+# ---------------------------------------------------------------------------------------------
+
+
+class NamedWindow(kernels.TorchBanded):
+    """A candidate that applies sliding windows but not soft-capping (like torch's flash kernel on CUDA):
+    the banded computation under another name."""
+    supports_softcap = False
+
+    def __init__(self, name):
+        self.name, self.calls = name, 0
+
+    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
+        self.calls += 1
+        return super()._fwd_pattern(q, k, v, causal, scale, window, softcap)
+
+
+def _named_timer(cands, table, seen):
+    def timer(fn):
+        before = [c.calls for c in cands]
+        fn()
+        ran = [c for c, n in zip(cands, before) if c.calls > n]
+        seen.append(ran[0].name)
+        return table[ran[0].name]
+
+    return timer
+
+
+class CountingBanded(kernels.TorchBanded):
+    def __init__(self):
+        self.name, self.calls = "banded", 0
+
+    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
+        self.calls += 1
+        return super()._fwd_pattern(q, k, v, causal, scale, window, softcap)
+
+
+def test_windowed_and_full_layers_are_measured_apart():
+    """The window and soft-cap are part of the signature: a full layer measures the full candidates (never the
+    banded kernel), a windowed one only the candidates that apply the window plus the banded kernel, a
+    soft-capped one only those that apply soft-capping; each picks its own fastest. Full signatures agree
+    across ranks; pattern signatures use this rank's times (their collective could pair with another rank's
+    different signature: whether a window matters depends on the sequence length)."""
+    full, win, banded = Named("full"), NamedWindow("win"), CountingBanded()
+    seen, agreed = [], []
+    table = {"full": 1.0, "win": 2.0, "banded": 3.0}
+    mc = MeasuredChoice([full, win], timer=_named_timer([full, win, banded], table, seen),
+                        agree=lambda t: (agreed.append(t.tolist()), t)[1], pattern_only=[banded])
+    assert mc.supports_window and mc.supports_softcap
+    q, k, v = _qkv(s=48, seed=5)
+    mc.forward(q, k, v, True, 0.25)
+    assert seen == ["full", "win"] and agreed == [[1.0, 2.0]]
+    assert mc.choices[MeasuredChoice.signature(q, k, True)]["kernel"] == "full"
+
+    seen.clear()
+    layer = kernels.Windowed(mc, 7, 0.0)
+    out, lse = layer.forward(q, k, v, True, 0.25)
+    assert seen == ["win", "banded"] and len(agreed) == 1  # no collective for a pattern signature
+    sig = MeasuredChoice.signature(q, k, True, 7, 0.0)
+    assert sig != MeasuredChoice.signature(q, k, True) and mc.choices[sig] == {
+        "kernel": "win", "seconds": {"win": 2.0, "banded": 3.0}}
+    ro, rl = reference_attention(q.double(), k.double(), v.double(), True, 0.25, 7)
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, atol=1e-5, rtol=1e-5)
+    dq, dk, dv = layer.backward(torch.ones_like(out), q, k, v, out, lse, True, 0.25)
+    ref = [t.double().requires_grad_(True) for t in (q, k, v)]
+    reference_attention(*ref, True, 0.25, 7)[0].backward(torch.ones_like(ro))
+    for got, r in zip((dq, dk, dv), ref):
+        torch.testing.assert_close(got.double(), r.grad, atol=1e-5, rtol=1e-5)
+
+    seen.clear()
+    capped = kernels.Windowed(mc, 7, 2.0)
+    out, _ = capped.forward(q, k, v, True, 0.25)
+    assert seen == ["banded"]  # 'win' applies no soft-capping: not a candidate
+    assert mc.choices[MeasuredChoice.signature(q, k, True, 7, 2.0)]["kernel"] == "banded"
+    torch.testing.assert_close(out.double(), reference_attention(q.double(), k.double(), v.double(), True, 0.25,
+                                                                 7, 2.0)[0], atol=1e-5, rtol=1e-5)
+    # a faster banded kernel wins a windowed signature: the measurement decides, not a fixed order
+    seen.clear()
+    mc.forward(q, k, v, True, 0.25, 5)
+    table["banded"] = 0.5
+    mc.forward(q, k, v, True, 0.25, 9)
+    assert mc.choices[MeasuredChoice.signature(q, k, True, 5)]["kernel"] == "win"
+    assert mc.choices[MeasuredChoice.signature(q, k, True, 9)]["kernel"] == "banded"
+    # none of the full candidates can apply a pattern without pattern_only: a clear error
+    bare = MeasuredChoice([Named("x"), Named("y")], timer=lambda fn: (fn(), 1.0)[1], agree=lambda t: t)
+    assert not bare.supports_window and not bare.supports_softcap
+    with pytest.raises(kernels.ConfigError, match="cannot apply a sliding window"):
+        bare.forward(q, k, v, True, 0.25, 7)
+
+
+def test_packed_documents_windowed_layer_measures_its_pattern():
+    """DocumentBackend over a windowed measured layer: it asks the measured choice for the layer's pattern
+    signature (not the full one), then runs it per document on CPU (no varlen here); equal to the
+    per-document windowed reference."""
+    full, win, banded = Named("full"), NamedWindow("win"), CountingBanded()
+    mc = MeasuredChoice([full, win], timer=lambda fn: (fn(), 1.0)[1], agree=lambda t: t, pattern_only=[banded])
+    docs = Documents(torch.tensor([[0, 20, 64]]))
+    q, k, v = _qkv(seed=6)
+    be = DocumentBackend(kernels.Windowed(mc, 5, 0.0), docs)
+    assert be._route(q, k, v, True, 0.25) == ("loop", 5, 0.0)
+    assert list(mc.choices) == [MeasuredChoice.signature(q, k, True, 5, 0.0)]
+    out, lse = be.forward(q, k, v, True, 0.25)
+    for a, e in ((0, 20), (20, 64)):
+        ro, rl = reference_attention(*(t[:, a:e].double() for t in (q, k, v)), True, 0.25, 5)
+        torch.testing.assert_close(out[:, a:e].double(), ro, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[:, :, a:e].double(), rl, atol=1e-5, rtol=1e-5)

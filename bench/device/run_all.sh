@@ -74,7 +74,8 @@ step train 170 $PY -m deepspeed.launcher.runner --num_gpus $NGPU --master_port 2
 # c/d/e: varlen vs per-document loop (64 docs), block Function vs HF in bf16, pinned arena bit-exact;
 # keep_attention_output on vs off at 128K (issue 20)
 step checks 200 $PY bench/gpu_checks.py --part keep,varlen,block,arena $VL --out "$OUT/checks.json"
-# a/b: kernels vs fp32, native GQA probes, untied vs tied at 32K and 128K (u=1, 8), auto's measured choice
+# a/b: kernels vs fp32, native GQA probes, sliding windows 1/7/256 + soft-cap on 4K tokens (dense and varlen, vs
+# fp64 and the banded kernel), untied vs tied at 32K and 128K (u=1, 8), auto's measured choice (per window pattern)
 step attention 200 $PY bench/gpu_checks.py --part kernels,attention $ATT --out "$OUT/attention.json"
 # g: NVMe offload through DeepSpeed's async_io op on this machine's disk (builds the op first)
 step nvme 120 $PY bench/gpu_checks.py --part nvme $NV --out "$OUT/nvme.json"

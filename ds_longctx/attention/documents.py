@@ -25,7 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..errors import ConfigError
-from .kernels import Backend
+from .kernels import Backend, Windowed
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
 BATCH_KEY = "doc_cu_seqlens"         # batch key of the global structure (written by shard_batch)
@@ -211,15 +211,17 @@ class DocumentBackend(Backend):
     (fp16/bf16) one varlen call covers every document of the batch: flash-attn's when the kernel is
     flash_attention_2, else torch's own (``aten._flash_attention_forward`` with ``cum_seq_q/k``), so no
     flash-attn install is needed (NOT run in CI: no GPU there).
+
+    A layer's sliding window / soft-cap (``inner`` a kernels.Windowed) is applied within each document: the
+    varlen calls take the window natively (flash's window_size_left/right; same cu_seqlens), flash-attn's
+    varlen the soft-cap too; a soft-capped layer on torch's varlen (no softcap) runs the per-document loop of
+    the windowed kernel. Under a measured 'auto' the varlen call follows the kernel measured for the layer's
+    signature (flash-attn's when that is flash_attention_2).
     """
 
     def __init__(self, inner: Backend, docs: Documents, varlen: bool = True):
         # varlen=False: the per-document loop on CUDA too (the GPU bench's reference for the varlen call)
         self.inner, self.docs, self.varlen = inner, docs, varlen
-        if getattr(inner, "pattern", (0, 0.0)) != (0, 0.0):
-            # a layer's sliding window / soft-cap (kernels.Windowed): the varlen calls apply neither, so the
-            # per-document loop runs the windowed kernel (the window then lies within each document)
-            self.varlen = False
         self.name = f"{inner.name}+documents"
         self.device_type = inner.device_type
         self.native_gqa = True
@@ -229,14 +231,32 @@ class DocumentBackend(Backend):
             raise ValueError(f"document attention: q {tuple(q.shape)} does not match {self.docs} "
                              "(head-sharded q must cover the whole gathered sequence)")
 
+    def _route(self, q, k, v, causal: bool, scale: float):
+        """("fa2" | "torch" | "loop", window, softcap): how this call runs. A measured "auto" chooses here (every
+        rank measures at the same call, packed or not); in the backward its choice is cached."""
+        if isinstance(self.inner, Windowed):
+            kernel, (w, c) = self.inner.inner, self.inner.pattern
+        else:
+            kernel, w, c = self.inner, 0, 0.0
+        if hasattr(kernel, "choose"):
+            chosen = kernel.choose(q, k, v, causal, scale, w, c)
+            if w or c:  # full layers keep torch's varlen under "auto" (as before windows)
+                kernel = chosen
+        if not self.varlen:
+            return "loop", w, c
+        if _varlen_ok(q, kernel):
+            return "fa2", w, c
+        if _torch_varlen_ok(q) and not c:
+            return "torch", w, c
+        return "loop", w, c
+
     def forward(self, q, k, v, causal: bool, scale: float):
         self._check(q)
-        if hasattr(self.inner, "choose"):  # measured "auto": every rank measures at the same call, packed or not
-            self.inner.choose(q, k, v, causal, scale)
-        if self.varlen and _varlen_ok(q, self.inner):
-            return _fa2_varlen_forward(q, k, v, self.docs, causal, scale)
-        if self.varlen and _torch_varlen_ok(q):
-            return _torch_varlen_forward(q, k, v, self.docs, causal, scale)
+        how, w, c = self._route(q, k, v, causal, scale)
+        if how == "fa2":
+            return _fa2_varlen_forward(q, k, v, self.docs, causal, scale, w, c)
+        if how == "torch":
+            return _torch_varlen_forward(q, k, v, self.docs, causal, scale, w)
         b, S, h, d = q.shape
         out = torch.empty(b, S, h, d, dtype=q.dtype, device=q.device)
         lse = None
@@ -251,10 +271,11 @@ class DocumentBackend(Backend):
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float):
         self._check(q)
-        if self.varlen and _varlen_ok(q, self.inner):
-            return _fa2_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale)
-        if self.varlen and _torch_varlen_ok(q):
-            return _torch_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale)
+        how, w, c = self._route(q, k, v, causal, scale)
+        if how == "fa2":
+            return _fa2_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale, w, c)
+        if how == "torch":
+            return _torch_varlen_backward(dout, q, k, v, out, lse, self.docs, causal, scale, w)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for i, spans in enumerate(self.docs.bounds):
             for a, e in spans:
@@ -313,17 +334,22 @@ def _lse_from_bhs(lse, like_shape, docs, b, S, h):
     return out
 
 
-def _torch_varlen_forward(q, k, v, docs, causal, scale):
+def _torch_varlen_forward(q, k, v, docs, causal, scale, window=0):
     # k/v expanded to q's heads (like TorchCUDAFlash: native GQA of the aten op is not part of its contract)
+    from .kernels import torch_flash_window_kwargs
+
     b, S, h, d = q.shape
     cu, mx = docs.varlen_args(q.device)
     qf, kf, vf = (t.reshape(b * S, h, d) for t in (q, _expand_kv(q, k), _expand_kv(q, v)))
-    res = torch.ops.aten._flash_attention_forward(qf, kf, vf, cu, cu, mx, mx, 0.0, causal, False, scale=scale)
+    res = torch.ops.aten._flash_attention_forward(qf, kf, vf, cu, cu, mx, mx, 0.0, causal, False, scale=scale,
+                                                  **torch_flash_window_kwargs(window))
     docs.varlen_lse_shape[h] = tuple(res[1].shape)
     return res[0].view(b, S, h, d), _lse_to_bhs(res[1], docs, b, S, h)
 
 
-def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
+def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale, window=0):
+    from .kernels import torch_flash_window_kwargs
+
     b, S, h, d = q.shape
     hk = k.shape[2]
     cu, mx = docs.varlen_args(q.device)
@@ -337,23 +363,25 @@ def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
     rng = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: the rng state is never read
     unused = torch.empty((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = torch.ops.aten._flash_attention_backward(dof, qf, kf, vf, of, raw, cu, cu, mx, mx, 0.0, causal,
-                                                         rng, unused, scale=scale)
+                                                         rng, unused, scale=scale, **torch_flash_window_kwargs(window))
     dq, dk, dv = dq.view(b, S, h, d), dk.view(b, S, h, d), dv.view(b, S, h, d)
     if hk < h:
         dk, dv = (t.view(b, S, hk, h // hk, d).sum(3) for t in (dk, dv))
     return dq, dk, dv
 
 
-def _fa2_varlen_forward(q, k, v, docs, causal, scale):
+def _fa2_varlen_forward(q, k, v, docs, causal, scale, window=0, softcap=0.0):
     from flash_attn import flash_attn_interface as fa
 
-    from .kernels import _call_by_name
+    from .kernels import _call_by_name, flash_pattern_kwargs
 
     b, S, h, d = q.shape
     cu, mx = docs.varlen_args(q.device)
     qf, kf, vf = (t.reshape(b * S, t.shape[2], d) for t in (q, k, v))
-    res = _call_by_name(fa._flash_attn_varlen_forward, q=qf, k=kf, v=vf, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                        max_seqlen_q=mx, max_seqlen_k=mx, softmax_scale=scale, causal=causal)
+    fn = fa._flash_attn_varlen_forward
+    res = _call_by_name(fn, q=qf, k=kf, v=vf, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
+                        softmax_scale=scale, causal=causal,
+                        **flash_pattern_kwargs(fn, window, softcap, "flash_attention_2 varlen"))
     lse = next((t for t in res[1:] if isinstance(t, torch.Tensor) and t.dtype == torch.float32
                 and tuple(t.shape) == (h, b * S)), None)
     if lse is None:
@@ -362,20 +390,21 @@ def _fa2_varlen_forward(q, k, v, docs, causal, scale):
     return res[0].view(b, S, h, d), lse.view(h, b, S).transpose(0, 1)  # [b, h, S] view
 
 
-def _fa2_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale):
+def _fa2_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale, window=0, softcap=0.0):
     from flash_attn import flash_attn_interface as fa
 
-    from .kernels import _call_by_name
+    from .kernels import _call_by_name, flash_pattern_kwargs
 
     b, S, h, d = q.shape
     cu, mx = docs.varlen_args(q.device)
     flat = lambda t: t.reshape(b * S, t.shape[2], d)  # noqa: E731
     qf, kf, vf, of, dof = flat(q), flat(k), flat(v), flat(out), flat(dout.contiguous())
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
-    _call_by_name(fa._flash_attn_varlen_backward, dout=dof, q=qf, k=kf, v=vf, out=of,
+    fn = fa._flash_attn_varlen_backward
+    _call_by_name(fn, dout=dof, q=qf, k=kf, v=vf, out=of,
                   softmax_lse=lse.transpose(0, 1).reshape(h, b * S).contiguous(), dq=dq, dk=dk, dv=dv,
                   cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, softmax_scale=scale,
-                  causal=causal)
+                  causal=causal, **flash_pattern_kwargs(fn, window, softcap, "flash_attention_2 varlen"))
     return dq.view_as(q), dk.view_as(k), dv.view_as(v)
 
 

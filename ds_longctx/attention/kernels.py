@@ -13,6 +13,10 @@ Layout (every backend, both directions):
 positions aligned bottom right like the causal mask), ``softcap`` the attention logit soft-capping
 (Gemma2: scores = softcap * tanh(scale * q.k / softcap)). A backend applies them only when it says so
 (``supports_window`` / ``supports_softcap``); :meth:`KernelChoice.for_layer` picks one that does, or refuses.
+Who applies what: torch's CUDA flash op the window (window_size_left = window - 1, right 0: flash_window),
+flash-attn 2/3 the window and the soft-cap (as far as the installed release takes them), the banded kernels
+both (CPU and CUDA), cuDNN and torch's CPU flash op neither. A native window / soft-cap is probed once against
+the banded kernel (verify_native_pattern) before it is trusted.
 
 Inputs may be strided views as long as the head_dim is contiguous. A backend that cannot do GQA
 itself gets k/v expanded here and dk/dv summed back. Nothing here knows about sequence parallelism.
@@ -90,7 +94,8 @@ class Backend:
         if w and not causal:
             raise ValueError(f"{self.name}: a sliding window needs causal attention")
         if not self.fake_only and ((w and not self.supports_window) or (c and not self.supports_softcap)):
-            what = " and ".join(n for n, on in (("a sliding window", w), ("attention soft-capping", c)) if on)
+            what = " and ".join(n for n, on in (("a sliding window", w and not self.supports_window),
+                                                ("attention soft-capping", c and not self.supports_softcap)) if on)
             raise ConfigError(KERNEL_KEY, f"kernel {self.name!r} cannot apply {what}",
                               "set long_context.attention.kernel to 'auto', which picks a kernel that applies them")
         return w, c
@@ -276,8 +281,8 @@ class TorchBanded(Backend):
 
 
 class TorchBandedCUDA(TorchBanded):
-    """The same banded computation on CUDA tensors: 'auto''s kernel for windowed or soft-capped layers on a GPU
-    until a flash kernel's native window_size/softcap is wired and measured here (NOT run in CI: no GPU)."""
+    """The same banded computation on CUDA tensors: a candidate of the measured 'auto' for windowed or
+    soft-capped layers on a GPU, next to the flash kernels' native window_size / softcap (NOT run in CI)."""
     name = "torch_banded_cuda"
     device_type = "cuda"
 
@@ -303,8 +308,10 @@ class Windowed(Backend):
 
 
 class TorchCUDAFlash(Backend):
-    """aten._scaled_dot_product_flash_attention (+ _backward): torch's bundled FA2, fp16/bf16 only."""
+    """aten._scaled_dot_product_flash_attention (+ _backward): torch's bundled FA2, fp16/bf16 only. A sliding
+    window runs natively (aten._flash_attention_forward's window_size_left/right); soft-capping does not."""
     name = "sdpa_cuda_flash"
+    supports_window = True
     # measured on an H100, torch 2.11+cu130 (bench/results/gpu_checks_h100.json, native_gqa_probe): the op takes
     # 2 and 1 kv heads for 8 query heads, forward and backward, as exact as with expanded heads
     native_gqa = True
@@ -327,9 +334,34 @@ class TorchCUDAFlash(Backend):
             causal, seed, offset, scale=scale)
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
+    # A sliding window: the op under SDPA, aten._flash_attention_forward/_backward, takes window_size_left/right
+    # (flash's local attention) and the [b, s, h, d] layout itself; no soft-capping (torch passes softcap 0).
+    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
+        if softcap > 0:
+            raise NotImplementedError(f"{self.name} applies no soft-capping")
+        if window <= 0:
+            return self._fwd(q, k, v, causal, scale)
+        verify_native_pattern(self, q, window, softcap)
+        res = aten._flash_attention_forward(q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False,
+                                            scale=scale, **torch_flash_window_kwargs(window))
+        return res[0], res[1]
+
+    def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        if softcap > 0:
+            raise NotImplementedError(f"{self.name} applies no soft-capping")
+        if window <= 0:
+            return self._bwd(dout, q, k, v, out, lse, causal, scale)
+        rng = torch.empty(2, dtype=torch.uint64, device=q.device)  # dropout 0: the rng state is never read
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = aten._flash_attention_backward(dout.contiguous(), q, k, v, out, lse, None, None, q.shape[1],
+                                                    k.shape[1], 0.0, causal, rng, unused, scale=scale,
+                                                    **torch_flash_window_kwargs(window))
+        return dq, dk, dv
+
 
 class TorchCUDAcuDNN(Backend):
-    """aten._scaled_dot_product_cudnn_attention (+ _backward): cuDNN's fused attention, fp16/bf16."""
+    """aten._scaled_dot_product_cudnn_attention (+ _backward): cuDNN's fused attention, fp16/bf16. Neither
+    a sliding window nor soft-capping (the op takes neither): windowed layers never run on it."""
     name = "sdpa_cuda_cudnn"
     native_gqa = True  # measured like sdpa_cuda_flash (H100, torch 2.11+cu130, cuDNN 9.19): GQA 8/2 and 8/1 exact
     device_type = "cuda"
@@ -358,12 +390,116 @@ _FLASH_DEFAULTS = dict(dropout_p=0.0, window_size=(-1, -1), window_size_left=-1,
                        alibi_slopes=None, return_softmax=False, deterministic=False, rng_state=None)
 
 
+_PATTERN_VERIFIED: Dict[Tuple[str, bool, bool, str, str], Optional[float]] = {}  # -> error (None: being probed)
+PATTERN_PROBE_TOLERANCE = 2e-2  # relative error of the probe vs the banded kernel in fp32 (bf16 inputs: ~4e-3)
+
+
+def verify_native_pattern(backend: "Backend", like: torch.Tensor, window: int, softcap: float) -> None:
+    """Once per (kernel, window or not, soft-cap or not, dtype, device type): a native window / soft-cap is
+    checked on a 96-token probe against the banded kernel (fp32), so a build that ignores the argument (flash
+    compiled with FLASHATTENTION_DISABLE_LOCAL / _SOFTCAP) is an error instead of a silently dropped window.
+    Local to this process (no collective); a few milliseconds once."""
+    if like.device.type == "meta":  # shapes only (the argument tests): no values to check
+        return
+    key = (backend.name, window > 0, softcap > 0, str(like.dtype), like.device.type)
+    if key not in _PATTERN_VERIFIED:
+        _PATTERN_VERIFIED[key] = None  # the probe's own call passes
+        try:
+            g = torch.Generator(device=like.device).manual_seed(0)
+            d, w, c = like.shape[-1], 5 if window > 0 else 0, 0.5 if softcap > 0 else 0.0
+            q, k, v = (torch.randn(1, 96, 2, d, generator=g, device=like.device).to(like.dtype) for _ in range(3))
+            out, _ = backend._fwd_pattern(q, k, v, True, d ** -0.5, w, c)
+            ref, _ = banded_attention_forward(q.float(), k.float(), v.float(), True, d ** -0.5, w, c)
+            _PATTERN_VERIFIED[key] = ((out.float() - ref).norm() / ref.norm()).item()
+        except BaseException:
+            del _PATTERN_VERIFIED[key]  # never a pass by default
+            raise
+    err = _PATTERN_VERIFIED[key]
+    if err is not None and not err <= PATTERN_PROBE_TOLERANCE:
+        what = " and ".join(n for n, on in (("sliding window", window > 0), ("soft-capping", softcap > 0)) if on)
+        raise ConfigError(KERNEL_KEY, f"kernel {backend.name!r} does not apply its {what} on this install (a "
+                          f"96-token probe differs from the banded kernel by {err:.3g}: the build ignores it)",
+                          "set long_context.attention.kernel to 'auto' (it then measures the kernels that pass, "
+                          "the banded one at least)")
+
+
+def flash_window(window: int) -> Tuple[int, int]:
+    """flash's (window_size_left, window_size_right) for transformers' sliding ``window`` with causal attention:
+    query i sees keys (i - window, i], i.e. window - 1 keys to its left and none to its right (what
+    transformers' own flash path passes, modeling_flash_attention_utils: (window - 1, window - 1) with causal,
+    whose right part flash sets to 0 under causal). (-1, -1): no window."""
+    return (int(window) - 1, 0) if window and window > 0 else (-1, -1)
+
+
+def torch_flash_window_kwargs(window: int) -> Dict[str, int]:
+    """Keyword arguments of aten._flash_attention_forward/_backward for a sliding ``window`` ({} for none)."""
+    if not window or window <= 0:
+        return {}
+    left, right = flash_window(window)
+    return {"window_size_left": left, "window_size_right": right}
+
+
+def _params(fn):
+    """The parameters of a flash-attn function; its private fwd/bwd are torch custom ops in current
+    releases (CustomOpDef, whose own signature is (*args, **kwargs)): the wrapped function's."""
+    import inspect
+
+    return inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+
+
+def flash_pattern_kwargs(fn, window: int, softcap: float, name: str) -> Dict[str, object]:
+    """Keyword arguments that give flash-attn's ``fn`` a sliding ``window`` and ``softcap`` (both 0: none), by
+    the parameter names of the installed release: ``window_size_left/right`` (FA2 >= 2.7), ``window_size``
+    (left, right) (FA2 2.3-2.6, FA3), ``softcap`` (FA2 >= 2.6, FA3). A release without the parameter is an
+    error (never a dropped window or cap)."""
+    params = _params(fn)
+    kw: Dict[str, object] = {}
+    if window and window > 0:
+        left, right = flash_window(window)
+        if "window_size_left" in params and "window_size_right" in params:
+            kw.update(window_size_left=left, window_size_right=right)
+        elif "window_size" in params:
+            kw["window_size"] = (left, right)
+        else:
+            raise ConfigError(KERNEL_KEY, f"{name}: the installed {getattr(fn, '__name__', fn)} takes no window size",
+                              "upgrade flash-attn (>= 2.3) or set the kernel to 'auto'")
+    if softcap and softcap > 0:
+        if "softcap" not in params:
+            raise ConfigError(KERNEL_KEY, f"{name}: the installed {getattr(fn, '__name__', fn)} takes no softcap",
+                              "upgrade flash-attn (>= 2.6) or set the kernel to 'auto'")
+        kw["softcap"] = float(softcap)
+    return kw
+
+
+def _takes(module: str, fns: Tuple[str, ...], any_of: Tuple[str, ...]) -> bool:
+    """Whether every one of ``fns`` of the installed ``module`` takes one of the parameters ``any_of``."""
+    if not torch.cuda.is_available() or importlib.util.find_spec(module.split(".")[0]) is None:
+        return False
+    try:
+        mod = importlib.import_module(module)
+        return all(any(p in _params(getattr(mod, f)) for p in any_of) for f in fns)
+    except Exception:  # noqa: BLE001 - a broken install applies nothing (check_kernel reports it unavailable)
+        return False
+
+
+class _Capability:
+    """A class attribute read from the installed library's signatures at its first read (cached)."""
+
+    def __init__(self, module: str, fns: Tuple[str, ...], any_of: Tuple[str, ...]):
+        self.args, self.value = (module, fns, any_of), None
+
+    def __get__(self, obj, cls=None) -> bool:
+        if self.value is None:
+            self.value = _takes(*self.args)
+        return self.value
+
+
 def _call_by_name(fn, **known):
     """flash-attn's private fwd/bwd signatures change between releases: bind by parameter name."""
     import inspect
 
     kwargs = {}
-    for name, p in inspect.signature(fn).parameters.items():
+    for name, p in _params(fn).items():
         if name in known:
             kwargs[name] = known[name]
         elif name in _FLASH_DEFAULTS:
@@ -382,36 +518,57 @@ def _lse_from(res, q):
     raise RuntimeError("flash-attn forward returned no [b, h, s] float32 LSE; unsupported flash-attn version")
 
 
+_FA2_FNS = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward", "_flash_attn_varlen_backward")
+_FA3_FNS = ("_flash_attn_forward", "_flash_attn_backward")
+
+
 class FlashAttn2(Backend):
-    """flash_attn 2.x private fwd/bwd (the public autograd wrapper does not expose a backward from the LSE)."""
+    """flash_attn 2.x private fwd/bwd (the public autograd wrapper does not expose a backward from the LSE).
+    Sliding windows and soft-capping natively where the installed release takes them (window_size: 2.3,
+    softcap: 2.6), dense and varlen (attention/documents.py)."""
     name = "flash_attention_2"
     native_gqa = True
     device_type = "cuda"
+    supports_window = _Capability("flash_attn.flash_attn_interface", _FA2_FNS, ("window_size", "window_size_left"))
+    supports_softcap = _Capability("flash_attn.flash_attn_interface", _FA2_FNS, ("softcap",))
 
     @staticmethod
     def available() -> bool:
         return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
     def _fwd(self, q, k, v, causal, scale):
-        from flash_attn import flash_attn_interface as fa
-
-        res = _call_by_name(fa._flash_attn_forward, q=q, k=k, v=v, softmax_scale=scale, causal=causal)
-        return res[0], _lse_from(res, q)
+        return self._fwd_pattern(q, k, v, causal, scale, 0, 0.0)
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        return self._bwd_pattern(dout, q, k, v, out, lse, causal, scale, 0, 0.0)
+
+    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
         from flash_attn import flash_attn_interface as fa
 
+        fn = fa._flash_attn_forward
+        if window > 0 or softcap > 0:
+            verify_native_pattern(self, q, window, softcap)
+        res = _call_by_name(fn, q=q, k=k, v=v, softmax_scale=scale, causal=causal,
+                            **flash_pattern_kwargs(fn, window, softcap, self.name))
+        return res[0], _lse_from(res, q)
+
+    def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        from flash_attn import flash_attn_interface as fa
+
+        fn = fa._flash_attn_backward
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call_by_name(fa._flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
-                      dk=dk, dv=dv, softmax_scale=scale, causal=causal)
+        _call_by_name(fn, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                      softmax_scale=scale, causal=causal, **flash_pattern_kwargs(fn, window, softcap, self.name))
         return dq, dk, dv
 
 
 class FlashAttn3(Backend):
-    """flash_attn_interface (FA3, Hopper) private fwd/bwd."""
+    """flash_attn_interface (FA3, Hopper) private fwd/bwd; window_size and softcap natively."""
     name = "flash_attention_3"
     native_gqa = True
     device_type = "cuda"
+    supports_window = _Capability("flash_attn_interface", _FA3_FNS, ("window_size", "window_size_left"))
+    supports_softcap = _Capability("flash_attn_interface", _FA3_FNS, ("softcap",))
 
     @staticmethod
     def available() -> bool:
@@ -420,17 +577,28 @@ class FlashAttn3(Backend):
         return torch.cuda.get_device_capability()[0] >= 9
 
     def _fwd(self, q, k, v, causal, scale):
-        import flash_attn_interface as fa3
-
-        res = _call_by_name(fa3._flash_attn_forward, q=q, k=k, v=v, softmax_scale=scale, causal=causal)
-        return res[0], _lse_from(res, q)
+        return self._fwd_pattern(q, k, v, causal, scale, 0, 0.0)
 
     def _bwd(self, dout, q, k, v, out, lse, causal, scale):
+        return self._bwd_pattern(dout, q, k, v, out, lse, causal, scale, 0, 0.0)
+
+    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
         import flash_attn_interface as fa3
 
+        fn = fa3._flash_attn_forward
+        if window > 0 or softcap > 0:
+            verify_native_pattern(self, q, window, softcap)
+        res = _call_by_name(fn, q=q, k=k, v=v, softmax_scale=scale, causal=causal,
+                            **flash_pattern_kwargs(fn, window, softcap, self.name))
+        return res[0], _lse_from(res, q)
+
+    def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        import flash_attn_interface as fa3
+
+        fn = fa3._flash_attn_backward
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call_by_name(fa3._flash_attn_backward, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse,
-                      dq=dq, dk=dk, dv=dv, softmax_scale=scale, causal=causal)
+        _call_by_name(fn, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+                      softmax_scale=scale, causal=causal, **flash_pattern_kwargs(fn, window, softcap, self.name))
         return dq, dk, dv
 
 
@@ -544,7 +712,8 @@ def overridden(device_type: str, cls: Type[Backend]):
         _INSTANCES.pop(cls, None)
 
 
-# device type -> the kernels 'auto' gives a layer with a sliding window or soft-capping, in order
+# device type -> the banded kernels: 'auto''s kernel for a windowed / soft-capped layer where 'auto' is one kernel
+# without the capability (CPU), and a measured candidate for such layers only where 'auto' measures (CUDA)
 _BANDED: Dict[str, Tuple[str, ...]] = {"cpu": ("torch_banded",), "cuda": ("torch_banded_cuda",)}
 
 # CUDA "auto" measures every available candidate (MeasuredChoice); this order only breaks exact ties
@@ -599,14 +768,26 @@ class MeasuredChoice(Backend):
     events and an all-reduce over the default group. Every rank must reach a new signature at the same
     point of the program (same model, same layer order): attention calls do, packed ones included
     (``DocumentBackend`` measures the dense kernel before its varlen call).
+
+    A layer with a sliding window or soft-capping (``window``/``softcap`` given, through :class:`Windowed`)
+    has its own signature (the window and cap are part of it): its candidates are those that apply both
+    (``supports_window``/``supports_softcap``) plus ``pattern_only`` (the banded kernel: exact, never a
+    candidate for a full layer). Such a signature is chosen from this rank's times alone (no collective):
+    whether a layer's window matters depends on the sequence length (models.windows.window_for), which
+    data-parallel replicas need not share, so a collective there could pair with another rank's
+    different signature. Every candidate is exact, so ranks picking different ones only differ by rounding.
     """
 
     native_gqa = True  # each candidate handles GQA itself
 
-    def __init__(self, candidates, timer=None, agree=None):
+    def __init__(self, candidates, timer=None, agree=None, pattern_only=()):
         if not candidates:
             raise ValueError("MeasuredChoice needs at least one candidate backend")
         self.candidates = list(candidates)
+        self.pattern_only = list(pattern_only)
+        every = self.candidates + self.pattern_only
+        self.supports_window = any(c.supports_window for c in every)
+        self.supports_softcap = any(c.supports_softcap for c in every)
         self.device_type = self.candidates[0].device_type
         self.name = "auto"
         self.timer = timer or _cuda_timer
@@ -615,55 +796,72 @@ class MeasuredChoice(Backend):
         self._chosen = {}  # signature -> Backend
 
     @staticmethod
-    def signature(q, k, causal: bool):
+    def signature(q, k, causal: bool, window: Optional[int] = None, softcap: Optional[float] = None):
         # no sequence length: ranks of different data-parallel replicas (or documents of a packed sample) see
-        # different lengths, and a signature one rank meets alone would leave the others in the collective
-        return (str(q.dtype), bool(causal), q.shape[-1], q.shape[2], k.shape[2])
+        # different lengths, and a signature one rank meets alone would leave the others in the collective.
+        # The window and soft-cap are in it: a windowed layer and a full one may pick different kernels.
+        return (str(q.dtype), bool(causal), q.shape[-1], q.shape[2], k.shape[2], int(window or 0),
+                float(softcap or 0.0))
 
-    def _time(self, cand, q, k, v, causal, scale) -> float:
+    def eligible(self, window: Optional[int] = None, softcap: Optional[float] = None):
+        """The candidates for a layer with this window / soft-cap (none: the full-layer candidates)."""
+        if not window and not softcap:
+            return self.candidates
+        return [c for c in self.candidates + self.pattern_only
+                if (not window or c.supports_window) and (not softcap or c.supports_softcap)]
+
+    def _time(self, cand, q, k, v, causal, scale, window, softcap) -> float:
         n = min(q.shape[1], MEASURE_MAX_TOKENS)
         qs, ks, vs = q[:, :n], k[:, :n], v[:, :n]
 
         def step():
-            o, lse = cand.forward(qs, ks, vs, causal, scale)
-            cand.backward(o, qs, ks, vs, o, lse, causal, scale)  # dout = out: any tensor of the right shape
+            o, lse = cand.forward(qs, ks, vs, causal, scale, window, softcap)
+            # dout = out: any tensor of the right shape
+            cand.backward(o, qs, ks, vs, o, lse, causal, scale, window, softcap)
 
         return float(self.timer(step))
 
-    def choose(self, q, k, v, causal: bool, scale: float) -> Backend:
-        sig = self.signature(q, k, causal)
+    def choose(self, q, k, v, causal: bool, scale: float, window: Optional[int] = None,
+               softcap: Optional[float] = None) -> Backend:
+        sig = self.signature(q, k, causal, window, softcap)
         if sig in self._chosen:
             return self._chosen[sig]
+        pattern = bool(window or softcap)
+        cands = self.eligible(window, softcap)
+        if not cands:
+            raise ConfigError(KERNEL_KEY, f"no kernel of {[c.name for c in self.candidates]} applies a sliding window "
+                              f"of {window} and soft-capping {softcap}", "run on CPU or install flash-attn >= 2.6")
         secs = []
-        for cand in self.candidates:
+        for cand in cands:
             try:
-                secs.append(self._time(cand, q, k, v, causal, scale))
+                secs.append(self._time(cand, q, k, v, causal, scale, window, softcap))
             except Exception:  # noqa: BLE001 - a kernel that cannot run this signature is out for it
                 secs.append(float("inf"))
-        t = self.agree(torch.tensor(secs, dtype=torch.float64, device=q.device)).cpu().tolist()
+        t = torch.tensor(secs, dtype=torch.float64, device=q.device)
+        t = (t if pattern else self.agree(t)).cpu().tolist()  # pattern signatures: this rank's times (class doc)
         best = min(range(len(t)), key=lambda i: (t[i], i))
         if t[best] == float("inf"):
             raise RuntimeError(f"attention 'auto': no candidate kernel ran q {tuple(q.shape)} {q.dtype}, k "
-                               f"{tuple(k.shape)} (tried {[c.name for c in self.candidates]}); name a kernel in "
-                               f"{KERNEL_KEY} to see its error")
-        chosen = self.candidates[best]
+                               f"{tuple(k.shape)}, window {window}, softcap {softcap} (tried "
+                               f"{[c.name for c in cands]}); name a kernel in {KERNEL_KEY} to see its error")
+        chosen = cands[best]
         self._chosen[sig] = chosen
         self.choices[sig] = {"kernel": chosen.name,
-                             "seconds": {c.name: (None if s == float("inf") else s) for c, s in zip(self.candidates, t)}}
+                             "seconds": {c.name: (None if s == float("inf") else s) for c, s in zip(cands, t)}}
         _log_choice(sig, self.choices[sig])
         return chosen
 
     def forward(self, q, k, v, causal: bool, scale: float, window=None, softcap=None):
         _check(self, q, k, v)
-        self._pattern(causal, window, softcap)  # a windowed layer is given a capable kernel (for_layer), not this
-        return self.choose(q, k, v, causal, scale).forward(q, k, v, causal, scale)
+        w, c = self._pattern(causal, window, softcap)
+        return self.choose(q, k, v, causal, scale, w, c).forward(q, k, v, causal, scale, w, c)
 
     def backward(self, dout, q, k, v, out, lse, causal: bool, scale: float, window=None, softcap=None):
-        self._pattern(causal, window, softcap)
-        sig = self.signature(q, k, causal)
+        w, c = self._pattern(causal, window, softcap)
+        sig = self.signature(q, k, causal, w, c)
         if sig not in self._chosen:
             raise RuntimeError(f"attention 'auto': backward of a signature {sig} whose forward never ran")
-        return self._chosen[sig].backward(dout, q, k, v, out, lse, causal, scale)
+        return self._chosen[sig].backward(dout, q, k, v, out, lse, causal, scale, w, c)
 
 
 def _log_choice(sig, choice):
@@ -737,7 +935,7 @@ class KernelChoice:
 
     def check_pattern(self, window: Optional[int], softcap: Optional[float], where: str) -> None:
         """At install, no tensor yet: a named kernel (or 'sdpa') that cannot apply the layer's sliding window or
-        soft-capping is refused here, naming the layer; 'auto' always finds one (the banded kernel)."""
+        soft-capping is refused here, naming the layer; 'auto' always finds one (the banded kernel at least)."""
         if not window and not softcap or self.name == "auto":
             return
         names = ("sdpa_cpu_flash", "sdpa_cuda_flash") if self.name == "sdpa" else (self.name,)
@@ -749,12 +947,15 @@ class KernelChoice:
             if lacking:
                 raise ConfigError(KERNEL_KEY, f"{where} has {' and '.join(lacking)}, which kernel {n!r} "
                                   f"({self.name!r}) cannot apply", "set long_context.attention.kernel to 'auto': "
-                                  "it runs such layers on a kernel that applies them (torch_banded)")
+                                  "it runs such layers on a kernel that applies them (a flash kernel with "
+                                  "window_size / softcap, or torch_banded)")
 
     def for_layer(self, device: torch.device, window: Optional[int], softcap: Optional[float],
                   where: str = "this layer") -> Backend:
         """The backend of one layer with its sliding window / soft-cap bound (:class:`Windowed`), or the plain
-        backend for a full-causal layer. 'auto' takes the device's banded kernel for such a layer; a named
+        backend for a full-causal layer. 'auto' measured on CUDA (:class:`MeasuredChoice`) measures, for such a
+        layer, the kernels that apply its window / cap (flash's native window_size / softcap) and the banded
+        kernel; a single-kernel 'auto' without the capability (CPU) takes the device's banded kernel; a named
         kernel without the capability is a ConfigError naming ``where`` (also raised by check_pattern at
         install). An overridden device type (the planner's stand-in) keeps its override: its ops' FLOP
         formulas count the window."""
@@ -783,7 +984,8 @@ def _resolve(name: str, dev: str) -> Backend:
         if len(found) == 1:
             return _instance(found[0])
         if dev not in _MEASURED:  # one per device type: its choices hold for the whole job
-            _MEASURED[dev] = MeasuredChoice([_instance(c) for c in found])
+            banded = [_instance(BACKENDS[c]) for c in _BANDED.get(dev, ()) if BACKENDS[c].available()]
+            _MEASURED[dev] = MeasuredChoice([_instance(c) for c in found], pattern_only=banded)
         return _MEASURED[dev]
     if name == "sdpa":
         cand = {"cpu": "sdpa_cpu_flash", "cuda": "sdpa_cuda_flash"}.get(dev)
