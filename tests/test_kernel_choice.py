@@ -188,9 +188,8 @@ class CountingBanded(kernels.TorchBanded):
 def test_windowed_and_full_layers_are_measured_apart():
     """The window and soft-cap are part of the signature: a full layer measures the full candidates (never the
     banded kernel), a windowed one only the candidates that apply the window plus the banded kernel, a
-    soft-capped one only those that apply soft-capping; each picks its own fastest. Full signatures agree
-    across ranks; pattern signatures use this rank's times (their collective could pair with another rank's
-    different signature: whether a window matters depends on the sequence length)."""
+    soft-capped one only those that apply soft-capping; each picks its own fastest. Every signature is agreed
+    across ranks (a windowed layer's signature does not depend on the sequence length)."""
     full, win, banded = Named("full"), NamedWindow("win"), CountingBanded()
     seen, agreed = [], []
     table = {"full": 1.0, "win": 2.0, "banded": 3.0}
@@ -205,7 +204,7 @@ def test_windowed_and_full_layers_are_measured_apart():
     seen.clear()
     layer = kernels.Windowed(mc, 7, 0.0)
     out, lse = layer.forward(q, k, v, True, 0.25)
-    assert seen == ["win", "banded"] and len(agreed) == 1  # no collective for a pattern signature
+    assert seen == ["win", "banded"] and agreed[1:] == [[2.0, 3.0]]  # agreed like a full signature
     sig = MeasuredChoice.signature(q, k, True, 7, 0.0)
     assert sig != MeasuredChoice.signature(q, k, True) and mc.choices[sig] == {
         "kernel": "win", "seconds": {"win": 2.0, "banded": 3.0}}
@@ -255,3 +254,26 @@ def test_packed_documents_windowed_layer_measures_its_pattern():
         ro, rl = reference_attention(*(t[:, a:e].double() for t in (q, k, v)), True, 0.25, 5)
         torch.testing.assert_close(out[:, a:e].double(), ro, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[:, :, a:e].double(), rl, atol=1e-5, rtol=1e-5)
+
+
+def test_windowed_layer_takes_its_windowed_kernel_at_every_length():
+    """Whether a window covers the sequence must not change which kernel signature a layer meets: ranks of
+    data-parallel replicas with different lengths (or one rank over steps) would otherwise reach 'auto''s
+    measuring collective at different layers. A window covering the sequence is exactly causal attention."""
+    from types import SimpleNamespace
+
+    from ds_longctx.attention.hf import layer_backend
+    from ds_longctx.attention.kernels import KernelChoice
+    from ds_longctx.models.windows import LayerAttention
+
+    state = SimpleNamespace(backend=KernelChoice("auto"), layers=(LayerAttention(window=8, kind="sliding_attention"),))
+    module = SimpleNamespace(layer_idx=0)
+    short, _ = layer_backend(state, module, 6, torch.device("cpu"))    # the window covers 6 tokens
+    long_, _ = layer_backend(state, module, 64, torch.device("cpu"))
+    assert isinstance(short, kernels.Windowed) and isinstance(long_, kernels.Windowed)
+    assert short.pattern == long_.pattern == (8, 0.0)
+    q, k, v = _qkv(s=6, seed=3)
+    out, lse = short.forward(q, k, v, True, 0.25)
+    ro, rl = reference_attention(q.double(), k.double(), v.double(), True, 0.25)  # plain causal
+    torch.testing.assert_close(out.double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl, atol=1e-5, rtol=1e-5)

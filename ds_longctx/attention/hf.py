@@ -379,8 +379,10 @@ def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNS
     """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel
     with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config
     facts read at install. What the module or transformers passes (``hf_window``, ``hf_softcap``) must agree
-    with them. A window covering the ``global_len``-token gathered sequence is full causal attention. Same
-    verdict on every rank (equal shard lengths, same config), raised before the layer's first all-to-all."""
+    with them. A windowed layer runs its windowed kernel at every length (a window covering the gathered
+    sequence is exactly causal attention): which kernel signatures a rank meets must not depend on its batch's
+    length, or 'auto''s measuring collective (kernels.MeasuredChoice) would pair different layers of ranks
+    with different lengths. Same verdict on every rank, raised before the layer's first all-to-all."""
     from ..models.windows import LayerAttention, not_runnable
 
     idx = getattr(module, "layer_idx", None)
@@ -394,7 +396,7 @@ def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNS
                               f"{ours!r}", "report this model: ds_longctx.models.windows reads its attention "
                               "pattern wrongly")
     where = f"layer {idx}" if idx is not None else "this layer"
-    return state.backend.for_layer(device, facts.window_for(global_len), facts.softcap, where), facts.window
+    return state.backend.for_layer(device, facts.window, facts.softcap, where), facts.window
 
 
 def _check_mask(mask, s_local, window=None):

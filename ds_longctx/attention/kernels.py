@@ -772,10 +772,9 @@ class MeasuredChoice(Backend):
     A layer with a sliding window or soft-capping (``window``/``softcap`` given, through :class:`Windowed`)
     has its own signature (the window and cap are part of it): its candidates are those that apply both
     (``supports_window``/``supports_softcap``) plus ``pattern_only`` (the banded kernel: exact, never a
-    candidate for a full layer). Such a signature is chosen from this rank's times alone (no collective):
-    whether a layer's window matters depends on the sequence length (models.windows.window_for), which
-    data-parallel replicas need not share, so a collective there could pair with another rank's
-    different signature. Every candidate is exact, so ranks picking different ones only differ by rounding.
+    candidate for a full layer). It is agreed over the job like a full one: a windowed layer always runs its
+    windowed kernel, whatever the sequence length (a window covering the sequence is exactly causal), so
+    which signatures a rank meets, and in which order, never depends on its batch's length.
     """
 
     native_gqa = True  # each candidate handles GQA itself
@@ -838,7 +837,7 @@ class MeasuredChoice(Backend):
             except Exception:  # noqa: BLE001 - a kernel that cannot run this signature is out for it
                 secs.append(float("inf"))
         t = torch.tensor(secs, dtype=torch.float64, device=q.device)
-        t = (t if pattern else self.agree(t)).cpu().tolist()  # pattern signatures: this rank's times (class doc)
+        t = self.agree(t).cpu().tolist()
         best = min(range(len(t)), key=lambda i: (t[i], i))
         if t[best] == float("inf"):
             raise RuntimeError(f"attention 'auto': no candidate kernel ran q {tuple(q.shape)} {q.dtype}, k "

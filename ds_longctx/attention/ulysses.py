@@ -68,7 +68,9 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
         S = query.shape[2]
         if not facts.runnable(S):
             raise not_runnable(idx, facts, S, "ulysses")
-        window = facts.window_for(S)
+        # a windowed layer takes the windowed kernel at every length (exact when the window covers the sequence):
+        # the kernel signatures 'auto' measures with a collective must not depend on a rank's batch length
+        window = facts.window
         if flash:  # transformers' flash path applies the window (window_size) and soft-cap natively
             return core(module, query, key, value, None, *args, **kwargs)
         if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
