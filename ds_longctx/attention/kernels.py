@@ -825,7 +825,6 @@ class MeasuredChoice(Backend):
         sig = self.signature(q, k, causal, window, softcap)
         if sig in self._chosen:
             return self._chosen[sig]
-        pattern = bool(window or softcap)
         cands = self.eligible(window, softcap)
         if not cands:
             raise ConfigError(KERNEL_KEY, f"no kernel of {[c.name for c in self.candidates]} applies a sliding window "
