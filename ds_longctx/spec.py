@@ -111,6 +111,14 @@ class LongContextSpec:
         return out
 
 
+# the "auto" values the planner resolves at initialize, and when the installs would use them
+_RESOLVED_AT_INITIALIZE = (
+    ("attention.heads_per_chunk", lambda lc: lc.attention.implementation == "untied_ulysses"),
+    ("activation_checkpointing.keep_attention_output", lambda lc: lc.activation_checkpointing.enabled),
+    ("activation_checkpointing.keep_on_device", lambda lc: lc.activation_checkpointing.enabled),
+)
+
+
 def build_spec(lc: LongContextConfig, model_config=None, layout: Optional[Layout] = None, group=None,
                sequence_length: Optional[int] = None, check: str = "world") -> LongContextSpec:
     """The one builder of a :class:`LongContextSpec` (``initialize``, ``patch_model``'s config form, the
@@ -144,9 +152,13 @@ def build_spec(lc: LongContextConfig, model_config=None, layout: Optional[Layout
         raise ConfigError("sequence_parallel_size", f"is {sp} but the layout has SP {layout.sp}",
                           "build the spec from the same config the SP groups were built for")
     att = lc.attention
-    if att.implementation == "untied_ulysses" and att.heads_per_chunk == "auto":
-        raise ConfigError("long_context.attention.heads_per_chunk", "'auto' reached the model unresolved",
-                          "resolve it with ds_longctx.initialize (the planner picks it) or give a positive integer")
+    for key, used in _RESOLVED_AT_INITIALIZE:
+        section, name = key.split(".")
+        if getattr(getattr(lc, section), name) == "auto" and used(lc):
+            raise ConfigError(f"long_context.{key}", "'auto' is resolved by ds_longctx.initialize (the planner, for "
+                              "this machine's budgets) and reached the model unresolved", "go through "
+                              "ds_longctx.initialize, or resolve it with ds_longctx.planner.resolve_auto, or give a "
+                              "value")
     if check == "world":
         check_against(lc, model_config, layout.world, sequence_length)
     needs_facts = att.implementation == "untied_ulysses" or (att.implementation == "ulysses" and sp > 1)
