@@ -404,7 +404,9 @@ def check_train_batch_size(ds_config: dict, world_size: int, sp: int) -> None:
     gas = ds_config.get("gradient_accumulation_steps")
     if not isinstance(tbs, int) or world_size % sp:
         return  # absent or "auto" (the HF integration fills it); bad types are check_batch_sizes' job
-    dp = world_size // sp
+    from .layout import Layout
+
+    dp = Layout(world=world_size, sp=sp).dp
     m = micro if isinstance(micro, int) else None
     g = gas if isinstance(gas, int) else None
     if m is not None and g is not None:

@@ -56,7 +56,7 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
     from .models.logits import logit_transform
 
     logit_fn = logit_transform(model)  # the model's own lm_head -> loss transform (ConfigError if unknown)
-    sp_loss = comm.SPLoss(group=spec.group, grad_scale=spec.grad_scale)
+    sp_loss = comm.SPLoss(group=spec.group, grad_scale=spec.grad_scale, sp=spec.sp)
     sp = spec.sp
     tiled = spec.config.tiled_loss
     if tiled.enabled:
