@@ -2,10 +2,10 @@
 
 Public API: ``initialize`` (drop-in for ``deepspeed.initialize``), ``enable``/``disable`` (route
 ``deepspeed.initialize`` through ds_longctx for Trainer/TRL/Accelerate), ``model_init`` (ZeRO-3
-partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner); ``patch_model`` and ``LongContextSpec`` (the
-resolved setup every install trusts); ``ConfigError`` (bad config) and ``BatchError`` (bad batch), both a
-``LongContextError`` (a ``ValueError``); ``shutdown`` (end
-every rank's script with it), ``main_guard``/``run`` (an error on any rank ends the whole job).
+partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner); ``patch_model`` and
+``LongContextSpec`` (the resolved setup every install trusts); ``ConfigError`` (bad config) and ``BatchError``
+(bad batch), both a ``LongContextError`` (a ``ValueError``); ``shutdown`` (end every rank's script with it),
+``main_guard``/``run`` (an error on any rank ends the whole job).
 """
 from .config import LongContextConfig
 from .errors import BatchError, ConfigError, LongContextError
