@@ -426,6 +426,7 @@ def part_block(dev, dtype, args):
 
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
 
     cfg = LlamaConfig(hidden_size=args.block_hidden, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=args.block_hidden // 8, num_hidden_layers=2, vocab_size=4096,
@@ -436,7 +437,7 @@ def part_block(dev, dtype, args):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
         model = model.to(device=dev, dtype=dt).train()
-        handle = patch_model(model, parse({"long_context": lc}), group=None) if lc else None
+        handle = patch_model(model, build_spec(parse({"long_context": lc}), model.config)) if lc else None
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = {n: p.grad.detach().double() for n, p in model.named_parameters()}
@@ -475,6 +476,7 @@ def part_keep(dev, dtype, args):
 
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
 
     h = SHAPES["hidden"]
     cfg = LlamaConfig(hidden_size=h, num_attention_heads=SHAPES["heads"], num_key_value_heads=SHAPES["kv_heads"],
@@ -494,7 +496,7 @@ def part_keep(dev, dtype, args):
                                 "fuse_projections": True},
                   "activation_checkpointing": {"enabled": True, "keep_attention_output": keep},
                   "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}, "rms_norm": {"enabled": True}}
-            patch_model(m, parse({"long_context": lc}), group=None)
+            patch_model(m, build_spec(parse({"long_context": lc}), m.config))
             models["keep" if keep else "recompute"] = m
 
         def step(m):

@@ -50,8 +50,9 @@ def install(model, lc: dict):
     imports no DeepSpeed at SP=1, which is absent on the GPU image."""
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
 
-    return patch_model(model, parse({"long_context": lc}), group=None, grad_scale=1.0)
+    return patch_model(model, build_spec(parse({"long_context": lc}), model.config))
 
 
 def run_row(args, name, lc):

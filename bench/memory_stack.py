@@ -22,14 +22,10 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
-ROWS = [
-    ("none", {}),
-    ("+checkpointing", {"activation_checkpointing": {"enabled": True}}),
-    ("+offload", {"activation_checkpointing": {"enabled": True, "offload": "cpu"}}),
-    ("+tiled MLP", {"tiled_mlp": {"enabled": True, "shards": "auto"}}),
-    ("+tiled loss", {"tiled_loss": {"enabled": True, "shards": "auto"}}),
-    ("+untied attention", {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1}}),
-]
+# the rows: nothing, then the planner's stack ladder (ds_longctx.planner.search.STACK_STEPS: one definition for
+# the planner's --compare, this bench and bench/gpu_memory_stack.py) up to untied attention, at its defaults
+# (shards "auto", heads_per_chunk 1)
+LAST_ROW = "+untied attention"
 
 
 # not cumulative: the tiled-loss row without the tiled MLP, to show the MLP's share once the logits
@@ -39,11 +35,9 @@ EXTRA = [("offload + tiled loss, no tiled MLP", {"activation_checkpointing": {"e
 
 
 def cumulative_rows():
-    acc, out = {}, []
-    for name, add in ROWS:
-        acc = {**acc, **add}
-        out.append((name, json.loads(json.dumps(acc))))
-    return out + EXTRA
+    from ds_longctx.planner.search import stack_ladder
+
+    return [("none", {})] + stack_ladder(upto=LAST_ROW) + EXTRA
 
 
 def build(args):
@@ -85,12 +79,13 @@ def _tag_modules(model, tracker):
 def run_row(args, name, lc):
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
     from ds_longctx.measure.live_bytes import LiveBytesTracker
 
     model = build(args)
     model.train()
     cfg = parse({"long_context": lc})
-    patch_model(model, cfg, group=None, grad_scale=1.0)
+    patch_model(model, build_spec(cfg, model.config))
     handle = getattr(model, "_ds_longctx_memory", None)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=g)

@@ -108,6 +108,7 @@ def measure_alternating(configs, reps):
     own steps and unpatched after them."""
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
 
     models = {c: _build(*c) for c in configs}
     inputs = {s: torch.randint(0, MODEL["vocab_size"], (1, s)) for s in {c[0] for c in configs}}
@@ -116,7 +117,7 @@ def measure_alternating(configs, reps):
         for c in configs:
             seq, variant = c
             model, ids = models[c], inputs[seq]
-            patched = patch_model(model, parse(ds_config(seq, variant)), None, 1.0)
+            patched = patch_model(model, build_spec(parse(ds_config(seq, variant)), model.config))
             pos = torch.arange(seq).unsqueeze(0)
             t0 = time.perf_counter()
             model(input_ids=ids, position_ids=pos, shift_labels=ids).loss.backward()

@@ -2,15 +2,19 @@
 
 Public API: ``initialize`` (drop-in for ``deepspeed.initialize``), ``enable``/``disable`` (route
 ``deepspeed.initialize`` through ds_longctx for Trainer/TRL/Accelerate), ``model_init`` (ZeRO-3
-partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner); ``shutdown`` (end
-every rank's script with it), ``main_guard``/``run`` (an error on any rank ends the whole job).
+partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner); ``patch_model`` and
+``LongContextSpec`` (the resolved setup every install trusts); ``ConfigError`` (bad config) and ``BatchError``
+(bad batch), both a ``LongContextError`` (a ``ValueError``); ``shutdown`` (end every rank's script with it),
+``main_guard``/``run`` (an error on any rank ends the whole job).
 """
 from .config import LongContextConfig
-from .errors import ConfigError
+from .errors import BatchError, ConfigError, LongContextError
 # Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
 # the submodule of the same name loaded, keeps `ds_longctx.initialize` the function for good.
 from .initialize import initialize, model_init
+from .patch import patch_model
 from .runtime import main_guard, run, shutdown
+from .spec import LongContextSpec
 
 __version__ = "0.1.0"
 
@@ -46,4 +50,5 @@ def plan(*args, **kwargs):
 
 
 __all__ = ["initialize", "model_init", "enable", "disable", "plan", "shutdown", "main_guard", "run", "LongContextConfig",
-           "ConfigError", "__version__"]
+           "ConfigError", "BatchError", "LongContextError", "LongContextSpec", "patch_model",
+           "__version__"]

@@ -6,6 +6,7 @@ sequence-data-parallel group is every rank), so ZeRO and DeepSpeed's Ulysses see
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -88,17 +89,19 @@ class SPLoss:
     value: sum over SP ranks of CE sums / number of valid tokens over SP ranks (the single-process
     loss). gradient: that of ``scale * local_sum / N`` so that DeepSpeed's reduction yields the
     single-process gradient. A rank with no valid labels contributes 0 (never NaN); a sample with no
-    valid labels anywhere gives loss 0 with zero gradient.
+    valid labels anywhere gives loss 0 with zero gradient. ``sp``: the group's size when the caller knows it
+    (patch_model passes the spec's); None: read from the group.
     """
 
-    def __init__(self, group=None, grad_scale: float = 1.0):
+    def __init__(self, group=None, grad_scale: float = 1.0, sp: Optional[int] = None):
         self.group = group
         self.grad_scale = grad_scale
+        self.sp = sp if sp is not None else (1 if group is None else dist.get_world_size(group))
 
     def __call__(self, local_sum: torch.Tensor, local_count: torch.Tensor) -> torch.Tensor:
         local_sum = local_sum.float()
         stats = torch.stack([local_sum.detach(), local_count.detach().to(local_sum.dtype)])
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        if self.group is not None and self.sp > 1:
             dist.all_reduce(stats, group=self.group)
         total, count = stats[0], stats[1]
         denom = torch.clamp(count, min=1.0)

@@ -251,9 +251,11 @@ def _tiled_output_class():
 
 def active_stack_line(lc, model=None, world: int = 1, zero_stage: Optional[int] = None, grad_scale=None) -> str:
     """One line stating what initialize switched on, so a user sees the keys took effect."""
+    from .layout import Layout
+
     sp = lc.sequence_parallel_size
     att = lc.attention
-    parts = [f"SP {sp} x DP {max(world // sp, 1)} (world {world})"]
+    parts = [f"SP {sp} x DP {max(Layout(world=world, sp=sp).dp, 1)} (world {world})"]
     attn = att.implementation
     if attn == "untied_ulysses":
         attn += f"(heads_per_chunk={att.heads_per_chunk}, fuse_projections={att.fuse_projections})"

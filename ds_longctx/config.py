@@ -13,8 +13,7 @@ from typing_extensions import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .attention.heads import check_heads_per_chunk, check_sp_heads
-from .attention.kernels import kernel_names
+from .attention.kernels import KERNEL_KEY, available_backends, backend_for, is_available, is_known, kernel_names
 from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
 
 SECTION = "long_context"
@@ -413,7 +412,9 @@ def check_train_batch_size(ds_config: dict, world_size: int, sp: int) -> None:
     gas = ds_config.get("gradient_accumulation_steps")
     if not isinstance(tbs, int) or world_size % sp:
         return  # absent or "auto" (the HF integration fills it); bad types are check_batch_sizes' job
-    dp = world_size // sp
+    from .layout import Layout
+
+    dp = Layout(world=world_size, sp=sp).dp
     m = micro if isinstance(micro, int) else None
     g = gas if isinstance(gas, int) else None
     if m is not None and g is not None:
@@ -437,6 +438,61 @@ def check_train_batch_size(ds_config: dict, world_size: int, sp: int) -> None:
 
 _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
                      "transformers' own attention runs it exactly")
+
+
+HPC_KEY = f"{SECTION}.attention.heads_per_chunk"
+
+
+def check_sp_heads(heads: int, kv_heads: int, sp: int) -> None:
+    """Ulysses scatters query heads over the SP ranks; KV heads are scattered or replicated."""
+    if heads % sp != 0:
+        raise ConfigError("sequence_parallel_size", f"{sp} does not divide the {heads} attention heads",
+                          f"pick a degree that divides {heads}")
+    if kv_heads % sp != 0 and sp % kv_heads != 0:
+        raise ConfigError("sequence_parallel_size",
+                          f"{sp} neither divides nor is divided by the {kv_heads} key/value heads",
+                          f"pick a degree that divides {kv_heads} or is a multiple of it")
+
+
+def check_heads_per_chunk(hpc, heads: int, kv_heads: int, sp: int) -> None:
+    """``hpc`` query heads per stage must be a positive integer dividing the heads per rank (the one check of
+    it: ``check_against`` for initialize, the spec builder for a direct ``patch_model``)."""
+    if not isinstance(hpc, int) or isinstance(hpc, bool) or hpc < 1:
+        raise ConfigError(HPC_KEY, f"must be a positive integer here, got {hpc!r}",
+                          "use 1 for the most memory saving (ds_longctx.initialize resolves 'auto' first)")
+    check_sp_heads(heads, kv_heads, sp)
+    local = heads // sp
+    if local % hpc != 0:
+        valid = [d for d in range(1, local + 1) if local % d == 0]
+        raise ConfigError(HPC_KEY, f"{hpc} does not divide the {local} query heads per rank ({heads} heads / SP {sp})",
+                          f"use one of {valid}")
+
+
+_KERNEL_HINTS = {"flash_attention_2": "pip install flash-attn (needs CUDA)",
+                 "flash_attention_3": "install FA3 (flash_attn_interface, Hopper GPU)"}
+
+
+def check_kernel(name: str) -> str:
+    """Validate a value of ``long_context.attention.kernel`` against this machine, without any tensor (the
+    one check of the name: the spec builder calls it; installs and ops trust it). Returns it."""
+    if not is_known(name):
+        raise ConfigError(KERNEL_KEY, f"unknown kernel {name!r}", f"use one of {', '.join(kernel_names())}")
+    if not is_available(name):
+        hint = _KERNEL_HINTS.get(name, "")
+        raise ConfigError(KERNEL_KEY, f"{name!r} is not available on this machine (found: {available_backends()})",
+                          f"{hint + '; or ' if hint else ''}set it to 'auto' or 'sdpa'")
+    return name
+
+
+def get_backend(name: str, device):
+    """The kernel backend for the config value ``name`` on ``device``: :func:`check_kernel`, then
+    ``attention.kernels.backend_for``, whose ValueError (no such kernel for the device) becomes a ConfigError
+    naming the key. For direct callers; installs hold the spec's ``KernelChoice``."""
+    check_kernel(name)
+    try:
+        return backend_for(name, device)
+    except ValueError as e:
+        raise ConfigError(KERNEL_KEY, str(e), "set it to 'auto' or run on a device the kernel supports") from None
 
 
 def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], layer_kinds: bool = True) -> None:

@@ -8,7 +8,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .errors import ConfigError
+from .errors import BatchError, ConfigError
 from .loss import IGNORE_INDEX, shift_labels_of
 
 # ---------------------------------------------------------------------------------------------
@@ -31,20 +31,20 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     from .attention.documents import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
 
     if "input_ids" not in batch:
-        raise ConfigError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")
+        raise BatchError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
-        raise ConfigError("batch.input_ids", f"expected shape [batch, seq], got {tuple(input_ids.shape)}",
+        raise BatchError("batch.input_ids", f"expected shape [batch, seq], got {tuple(input_ids.shape)}",
                           "collate samples into a 2-D tensor")
     bsz, seq = input_ids.shape
     if seq % sp_size != 0:
-        raise ConfigError("batch.input_ids", f"sequence length {seq} is not divisible by "
+        raise BatchError("batch.input_ids", f"sequence length {seq} is not divisible by "
                           f"sequence_parallel_size={sp_size}",
                           f"pad samples at the end to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size}) "
                           "with attention_mask 0 on the padding (shard_batch turns a right-padded tail into an "
                           "ignored document: no attention to it, no loss on it), or cut them")
     if BATCH_KEY in batch:
-        raise ConfigError(f"batch.{BATCH_KEY}", "is already set: this batch was sharded before",
+        raise BatchError(f"batch.{BATCH_KEY}", "is already set: this batch was sharded before",
                           "shard each full batch once")
     out: Dict[str, torch.Tensor] = {}
     if "shift_labels" in batch:

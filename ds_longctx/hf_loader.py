@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .attention.documents import document_structure
-from .errors import ConfigError
+from .errors import BatchError, LongContextError, error_class
 from .loss import IGNORE_INDEX
 
 # TRL's padding-free collator (trl.trainer.sft_trainer.DataCollatorForLanguageModeling) adds these
@@ -60,7 +60,7 @@ def _varlen_checked(batch: dict) -> dict:
         if cu is None:
             continue
         if ids.shape[0] != 1 or pos is None:
-            raise ConfigError(f"batch.{key}", f"is given for input_ids {tuple(ids.shape)} "
+            raise BatchError(f"batch.{key}", f"is given for input_ids {tuple(ids.shape)} "
                               f"{'without position_ids' if pos is None else '(more than one row)'}; "
                               "ds_longctx reads document boundaries from position_ids restarting per document",
                               "use TRL's padding-free collator as is (one flattened row with position_ids), or "
@@ -68,7 +68,7 @@ def _varlen_checked(batch: dict) -> dict:
         want = document_structure(ids, pos)[0][0].tolist()  # shard_batch's own reading of position_ids
         got = cu.detach().to("cpu", torch.long).flatten().tolist()
         if got != want:
-            raise ConfigError(f"batch.{key}", f"gives document boundaries {got[:8]}{'...' if len(got) > 8 else ''} "
+            raise BatchError(f"batch.{key}", f"gives document boundaries {got[:8]}{'...' if len(got) > 8 else ''} "
                               f"but position_ids give {want[:8]}{'...' if len(want) > 8 else ''}",
                               "make position_ids restart at 0 exactly at every document start")
     return out
@@ -105,11 +105,11 @@ def _checked_batch(batch, sp: int) -> dict:
     from .data import shard_batch
 
     if not isinstance(batch, dict):
-        raise ConfigError("batch", f"is a {type(batch).__name__}; the SP data loader takes dict batches",
+        raise BatchError("batch", f"is a {type(batch).__name__}; the SP data loader takes dict batches",
                           "collate samples into a dict with input_ids (labels, position_ids)")
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ConfigError("batch.input_ids", f"expected a [batch, seq] tensor, got "
+        raise BatchError("batch.input_ids", f"expected a [batch, seq] tensor, got "
                           f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}",
                           "collate samples into a 2-D tensor")
     seq = ids.shape[1]
@@ -117,7 +117,7 @@ def _checked_batch(batch, sp: int) -> dict:
         if (k not in _VARLEN_KEYS and k not in ("input_ids", "labels", "shift_labels", "position_ids",
                                                  "attention_mask") and isinstance(v, torch.Tensor)
                 and v.dim() >= 2 and v.shape[1] == seq):
-            raise ConfigError(f"batch.{k}", f"has the sequence dimension ({tuple(v.shape)}) but ds_longctx's SP "
+            raise BatchError(f"batch.{k}", f"has the sequence dimension ({tuple(v.shape)}) but ds_longctx's SP "
                               "data loader only knows how to shard input_ids, labels, shift_labels, position_ids "
                               "and attention_mask", f"drop '{k}' from the collator's output if the model and loss do not "
                               "read it (a loss mask belongs in labels as -100, which the loader shards); a per-token "
@@ -191,7 +191,7 @@ class SPTurnsAdapter:
             raise StopIteration
         if any(d is None for d in descs):
             ended = [r for r, d in enumerate(descs) if d is None]
-            raise ConfigError("train data loader", f"ran out on SP ranks {ended} while the other ranks of the SP "
+            raise BatchError("train data loader", f"ran out on SP ranks {ended} while the other ranks of the SP "
                               "group still had batches (the group takes turns on each rank's batch)",
                               "give every rank the same number of batches (Accelerate's even_batches=True, "
                               "drop_last=True)")
@@ -199,7 +199,7 @@ class SPTurnsAdapter:
         if self.replicated is None:
             self.replicated = same
         elif self.replicated and not same:
-            raise ConfigError("train data loader", "gave every rank of the SP group the same batches at first "
+            raise BatchError("train data loader", "gave every rank of the SP group the same batches at first "
                               "(a loader sharded over data-parallel ranks only, each sample trained once) and "
                               "now different ones", "give the SP ranks of a group either always the same "
                               "batches or always different ones")
@@ -212,20 +212,20 @@ class SPTurnsAdapter:
 
 def _exchange_descriptions(batch, sp: int, group):
     """Check this rank's batch (None: out of batches) and all-gather (description, fingerprint) over the
-    SP group; a bad batch on any rank is the same ConfigError on every rank, raised after the exchange."""
+    SP group; a bad batch on any rank is the same BatchError on every rank, raised after the exchange."""
     desc = None
     if batch is not None:
         try:
             batch = _checked_batch(batch, sp)
             desc = _describe(batch)
-        except ConfigError as e:  # raised below on every rank of the group, before the broadcasts
-            desc = ("error", e.key, e.problem, e.fix)  # (a ConfigError itself does not unpickle)
+        except LongContextError as e:  # raised below on every rank of the group, before the broadcasts
+            desc = ("error", e.key, e.problem, e.fix, type(e).__name__)
     gathered = [None] * sp
     dist.all_gather_object(gathered, (desc, _fingerprint(batch) if isinstance(desc, dict) else None), group=group)
     for r, (d, _) in enumerate(gathered):
         if isinstance(d, tuple):
-            _, key, problem, fix = d
-            raise ConfigError(key, f"(SP rank {r}'s batch) {problem}", fix)
+            _, key, problem, fix, kind = d
+            raise error_class(kind)(key, f"(SP rank {r}'s batch) {problem}", fix)
     return batch, gathered
 
 

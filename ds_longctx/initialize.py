@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .launch import master_port
 from .layout import Layout, zero_stage
 from .patch import patch_model
+from .spec import build_spec
 
 logger = logging.getLogger("ds_longctx")
 
@@ -133,25 +134,36 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     init_distributed(distributed_port, dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
-    check_against(lc, model_config, world)  # same verdict on every rank, before any group is built
+    hpc_auto, auto = lc.attention.heads_per_chunk == "auto", _has_auto(lc)
+    # same verdict on every rank, before any group is built: the spec builder checks the config against the
+    # model and the world (config.check_against) and the kernel against this machine; with "auto" the world
+    # check runs now (before rank 0's planner and its broadcast), and the spec is built once "auto" is resolved
+    spec = None
+    if auto:
+        check_against(lc, model_config, world)
+    else:
+        spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world))
     if mpu is None:  # Accelerate's layout (with an mpu) has its own, clearer check
         check_train_batch_size(ds_config, world, sp)
     from .models.logits import describe_logit_path
 
     describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective
 
-    if _has_auto(lc):
-        # the planner checked every candidate against the model and world (Planner.run: check_against)
+    if auto:
+        # the planner picked among valid candidates (e.g. divisors of the heads per rank): a new config, a new
+        # spec; check_against ran above with these knobs unresolved, so the builder checks only what it skipped
+        # (an "auto" heads_per_chunk): each value is checked once
         ds_config = _resolve_auto(ds_config, model_config, world)
         lc = parse(ds_config)
+        spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world), check="heads" if hpc_auto else "done")
 
     ds_mpu = comm.initialize_groups(sp)
     compat.check_mpu(mpu, sp)
-    group = comm.sp_group() if sp > 1 else None
+    spec = spec.with_group(comm.sp_group() if sp > 1 else None)
     # register_with_transformers ran first: don't wrap twice (through the registry, undone with our install)
     compat.replace_deepspeed_ulysses_registration()
-    layout = Layout.build(ds_config, sp)
-    patch_model(model, lc, group, layout.grad_scale)
+    layout = spec.layout
+    patch_model(model, spec)
 
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         # deepspeed.initialize refuses a config given both ways; we pass the parsed dict.
@@ -161,15 +173,16 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         distributed_port=master_port(distributed_port), mpu=ds_mpu, dist_init_required=dist_init_required,
         config=ds_config, mesh_param=mesh_param)
-    engine.long_context = lc
+    engine.long_context = spec.config
     engine.long_context_layout = layout
+    engine.long_context_spec = spec
 
     loader = None
     if training_data is not None:
         loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                               sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=layout.dp,
                               collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
-    compat.log_active_stack(lc, model, layout.world, layout.zero_stage, layout.grad_scale)  # rank 0
+    compat.log_active_stack(spec.config, model, layout.world, layout.zero_stage, layout.grad_scale)  # rank 0
     return engine, opt, loader, sched
 
 

@@ -29,12 +29,15 @@ TypeError in ``torch.Size``). While enabled it is given the model's config with 
 :func:`ds_longctx.models.attention_shape` (the values the model's attention modules compute), nothing else
 changed.
 
-All four patches are process-global; this module is their one owner. ``disable()`` undoes them.
+Whether a ``deepspeed.initialize`` call comes from Accelerate (whose loader then needs a
+``ParallelismConfig`` for SP, checked here) is known explicitly: while enabled,
+``accelerate.Accelerator._prepare_deepspeed`` is wrapped to mark its thread for the duration of the call.
+
+All five patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
 import inspect
-import sys
 import threading
 
 from .config import SECTION, load_ds_config
@@ -42,8 +45,10 @@ from .errors import ConfigError
 
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
 #                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,
-#                       "register" -> UlyssesSPAttentionHF.register_with_transformers (as found in its __dict__)
+#                       "register" -> UlyssesSPAttentionHF.register_with_transformers (as found in its __dict__),
+#                       "accelerate_prepare" -> accelerate.Accelerator._prepare_deepspeed
 _inside = threading.local()  # ds_longctx.initialize calls deepspeed.initialize: that call is DeepSpeed's
+_in_accelerate = threading.local()  # inside Accelerator._prepare_deepspeed (see _called_from_accelerate)
 _LAST = {"ds_longctx": False}  # did the last routed deepspeed.initialize build a ds_longctx engine?
 _ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
@@ -66,6 +71,7 @@ def enable() -> None:
     _LAST["ds_longctx"] = False
     _install_sp_adapter()
     _install_register()
+    _install_accelerate_mark()
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
@@ -91,6 +97,10 @@ def disable() -> None:
 
         importlib.import_module(_ULYSSES_MODULE).UlyssesSPAttentionHF.register_with_transformers = \
             _ORIGINALS.pop("register")
+    if "accelerate_prepare" in _ORIGINALS:
+        from accelerate import Accelerator
+
+        Accelerator._prepare_deepspeed = _ORIGINALS.pop("accelerate_prepare")
     if "sp_loss" in _ORIGINALS:
         import transformers.trainer as hf_trainer
 
@@ -110,14 +120,36 @@ def _bound(fn, args, kwargs) -> dict:
 
 
 def _called_from_accelerate() -> bool:
-    f = sys._getframe(2)
-    for _ in range(4):
-        if f is None:
-            return False
-        if f.f_globals.get("__name__", "").startswith("accelerate.") and f.f_code.co_name == "_prepare_deepspeed":
-            return True
-        f = f.f_back
-    return False
+    """True inside ``accelerate.Accelerator._prepare_deepspeed`` (the HF Trainer's, TRL's and a plain
+    Accelerate loop's way to DeepSpeed): while enabled, that method is wrapped (:func:`_install_accelerate_mark`)
+    to mark its thread for the duration of the call, so the ``deepspeed.initialize`` it makes knows where it
+    comes from without looking at the caller's frames."""
+    return getattr(_in_accelerate, "depth", 0) > 0
+
+
+def _install_accelerate_mark() -> None:
+    """Wrap ``Accelerator._prepare_deepspeed`` (looked up on the class at call time by ``prepare``) so that
+    calls made inside it are marked as Accelerate's; ``disable()`` puts the original back."""
+    import functools
+
+    try:
+        from accelerate import Accelerator
+    except ImportError:  # no Accelerate: nothing can call deepspeed.initialize from it
+        return
+    original = Accelerator.__dict__.get("_prepare_deepspeed")
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def _prepare_deepspeed(self, *args, **kwargs):
+        _in_accelerate.depth = getattr(_in_accelerate, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _in_accelerate.depth -= 1
+
+    _ORIGINALS["accelerate_prepare"] = original
+    Accelerator._prepare_deepspeed = _prepare_deepspeed
 
 
 def check_sp_wiring(ds_config: dict, mpu, from_accelerate: bool) -> None:
@@ -144,6 +176,8 @@ def check_accelerate_layout(ds_config: dict, mpu) -> None:
     dp_replicate_size=2 reaches DeepSpeed as a batch-size mismatch naming neither. Say what to set."""
     import torch.distributed as dist
 
+    from .layout import Layout
+
     if mpu is None or not dist.is_available() or not dist.is_initialized():
         return
     try:
@@ -159,7 +193,7 @@ def check_accelerate_layout(ds_config: dict, mpu) -> None:
                           f"of the {world} ranks (Accelerate sets train_batch_size={tbs} from the dp sizes declared "
                           "in ParallelismConfig)",
                           f"pass ParallelismConfig(sp_backend='deepspeed', sp_size={sp}, "
-                          f"dp_replicate_size={world // sp}) so that sp_size x dp sizes = {world}")
+                          f"dp_replicate_size={Layout(world=world, sp=sp).dp}) so that sp_size x dp sizes = {world}")
 
 
 def _routed_initialize(*args, **kwargs):

@@ -11,20 +11,20 @@ import types
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import comm
-from .config import LongContextConfig
-from .errors import ConfigError
+from .errors import BatchError, ConfigError
 from .loss import causal_lm_loss_sum, shift_labels_of
+from .spec import LongContextSpec, spec_for_group
 
 
 class PatchHandle:
     """Everything :func:`patch_model` installed on one model; ``remove()`` undoes all of it."""
 
-    def __init__(self, model, lc: LongContextConfig):
+    def __init__(self, model, spec: LongContextSpec):
         self.model = model
-        self.lc = lc
+        self.spec = spec
+        self.lc = spec.config
         self.attention = None   # registry.Installation (Ulysses / function-level untied) or UntiedInstall
         self.memory = None      # memory.MemoryStackHandle
         self.loss_forward = False
@@ -50,21 +50,16 @@ class PatchHandle:
         self.swapped = []
 
 
-def _sp_of(group) -> int:
-    # the group given, not DeepSpeed's registered one: None means SP=1 (and no DeepSpeed import)
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float) -> None:
+def _install_loss_forward(model, spec: LongContextSpec) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
     from .compat import causal_lm_output
     from .models.logits import decoder_of, logit_transform
 
     logit_fn = logit_transform(model)  # the model's own lm_head -> loss transform (ConfigError if unknown)
     decoder_of(model)  # found now (ConfigError at patch time, not at the first forward)
-    sp_loss = comm.SPLoss(group=group, grad_scale=grad_scale)
-    sp = _sp_of(group)
-    tiled = lc.tiled_loss
+    sp_loss = comm.SPLoss(group=spec.group, grad_scale=spec.grad_scale, sp=spec.sp)
+    sp = spec.sp
+    tiled = spec.config.tiled_loss
     if tiled.enabled:
         from .memory.tiling import tiled_causal_lm_loss_sum
     # lm_head parameters the model uses elsewhere too (tied input embeddings: Llama-3.2, Gemma, Qwen small)
@@ -83,12 +78,12 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
         unshifted = shift_labels is None
         if shift_labels is None:
             if sp > 1:
-                raise ConfigError("batch.labels", "unshifted labels on a sequence shard lose the target of the "
+                raise BatchError("batch.labels", "unshifted labels on a sequence shard lose the target of the "
                                   "shard's last token", "feed batches from the loader returned by "
                                   "ds_longctx.initialize, or shard with ds_longctx.data.shard_batch")
             shift_labels = shift_labels_of(labels)
         if sp > 1 and position_ids is None:
-            raise ConfigError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
+            raise BatchError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
                               "feed batches from the loader returned by ds_longctx.initialize, or shard with "
                               "ds_longctx.data.shard_batch")
         kwargs.pop("use_cache", None)
@@ -107,7 +102,7 @@ def _install_loss_forward(model, lc: LongContextConfig, group, grad_scale: float
             loss = sp_loss(-fields["log_probs"].sum(), fields["label_mask"].sum())
             return fused_lm_head_output(loss, fields)
         if tiled.enabled:
-            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, tiled.shards, group,
+            loss_sum, count = tiled_causal_lm_loss_sum(hidden, self.lm_head, shift_labels, spec.loss_shards,
                                                        logit_fn, shared=tied)
         else:
             loss_sum, count, logits = causal_lm_loss_sum(hidden, self.lm_head, shift_labels, logit_fn)
@@ -128,8 +123,25 @@ def _show_in_repr(model, handle: PatchHandle) -> None:
     model.extra_repr = types.MethodType(extra_repr, model)
 
 
-def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.0) -> PatchHandle:
+def _check_model_against(model, lc) -> None:
+    """What the config asks of the built model (not of its config): refused before anything is installed."""
+    if lc.activation_checkpointing.enabled:
+        from .memory.checkpointing import decoder_layers, supported_names
+
+        if not decoder_layers(model):
+            raise ConfigError("long_context.activation_checkpointing.enabled",
+                              f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to "
+                              "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
+                              "enabled=false")
+
+
+def patch_model(model, spec, group=None, grad_scale: float = 1.0) -> PatchHandle:
     """Install the configured attention, memory stack and SP loss on a built HF causal LM.
+
+    ``spec``: a :class:`ds_longctx.spec.LongContextSpec` (``spec.build_spec``; what ``initialize`` builds),
+    trusted as built. The older form ``patch_model(model, lc, group=None, grad_scale=1.0)`` (a parsed
+    ``LongContextConfig``, the SP group or None for SP 1, the SP loss's gradient scale) builds the spec
+    through the same builder first (``spec.spec_for_group``: ``heads_per_chunk`` and the kernel checked there).
 
     Returns a :class:`PatchHandle` (also stored as ``model._ds_longctx_patch``) whose ``remove()``
     undoes every patch. Issues no collectives, so the planner can run it under a fake process group.
@@ -137,43 +149,50 @@ def patch_model(model, lc: LongContextConfig, group=None, grad_scale: float = 1.
     if getattr(model, "_ds_longctx_patch", None) is not None:
         raise RuntimeError("model is already patched by ds_longctx (initialize it once, or call "
                            "model._ds_longctx_patch.remove() first)")
-    handle = PatchHandle(model, lc)
+    if not isinstance(spec, LongContextSpec):
+        spec = spec_for_group(spec, getattr(model, "config", None), group, grad_scale)
+    elif group is not None:
+        raise TypeError("patch_model(model, spec): the SP group travels in the spec (build_spec(..., group=...) or "
+                        "spec.with_group(group)), not as an argument")
+    lc = spec.config
+    _check_model_against(model, lc)
+    handle = PatchHandle(model, spec)
     impl = lc.attention.implementation
-    sp = _sp_of(group)
+    sp = spec.sp
     try:
         if impl == "ulysses" and sp > 1:
             from .attention.ulysses import install_ulysses
 
-            handle.attention = install_ulysses(model, group)
+            handle.attention = install_ulysses(model, spec)
             handle.swapped.append(f"attention=DeepSpeed Ulysses (sp={sp})")
         elif impl == "untied_ulysses":
             from .attention.hf import install_untied
 
-            handle.attention = install_untied(model, lc.attention, group)
+            handle.attention = install_untied(model, spec)
             a = lc.attention
             path = "fused projections" if a.fuse_projections else "attention-function level"
-            handle.swapped.append(f"attention=untied Ulysses ({path}, sp={sp}, heads_per_chunk={a.heads_per_chunk}, "
-                                  f"kernel={a.kernel})")
+            handle.swapped.append(f"attention=untied Ulysses ({path}, sp={sp}, heads_per_chunk="
+                                  f"{spec.heads_per_chunk}, kernel={spec.kernel.name})")
         ac, tm = lc.activation_checkpointing, lc.tiled_mlp
         if ac.enabled or tm.enabled or lc.rms_norm.enabled:
             from .memory import apply_memory_stack
 
-            handle.memory = apply_memory_stack(model, lc, group)
+            handle.memory = apply_memory_stack(model, spec)
             model._ds_longctx_memory = handle.memory
             st = handle.memory.stats()
             handle.swapped.append(f"memory: checkpointed_layers={st['checkpointed_layers']} "
                                   f"(offload={ac.offload}), tiled_mlps={st['tiled_mlps']}, "
                                   f"rms_norms={st['rms_norms']}")
-        _install_loss_forward(model, lc, group, grad_scale)
+        _install_loss_forward(model, spec)
         handle.loss_forward = True
 
         # packed documents / padding -> per-document attention (ours reads them; "none" is HF's packed path)
-        own = impl == "untied_ulysses" or (impl == "ulysses" and sp > 1)
-        install_document_forward(model, group, own_attention=own)
+        own = spec.owns_attention
+        install_document_forward(model, spec.group, own_attention=own)
         handle.document_forward = True
         handle.swapped.append("documents=" + ("per-document attention" if own else "HF's packed path"))
         tl = lc.tiled_loss
-        handle.swapped.append(f"loss=SP token mean (grad_scale={grad_scale}, "
+        handle.swapped.append(f"loss=SP token mean (grad_scale={spec.grad_scale}, "
                               f"tiled={'shards=' + str(tl.shards) if tl.enabled else 'off'})")
     except BaseException:
         handle.remove()
@@ -245,14 +264,14 @@ def install_document_forward(model, group, own_attention: bool) -> None:
         docs = None
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
-                raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
-                                  "turns right padding into an ignored document, its targets dropped) and give the "
-                                  "model shard_batch's output without another mask")
+                raise BatchError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
+                                 "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                                 "turns right padding into an ignored document, its targets dropped) and give the "
+                                 "model shard_batch's output without another mask")
             attention_mask = None
             docs = Documents(cu)
             if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
-                raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
+                raise BatchError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
                                   f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
                                   "shard with ds_longctx.data.shard_batch")
         elif sp == 1 and input_ids is not None and (position_ids is not None or doc_lens is not None
@@ -267,7 +286,7 @@ def install_document_forward(model, group, own_attention: bool) -> None:
         # sp > 1 without doc_cu_seqlens: checked above (sp_batch.agree: one contiguous causal sample)
         if docs is not None and not docs.dense:
             if kwargs.get("use_cache"):
-                raise ConfigError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
+                raise BatchError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
                                   "builds a KV cache, so attention would cross documents", "call with use_cache=False")
             kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
             kwargs[DOCS_KWARG] = docs

@@ -91,11 +91,11 @@ def _flush() -> None:
 
 
 def report(exc: BaseException) -> None:
-    """Print ``exc`` to stderr, every line prefixed with this rank: a ConfigError as its one-line
-    message (it names the key and the fix), anything else as its full traceback."""
-    from .errors import ConfigError
+    """Print ``exc`` to stderr, every line prefixed with this rank: a ConfigError or BatchError as its
+    one-line message (it names the key and the fix), anything else as its full traceback."""
+    from .errors import LongContextError
 
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, LongContextError):
         text = f"ds_longctx: error: {exc}\n"
     else:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -3,7 +3,7 @@
 Every rank first checks its own shard (no collectives), then the group all-gathers one small header per
 rank: [fault, batch, local length, has doc_cu_seqlens, full-length eval batch]. A fault seen on any rank
 (a custom or padding mask next to ``doc_cu_seqlens``, unshifted labels, missing position_ids, ...) is then
-the same ConfigError on every rank, naming that rank, and shards of different shapes (cut by hand to 17 and
+the same BatchError on every rank, naming that rank, and shards of different shapes (cut by hand to 17 and
 16 tokens) are an error instead of a gloo abort in the first all-to-all. Without ``doc_cu_seqlens`` the
 shards must be one contiguous causal sample over the group (a second tiny all-gather of each sample's first
 and last position): the error then says which of packed, padded or unsharded it is.
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import BatchError, LongContextError, error_class
 
 _LOADER_FIX = ("feed batches from the loader returned by ds_longctx.initialize, or shard each full batch with "
                "ds_longctx.data.shard_batch(batch, sp_rank, sp_size)")
@@ -31,8 +31,8 @@ def is_full_eval_batch(training: bool, labels, shift_labels, cu) -> bool:
 
 
 def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp: int,
-                training: bool, kwargs) -> Optional[ConfigError]:
-    """This rank's own verdict on its shard (no collectives): the ConfigError to raise, or None."""
+                training: bool, kwargs) -> Optional[LongContextError]:
+    """This rank's own verdict on its shard (no collectives): the BatchError to raise, or None."""
     from .attention.documents import BATCH_KEY, LENS_KEY, Documents, custom_mask_error
 
     try:
@@ -40,41 +40,41 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
             raise custom_mask_error(attention_mask)
         if is_full_eval_batch(training, labels, shift_labels, cu):
             if torch.is_grad_enabled():
-                raise ConfigError("batch.labels", "are unshifted and the batch has no 'doc_cu_seqlens': a full-length "
+                raise BatchError("batch.labels", "are unshifted and the batch has no 'doc_cu_seqlens': a full-length "
                                   "batch, which in eval mode is sharded over the SP group in turns, but gradients are "
                                   "enabled (each rank's backward would pair with another rank's turn)",
                                   "evaluate under torch.no_grad(); to train, " + _LOADER_FIX)
             tensors = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
             if input_ids is None or tensors:
                 what = tensors[0] if tensors else "inputs_embeds"
-                raise ConfigError(f"batch.{what}", "cannot be sharded with a full-length eval batch",
-                                  "give input_ids, labels, position_ids and attention_mask only (a loss mask "
-                                  "belongs in labels as -100); a per-token input the model needs has no SP path yet: "
-                                  "evaluate at sequence_parallel_size 1")
+                raise BatchError(f"batch.{what}", "cannot be sharded with a full-length eval batch",
+                                 "give input_ids, labels, position_ids and attention_mask only (a loss mask "
+                                 "belongs in labels as -100); a per-token input the model needs has no SP path yet: "
+                                 "evaluate at sequence_parallel_size 1")
             return None  # sharded in turns: shard_batch checks it
         if doc_lens is not None:
-            raise ConfigError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
+            raise BatchError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
                               "ds_longctx.data.shard_batch (or the loader of initialize), which carries them")
         if cu is None and labels is not None and shift_labels is None:
-            raise ConfigError("batch.labels", "are unshifted and the batch has no 'doc_cu_seqlens': this is a "
+            raise BatchError("batch.labels", "are unshifted and the batch has no 'doc_cu_seqlens': this is a "
                               "full-length batch, not this rank's sequence shard (the target of a shard's last "
                               "token lives on the next rank)", _LOADER_FIX + "; for evaluation, call the model in "
                               "eval mode under torch.no_grad(), which shards a full-length batch itself")
         if position_ids is None:
-            raise ConfigError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
+            raise BatchError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
                               _LOADER_FIX)
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):
-                raise ConfigError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                  "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
-                                  "turns right padding into an ignored document, its targets dropped) and give the "
-                                  "model shard_batch's output without another mask")
+                raise BatchError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
+                                 "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                                 "turns right padding into an ignored document, its targets dropped) and give the "
+                                 "model shard_batch's output without another mask")
             docs = Documents(cu)
             if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
-                raise ConfigError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
+                raise BatchError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
                                   f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
                                   "shard with ds_longctx.data.shard_batch")
-    except ConfigError as e:
+    except LongContextError as e:
         return e
     return None
 
@@ -86,9 +86,9 @@ def _shape_of(input_ids, position_ids, kwargs):
     return 0, 0, torch.device("cpu")
 
 
-def agree(group, sp: int, fault: Optional[ConfigError], full_eval: bool, input_ids, position_ids, attention_mask,
+def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, input_ids, position_ids, attention_mask,
           cu, kwargs) -> None:
-    """One all-gather of every rank's header (module doc); raises the same ConfigError on every rank."""
+    """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank."""
     b, s, device = _shape_of(input_ids, position_ids, kwargs)
     head = torch.tensor([int(fault is not None), b, s, int(cu is not None), int(full_eval)], dtype=torch.long,
                         device=device)
@@ -97,23 +97,24 @@ def agree(group, sp: int, fault: Optional[ConfigError], full_eval: bool, input_i
     rows = torch.stack(parts).cpu().tolist()
     if any(r[0] for r in rows):
         msgs = [None] * sp
-        dist.all_gather_object(msgs, None if fault is None else (fault.key, fault.problem, fault.fix), group=group)
+        dist.all_gather_object(msgs, None if fault is None else (fault.key, fault.problem, fault.fix, type(fault).__name__),
+                               group=group)
         r = next(i for i, m in enumerate(msgs) if m is not None)
-        key, problem, fix = msgs[r]
-        raise ConfigError(key, f"(SP rank {r}'s shard) {problem}", fix)
+        key, problem, fix, kind = msgs[r]
+        raise error_class(kind)(key, f"(SP rank {r}'s shard) {problem}", fix)
     if len({r[4] for r in rows}) > 1:
         which = [i for i, r in enumerate(rows) if r[4]]
-        raise ConfigError("batch", f"SP ranks {which} hold full-length eval batches (labels, no doc_cu_seqlens, eval "
+        raise BatchError("batch", f"SP ranks {which} hold full-length eval batches (labels, no doc_cu_seqlens, eval "
                           "mode) and the others sequence shards", "give every rank of the SP group the same kind "
                           "of batch")
     if full_eval:
         return
     if len({r[3] for r in rows}) > 1:
         which = [i for i, r in enumerate(rows) if r[3]]
-        raise ConfigError("batch.doc_cu_seqlens", f"given on SP ranks {which} only", _LOADER_FIX)
+        raise BatchError("batch.doc_cu_seqlens", f"given on SP ranks {which} only", _LOADER_FIX)
     shapes = [(r[1], r[2]) for r in rows]
     if len(set(shapes)) > 1:
-        raise ConfigError("batch.input_ids", f"the SP ranks hold shards of [batch, tokens] {shapes}; the Ulysses "
+        raise BatchError("batch.input_ids", f"the SP ranks hold shards of [batch, tokens] {shapes}; the Ulysses "
                           "all-to-all needs shards of one shape on every rank of the group", _LOADER_FIX +
                           " (it cuts equal shards and refuses a length not divisible by the SP degree, saying how "
                           "to pad)")
@@ -143,7 +144,7 @@ def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
                    "this rank's sequence shard")
         fix = _LOADER_FIX + ("; for evaluation give labels and call the model in eval mode under torch.no_grad(), "
                              "which shards a full-length batch itself")
-        raise ConfigError("batch", problem, fix)
+        raise BatchError("batch", problem, fix)
     if not bool(allp[:, :, 3].all()):
         ranks = sorted({int(r) for r in (allp[:, :, 3] == 0).nonzero()[:, 0]})
         problem = f"the attention_mask on SP ranks {ranks} has padding"
@@ -152,7 +153,7 @@ def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
         problem = f"position_ids restart on SP ranks {ranks} (packed documents)"
     else:
         problem = "position_ids do not continue from one SP rank's shard to the next (packed documents)"
-    raise ConfigError("batch", f"{problem}, but the batch has no '{BATCH_KEY}': document boundaries are global and a "
+    raise BatchError("batch", f"{problem}, but the batch has no '{BATCH_KEY}': document boundaries are global and a "
                       "rank cannot see one on a shard edge", _LOADER_FIX)
 
 

@@ -71,12 +71,17 @@ def delta_errors(ref, got):
     return errs, raw
 
 
+BATCH_KEYS = ("batch", "use_cache", "train data loader")  # the keys of BatchError (a bad batch, not a config)
+
+
 def config_error(call, *args, **kwargs):
-    """The message of the ConfigError ``call(*args, **kwargs)`` raises, or None when it returns."""
-    from ds_longctx.errors import ConfigError
+    """The message of the ConfigError ``call(*args, **kwargs)`` raises (a BatchError where the key names the
+    batch), or None when it returns."""
+    from ds_longctx.errors import BatchError, ConfigError
 
     try:
         call(*args, **kwargs)
-    except ConfigError as e:
+    except (ConfigError, BatchError) as e:
+        assert isinstance(e, BatchError) == e.key.startswith(BATCH_KEYS), (type(e).__name__, str(e))
         return str(e)
     return None

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from ds_longctx.config import ConfigError
+from ds_longctx.errors import BatchError
 from ds_longctx.data import LongRangeCopy, SPDataLoader, shard_batch
 
 
@@ -29,7 +29,7 @@ def test_explicit_position_ids_and_batch_of_two():
 
 
 def test_indivisible_sequence_is_rejected():
-    with pytest.raises(ConfigError, match=r"batch.input_ids: sequence length 7 is not divisible by "
+    with pytest.raises(BatchError, match=r"batch.input_ids: sequence length 7 is not divisible by "
                                           r"sequence_parallel_size=2"):
         shard_batch({"input_ids": torch.zeros(1, 7, dtype=torch.long)}, 0, 2)
 
@@ -39,7 +39,7 @@ def test_right_padding_is_an_ignored_document_and_left_padding_is_rejected():
     mask[0, -1] = 0
     s = shard_batch({"input_ids": torch.arange(4).view(1, 4), "attention_mask": mask}, 1, 2)
     assert s["doc_cu_seqlens"].tolist() == [[0, 3, 4]] and s["shift_labels"].tolist() == [[-100, -100]]
-    with pytest.raises(ConfigError, match="batch.attention_mask: sample 0 is not right-padded"):
+    with pytest.raises(BatchError, match="batch.attention_mask: sample 0 is not right-padded"):
         shard_batch({"input_ids": torch.zeros(1, 4, dtype=torch.long), "attention_mask": mask.flip(1)}, 0, 2)
 
 

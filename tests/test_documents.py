@@ -18,7 +18,7 @@ import torch
 
 from ds_longctx.attention.documents import Documents, DocumentBackend, document_structure
 from ds_longctx.attention.kernels import get_backend, reference_attention
-from ds_longctx.config import ConfigError
+from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch
 from dist_utils import run_distributed
 from sp_cases import full_params
@@ -130,11 +130,11 @@ def test_padding_targets_ignored_and_bad_padding_rejected():
     assert (s["shift_labels"][0, 10:] == -100).all() and (s["shift_labels"][0, :10] != -100).all()
     assert "attention_mask" not in s
     left = p["attention_mask"].flip(1)
-    with pytest.raises(ConfigError, match="batch.attention_mask: sample 0 is not right-padded"):
+    with pytest.raises(BatchError, match="batch.attention_mask: sample 0 is not right-padded"):
         shard_batch(dict(p, attention_mask=left), 0, 2)
-    with pytest.raises(ConfigError, match=r"batch.doc_lens: sample 0: document lengths \[3, 4\] must"):
+    with pytest.raises(BatchError, match=r"batch.doc_lens: sample 0: document lengths \[3, 4\] must"):
         shard_batch({"input_ids": p["input_ids"][:1], "doc_lens": [[3, 4]]}, 0, 2)
-    with pytest.raises(ConfigError, match="already set"):
+    with pytest.raises(BatchError, match="already set"):
         shard_batch(shard_batch(packed_batch(), 0, 1), 0, 1)
 
 
@@ -217,7 +217,7 @@ def _worker(rank, world, cases):
             try:
                 engine(**shard)
                 out[case] = "no error"
-            except ConfigError as e:
+            except BatchError as e:
                 out[case] = str(e)
             continue
         src = padded_batch() if kind.startswith("padded") else packed_batch()

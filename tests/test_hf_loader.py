@@ -4,7 +4,7 @@ multiple of SP, and the batches it refuses. The adapter's collectives run in tes
 import pytest
 import torch
 
-from ds_longctx.config import ConfigError
+from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch
 from ds_longctx.hf_loader import _checked_batch
 
@@ -45,14 +45,14 @@ def test_odd_row_is_padded_with_one_ignored_document():
 
 def test_batches_the_adapter_cannot_take_are_named():
     batch = trl_padding_free([5, 11])
-    with pytest.raises(ConfigError, match=r"batch.cu_seq_lens_q: gives document boundaries \[0, 4, 16\]"):
+    with pytest.raises(BatchError, match=r"batch.cu_seq_lens_q: gives document boundaries \[0, 4, 16\]"):
         _checked_batch(dict(batch, cu_seq_lens_q=torch.tensor([0, 4, 16], dtype=torch.int32)), 2)
-    with pytest.raises(ConfigError, match="batch.cu_seq_lens_q: .*without position_ids"):
+    with pytest.raises(BatchError, match="batch.cu_seq_lens_q: .*without position_ids"):
         _checked_batch({k: v for k, v in batch.items() if k != "position_ids"}, 2)
-    with pytest.raises(ConfigError, match=r"batch.token_type_ids: has the sequence dimension"):
+    with pytest.raises(BatchError, match=r"batch.token_type_ids: has the sequence dimension"):
         _checked_batch(dict(batch, token_type_ids=torch.zeros_like(batch["input_ids"])), 2)
-    with pytest.raises(ConfigError, match=r"batch.input_ids: expected a \[batch, seq\] tensor"):
+    with pytest.raises(BatchError, match=r"batch.input_ids: expected a \[batch, seq\] tensor"):
         _checked_batch({"input_ids": torch.zeros(8, dtype=torch.long)}, 2)
-    with pytest.raises(ConfigError, match="batch.attention_mask: sample 0 is not right-padded"):
+    with pytest.raises(BatchError, match="batch.attention_mask: sample 0 is not right-padded"):
         _checked_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
                         "attention_mask": torch.tensor([[0, 1, 1, 1]])}, 2)

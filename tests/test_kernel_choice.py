@@ -125,7 +125,7 @@ def test_cpu_auto_is_the_one_cpu_kernel_and_cuda_names_are_config_values():
     assert isinstance(kernels.get_backend("auto", "cpu"), TorchCPUFlash)
     names = kernels.kernel_names()
     assert "sdpa_cuda_cudnn" in names and "sdpa_cuda_flash" in names
-    from ds_longctx.config import parse
+    from ds_longctx.config import check_kernel, parse
     from pydantic import ValidationError
 
     if torch.cuda.is_available():
@@ -134,7 +134,7 @@ def test_cpu_auto_is_the_one_cpu_kernel_and_cuda_names_are_config_values():
     lc = parse({"long_context": {"attention": {"kernel": "sdpa_cuda_cudnn"}}})
     assert lc.attention.kernel == "sdpa_cuda_cudnn"
     with pytest.raises(Exception, match="not available"):
-        kernels.check_kernel("sdpa_cuda_cudnn")
+        check_kernel("sdpa_cuda_cudnn")
     with pytest.raises((ValidationError, Exception)):
         parse({"long_context": {"attention": {"kernel": "cudnn_typo"}}})
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_longctx.attention.kernels import BACKENDS, available_backends, check_kernel, get_backend, reference_attention
+from ds_longctx.attention.kernels import BACKENDS, available_backends, get_backend, reference_attention
+from ds_longctx.config import check_kernel, get_backend as config_get_backend
 from ds_longctx.config import ConfigError
 
 CASES = [(hq, hk, causal, dtype) for hq, hk in [(4, 4), (4, 2), (4, 1)] for causal in (True, False)
@@ -78,7 +79,7 @@ def test_unavailable_explicit_kernel_is_an_error(name):
                                           r"set it to 'auto' or 'sdpa'"):
         check_kernel(name)
     with pytest.raises(ConfigError, match=r"long_context\.attention\.kernel"):
-        get_backend(name, "cpu")
+        config_get_backend(name, "cpu")
 
 
 def test_kernel_on_the_wrong_device_is_an_error():
@@ -87,7 +88,7 @@ def test_kernel_on_the_wrong_device_is_an_error():
     with pytest.raises(ValueError, match="runs on cpu tensors"):
         cpu.forward(meta, meta, meta, True, 1.0)
     with pytest.raises(ConfigError, match="long_context.attention.kernel"):
-        get_backend("auto", "meta")
+        config_get_backend("auto", "meta")
 
 
 def test_unknown_kernel_name_is_an_error():

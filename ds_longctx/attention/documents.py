@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import BatchError
 from .kernels import Backend, Windowed
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
@@ -42,7 +42,7 @@ class Documents:
 
     def __init__(self, cu: torch.Tensor):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 2 or cu.shape[1] < 2:
-            raise ConfigError(f"batch.{BATCH_KEY}", f"expected a [batch, n+1] tensor of document boundaries, got "
+            raise BatchError(f"batch.{BATCH_KEY}", f"expected a [batch, n+1] tensor of document boundaries, got "
                               f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__}",
                               "build batches with ds_longctx.data.shard_batch (or the loader of initialize)")
         self.cu = cu.detach().to("cpu", torch.long)
@@ -50,7 +50,7 @@ class Documents:
         self.seq_len = rows[0][-1]
         for i, row in enumerate(rows):
             if row[0] != 0 or row[-1] != self.seq_len or any(b < a for a, b in zip(row[:-1], row[1:])):
-                raise ConfigError(f"batch.{BATCH_KEY}", f"sample {i} has boundaries {row}: they must rise from 0 "
+                raise BatchError(f"batch.{BATCH_KEY}", f"sample {i} has boundaries {row}: they must rise from 0 "
                                   f"to the sequence length {self.seq_len}", "build batches with shard_batch")
         self.bounds: List[List[Tuple[int, int]]] = [[(a, b) for a, b in zip(r[:-1], r[1:]) if b > a] for r in rows]
         self._varlen = {}         # device -> (cu_seqlens, longest): built once per batch, used by every stage
@@ -94,11 +94,11 @@ class Documents:
 # ---------------------------------------------------------------------------------------------
 
 
-def custom_mask_error(mask) -> ConfigError:
+def custom_mask_error(mask) -> BatchError:
     """The one refusal of a custom (not [batch, seq] padding) attention mask. Never "drop the mask": a
     prefix-LM or other custom pattern would then silently train causal-only."""
     shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-    return ConfigError("batch.attention_mask", f"is a custom attention mask ({shape}); custom 4-D masks are not "
+    return BatchError("batch.attention_mask", f"is a custom attention mask ({shape}); custom 4-D masks are not "
                        "supported under sequence parallelism, nor by ds_longctx's batch sharding (attention there "
                        "is causal, per document)",
                        "for document masking, pack the documents and mark them with position_ids restarting at 0 "
@@ -118,7 +118,7 @@ def _right_padding_lengths(mask: torch.Tensor) -> List[int]:
     bad = ~(m == (ar.unsqueeze(0) < n_real.unsqueeze(1))).all(1)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        raise ConfigError("batch.attention_mask", f"sample {i} is not right-padded (zeros before ones)",
+        raise BatchError("batch.attention_mask", f"sample {i} is not right-padded (zeros before ones)",
                           "pad on the right (tokenizer padding_side='right'); the padded tail becomes an ignored "
                           "document")
     return n_real.tolist()
@@ -136,7 +136,7 @@ def document_structure(input_ids: torch.Tensor, position_ids=None, attention_mas
     n_real = [seq] * bsz if attention_mask is None else _right_padding_lengths(attention_mask)
     if position_ids is not None:
         if tuple(position_ids.shape) != (bsz, seq):
-            raise ConfigError("batch.position_ids", f"shape {tuple(position_ids.shape)} differs from input_ids "
+            raise BatchError("batch.position_ids", f"shape {tuple(position_ids.shape)} differs from input_ids "
                               f"{(bsz, seq)}", "give one position per token")
         pos = position_ids.detach().to("cpu", torch.long).clone()
     else:
@@ -144,14 +144,14 @@ def document_structure(input_ids: torch.Tensor, position_ids=None, attention_mas
     if doc_lens is not None:
         rows = doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else [list(r) for r in doc_lens]
         if len(rows) != bsz:
-            raise ConfigError(f"batch.{LENS_KEY}", f"has {len(rows)} rows for {bsz} samples", "one list per sample")
+            raise BatchError(f"batch.{LENS_KEY}", f"has {len(rows)} rows for {bsz} samples", "one list per sample")
     cus, out_pos = [], torch.empty(bsz, seq, dtype=torch.long)
     for i in range(bsz):
         n = n_real[i]
         if doc_lens is not None:
             lens = [int(x) for x in rows[i] if int(x) != 0]
             if any(x < 0 for x in lens) or sum(lens) != n:
-                raise ConfigError(f"batch.{LENS_KEY}", f"sample {i}: document lengths {lens} must be positive and "
+                raise BatchError(f"batch.{LENS_KEY}", f"sample {i}: document lengths {lens} must be positive and "
                                   f"sum to its {n} real tokens", "give the lengths of the documents packed in it")
             starts, acc = [], 0
             for x in lens:
@@ -162,7 +162,7 @@ def document_structure(input_ids: torch.Tensor, position_ids=None, attention_mas
                 inside = torch.ones(n, dtype=torch.bool)
                 inside[starts] = False
                 if n > 1 and not bool(((p[1:] - p[:-1]) == 1)[inside[1:]].all()):
-                    raise ConfigError(f"batch.{LENS_KEY}", f"sample {i}: position_ids are not contiguous inside the "
+                    raise BatchError(f"batch.{LENS_KEY}", f"sample {i}: position_ids are not contiguous inside the "
                                       "given documents", "drop position_ids (they are built restarting per "
                                       "document) or make them restart at the document starts")
             else:

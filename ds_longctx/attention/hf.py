@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
@@ -37,7 +36,6 @@ from ..models.windows import sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG
-from .heads import check_heads_per_chunk
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
@@ -102,40 +100,34 @@ def _dropout_message(p) -> str:
             "config asks for; to keep it, use long_context.attention.implementation 'ulysses' (transformers' "
             "attention function, dropout included, on full-attention layers) or 'none' at SP=1")
 
-def install_untied(model, attn_cfg, group) -> UntiedInstall:
+
+def install_untied(model, spec, group=None) -> UntiedInstall:
     """Patch ``model`` (a built HF PreTrainedModel, possibly ZeRO-3 partitioned) to use untied Ulysses.
 
-    attn_cfg: ``config.AttentionConfig``; group: the SP process group or None for SP=1. Runs no
-    collectives (the planner calls it under a fake process group). Returns the undo handle.
+    ``spec``: the :class:`ds_longctx.spec.LongContextSpec` (its schedule, kernel, SP group and degree are
+    used as given: checked when the spec was built). The older form ``install_untied(model, attn_cfg,
+    group)`` (a ``config.AttentionConfig`` and the SP group or None) builds the spec through the same
+    builder first. Runs no collectives (the planner calls it under a fake process group). Returns the undo
+    handle.
     """
-    backend = kernels.KernelChoice(attn_cfg.kernel)
-    hpc = attn_cfg.heads_per_chunk
-    sp = 1 if group is None else dist.get_world_size(group)
+    if not hasattr(spec, "schedule"):  # the (model, attn_cfg, group) form
+        from ..spec import spec_for_attention
+
+        spec = spec_for_attention(spec, model.config, group)
     tc = text_config(model.config)
-    shape = attention_shape(tc)
-    heads, kv = shape.heads, shape.kv_heads
-    # validated here once (Schedule's own check); every forward uses this schedule as given
-    schedule = None
-    if isinstance(hpc, int) and not isinstance(hpc, bool):
-        try:
-            schedule = Schedule(heads, kv, sp, hpc)
-        except ValueError:
-            pass
-    if schedule is None:
-        # a caller that skipped config.check_against (patch_model/install_untied called directly) gets the
-        # config-level error naming the key; what that check does not cover raises Schedule's ValueError
-        check_heads_per_chunk(hpc, heads, kv, sp)
-        schedule = Schedule(heads, kv, sp, hpc)
     from ..config import check_sp_attention_pattern
     from ..models.windows import layer_attention
 
     # for callers of patch_model without initialize's check: flex_attention and bidirectional models are
     # refused here; windows and soft-caps are applied; chunked layers are checked per forward (their length)
     check_sp_attention_pattern("untied_ulysses", model.config, 10 ** 18, layer_kinds=False)
-    state = _State(group=group, sp=sp, heads_per_chunk=hpc, kernel=backend.name, backend=backend,
-                   schedule=schedule, shape=shape, layers=tuple(layer_attention(tc)))
+    facts = spec.model
+    shape = AttentionShape(facts.heads, facts.kv_heads, facts.head_dim)
+    state = _State(group=spec.group, sp=spec.sp, heads_per_chunk=spec.schedule.heads_per_chunk,
+                   kernel=spec.kernel.name, backend=spec.kernel, schedule=spec.schedule, shape=shape,
+                   layers=tuple(layer_attention(tc)))
     handle = UntiedInstall()
-    if attn_cfg.fuse_projections:
+    if spec.attention.fuse_projections:
         _install_fused(model, tc, state, handle)
     else:
         handle.function_level = _install_function_level(model, state)

@@ -31,6 +31,8 @@ import torch
 
 from ..errors import ConfigError
 
+# the config key whose values name these backends (config.py checks the names; the window capability checks
+# below still raise with it)
 KERNEL_KEY = "long_context.attention.kernel"
 aten = torch.ops.aten
 
@@ -890,36 +892,37 @@ def available_backends():
     return [n for n, cls in BACKENDS.items() if cls.available()]
 
 
-def check_kernel(name: str) -> str:
-    """Validate a config value of ``long_context.attention.kernel`` without any tensor. Returns it."""
-    if name == "auto" or name == "sdpa":
-        return name
-    if name not in BACKENDS:
-        raise ConfigError(KERNEL_KEY, f"unknown kernel {name!r}", f"use one of {', '.join(kernel_names())}")
-    if not BACKENDS[name].available():
-        hint = {"flash_attention_2": "pip install flash-attn (needs CUDA)",
-                "flash_attention_3": "install FA3 (flash_attn_interface, Hopper GPU)"}.get(name, "")
-        raise ConfigError(KERNEL_KEY, f"{name!r} is not available on this machine (found: {available_backends()})",
-                          f"{hint + '; or ' if hint else ''}set it to 'auto' or 'sdpa'")
-    return name
+def is_known(name: str) -> bool:
+    return name in ("auto", "sdpa") or name in BACKENDS
 
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """The backend for config value ``name`` ('auto' | 'sdpa' | a flash kernel) on ``device``."""
+def is_available(name: str) -> bool:
+    """``name`` is known and its kernel can run on this machine ("auto"/"sdpa" always: resolved per device)."""
+    return name in ("auto", "sdpa") or (name in BACKENDS and BACKENDS[name].available())
+
+
+def backend_for(name: str, device) -> Backend:
+    """The backend for ``name`` ('auto' | 'sdpa' | a backend's name) on ``device``; ValueError when there is
+    none (config.get_backend checks a config value first and names the key)."""
     dev = torch.device(device).type
-    check_kernel(name)
     if dev in _OVERRIDES:
         return _instance(_OVERRIDES[dev])
+    if not is_available(name):
+        raise ValueError(f"attention kernel {name!r} is " + ("unknown" if not is_known(name) else
+                         f"not available on this machine (found: {available_backends()})"))
     return _resolve(name, dev)
 
 
+get_backend = backend_for  # the op-level name tests and benches use
+
+
 class KernelChoice:
-    """One config value of ``long_context.attention.kernel``, checked once (here) and resolved once per device
-    type (at its first use): what an install holds instead of calling :func:`get_backend` per forward. An
-    :func:`overridden` device type still wins at every call (the planner's stand-in)."""
+    """One kernel name, checked before (config.check_kernel, called by the spec builder) and trusted here,
+    resolved once per device type (at its first use): what an install holds instead of resolving the name per
+    forward. An :func:`overridden` device type still wins at every call (the planner's stand-in)."""
 
     def __init__(self, name: str):
-        self.name = check_kernel(name)
+        self.name = name
         self._by_device: Dict[str, Backend] = {}
 
     def on(self, device: torch.device) -> Backend:
@@ -977,8 +980,8 @@ def _resolve(name: str, dev: str) -> Backend:
     if name == "auto":
         found = [BACKENDS[c] for c in _AUTO_ORDER.get(dev, ()) if BACKENDS[c].available()]
         if not found:
-            raise ConfigError(KERNEL_KEY, f"no attention kernel with LSE is available for {dev} tensors",
-                              "run on CPU or CUDA with torch>=2.3")
+            raise ValueError(f"no attention kernel with LSE is available for {dev} tensors: run on CPU or CUDA with "
+                             "torch>=2.3")
         if len(found) == 1:
             return _instance(found[0])
         if dev not in _MEASURED:  # one per device type: its choices hold for the whole job
@@ -988,13 +991,13 @@ def _resolve(name: str, dev: str) -> Backend:
     if name == "sdpa":
         cand = {"cpu": "sdpa_cpu_flash", "cuda": "sdpa_cuda_flash"}.get(dev)
         if cand is None or not BACKENDS[cand].available():
-            raise ConfigError(KERNEL_KEY, f"torch's flash SDPA is not available for {dev} tensors",
-                              "set it to 'auto' or run on CPU/CUDA")
+            raise ValueError(f"torch's flash SDPA is not available for {dev} tensors: choose kernel 'auto' or run "
+                             "on CPU/CUDA")
         return _instance(BACKENDS[cand])
     backend = _instance(BACKENDS[name])
     if backend.device_type != dev:
-        raise ConfigError(KERNEL_KEY, f"{name!r} runs on {backend.device_type}, the tensors are on {dev}",
-                          "set it to 'auto' or move the model to the kernel's device")
+        raise ValueError(f"attention kernel {name!r} runs on {backend.device_type}, the tensors are on {dev}: "
+                         "choose kernel 'auto' or move the model to the kernel's device")
     return backend
 
 
@@ -1020,5 +1023,6 @@ def reference_attention(q, k, v, causal: bool, scale: float, window: Optional[in
 
 __all__ = ["Backend", "BACKENDS", "KernelChoice", "Windowed", "TorchBanded", "banded_attention_forward",
            "banded_attention_backward",
-           "MeasuredChoice", "available_backends", "check_kernel", "get_backend", "reference_attention",
+           "MeasuredChoice", "available_backends", "backend_for", "get_backend", "is_available", "is_known",
+           "reference_attention",
            "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]

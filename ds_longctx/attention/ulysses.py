@@ -93,11 +93,12 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
     return attention
 
 
-def install_ulysses(model, group) -> registry.Installation:
-    """Route ``model``'s attention through DeepSpeed's Ulysses for ``group`` (SP > 1). No collectives."""
+def install_ulysses(model, spec) -> registry.Installation:
+    """Route ``model``'s attention through DeepSpeed's Ulysses for the spec's SP group (SP > 1), with the head
+    counts of the spec's model facts (``ds_longctx.spec.LongContextSpec``, trusted as built). No collectives."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    from ..models import attention_shape, text_config
+    from ..models import text_config
     from ..models.windows import layer_attention
     from .kernels import KernelChoice
 
@@ -108,12 +109,12 @@ def install_ulysses(model, group) -> registry.Installation:
     # for callers of patch_model without initialize's check (bidirectional models); layer types per forward
     check_sp_attention_pattern("ulysses", model.config, 10 ** 18, layer_kinds=False)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
-    shape = attention_shape(tc)
+    facts = spec.model
     core = pattern_core(registry.original(impl), impl, layer_attention(tc), KernelChoice("auto"))
     uattn = UlyssesSPAttentionHF(
-        attn=document_core(core, impl), batch_size=1, attn_head_count=shape.heads,
-        attn_head_size=shape.head_dim, kv_head_count=shape.kv_heads, num_hidden_layers=tc.num_hidden_layers,
-        process_group=group,
+        attn=document_core(core, impl), batch_size=1, attn_head_count=facts.heads,
+        attn_head_size=facts.head_dim, kv_head_count=facts.kv_heads, num_hidden_layers=facts.layers,
+        process_group=spec.group,
         seq_length_is_variable=True)
     # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
     uattn.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"

@@ -68,13 +68,15 @@ class MemoryStackHandle:
         self.rms_norms = []
 
 
-def apply_memory_stack(model, lc_cfg, group=None, offload_target: Optional[OffloadTarget] = None
-                       ) -> MemoryStackHandle:
+def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = None) -> MemoryStackHandle:
     """Install activation checkpointing (with optional host offload), the tiled MLP and the
-    memory-efficient RMSNorm on ``model`` per ``lc_cfg`` (a :class:`ds_longctx.config.LongContextConfig`).
-    Call after the model is built and before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP shard count is agreed at
-    run time, once per forward). ``offload_target`` replaces the default host target (tests, CPU).
+    memory-efficient RMSNorm on ``model`` per ``spec`` (a :class:`ds_longctx.spec.LongContextSpec`, or the
+    parsed :class:`ds_longctx.config.LongContextConfig` alone: nothing here depends on the SP group).
+    Call after the model is built and before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP
+    shard count is agreed at run time, once per forward, over every rank: see tiling.agree_max).
+    ``offload_target`` replaces the default host target (tests, CPU).
     """
+    lc_cfg = getattr(spec, "config", spec)  # the spec's (resolved) section, or the section itself
     handle = MemoryStackHandle()
     ac, tm = lc_cfg.activation_checkpointing, lc_cfg.tiled_mlp
     if ac.enabled:

@@ -19,7 +19,6 @@ from typing import List, Optional
 
 import torch
 
-from ..errors import ConfigError
 
 
 def _register(t: torch.Tensor) -> None:
@@ -111,10 +110,9 @@ class HostArena:
 
     def _new(self, nbytes: int) -> HostBlock:
         if self.limit_bytes is not None and self.allocated_bytes + nbytes > self.limit_bytes:
-            raise ConfigError("long_context.activation_checkpointing.offload",
-                              f"the host arena would grow to {self.allocated_bytes + nbytes} bytes, over its "
-                              f"limit of {self.limit_bytes}", "give the node more host memory, use "
-                              "offload='nvme', or raise the limit the plan set")
+            raise ValueError(f"host arena: it would grow to {self.allocated_bytes + nbytes} bytes, over its limit of "
+                             f"{self.limit_bytes}; give the node more host memory, offload to NVMe, or raise the "
+                             "limit the plan set")
         b = HostBlock(nbytes, self.pin, self.align)
         self._all.append(b)
         self.allocated_bytes += nbytes

@@ -15,7 +15,6 @@ from typing import Callable, ContextManager, List, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import ConfigError
 from ..models import layer_role, supported_names
 from .keep import KeptAttention
 from .offload import CheckpointInputOffloader
@@ -80,16 +79,9 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
     """Checkpoint every decoder layer of ``model``; returns (layers, hook handles). No collectives."""
     layers = decoder_layers(model)
     if not layers:
-        raise ConfigError("long_context.activation_checkpointing.enabled",
-                          f"{type(model).__name__} has no transformers GradientCheckpointingLayer blocks to "
-                          "checkpoint", f"use a transformers decoder model (e.g. {supported_names()}) or set "
-                          "enabled=false")
-    for key in ("keep_attention_output", "keep_on_device"):
-        if getattr(ac_cfg, key, None) == "auto":
-            raise ConfigError(f"long_context.activation_checkpointing.{key}", "'auto' is resolved by "
-                              "ds_longctx.initialize (the planner, for this machine's budgets) and reached the model "
-                              "unresolved", "go through ds_longctx.initialize, or resolve it with "
-                              "ds_longctx.planner.resolve_auto, or give a value")
+        raise ValueError(f"activation checkpointing: {type(model).__name__} has no transformers "
+                         f"GradientCheckpointingLayer blocks to checkpoint; use a transformers decoder model (e.g. "
+                         f"{supported_names()}) or turn activation checkpointing off")
     keep_attn = bool(getattr(ac_cfg, "keep_attention_output", False))
     fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader, keep_attn)
     # the last `keep` layers' inputs stay on the device: backward needs them first

@@ -65,13 +65,11 @@ def resolve_shards(shards: Union[int, str], local_seq: int, hidden: int, group=N
     """An integer is taken as is (identical config on every rank, no collective); "auto" is
     ceil(local_seq / hidden) agreed by MAX over ``group``."""
     if isinstance(shards, bool) or not (isinstance(shards, int) or shards == "auto"):
-        raise ConfigError("long_context.tiled_*.shards", f"{shards!r} is not a shard count",
-                          "use a positive integer or 'auto'")
+        raise ValueError(f"shards: {shards!r} is not a shard count; use a positive integer or 'auto'")
     if shards == "auto":
         return agree_max(auto_shards(local_seq, hidden), group, like)
     if shards < 1:
-        raise ConfigError("long_context.tiled_*.shards", f"must be positive, got {shards}",
-                          "use a positive integer or 'auto'")
+        raise ValueError(f"shards must be positive, got {shards}; use a positive integer or 'auto'")
     return shards
 
 
@@ -311,14 +309,13 @@ class TiledLMLossSum(torch.autograd.Function):
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
-                             shards: Union[int, str] = "auto", group=None, logit_fn=None,
-                             shared: Sequence[torch.Tensor] = ()):
+                             shards: Union[int, str] = "auto", logit_fn=None, shared: Sequence[torch.Tensor] = ()):
     """(fp32 sum of CE over valid tokens, number of valid tokens) without [seq, vocab] logits.
 
     hidden [b, s_local, h]; shift_labels [b, s_local] with -100 = ignore. Shards with no valid label
     contribute exactly 0 (a CE *sum*, never a mean, so never NaN). ``shards`` "auto" is
-    ceil(s_local / h) MAX-agreed over every rank (``group`` is accepted for the engine's call but the
-    agreement is world-wide: ZeRO-3's lm_head all-gathers span DP x SP, not just the SP group).
+    ceil(s_local / h) MAX-agreed over every rank (world-wide, not the SP group: ZeRO-3's lm_head
+    all-gathers span DP x SP).
     ``logit_fn``: the model's own logit transform (``models.logits.logit_transform``), None = identity.
     ``shared``: lm_head parameters the model also uses elsewhere (tied embeddings).
     """

@@ -3,13 +3,50 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import SECTION
 from ..models import attention_shape, text_config
 from .units import fmt_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
+
+
+# The memory stack, one feature per step in the order each is added: the one ladder behind the planner's
+# --compare rows (:func:`ladder`) and the CPU/GPU memory-stack benches (bench/memory_stack.py).
+STACK_STEPS: Tuple[Tuple[str, dict], ...] = (
+    ("+checkpointing", {"activation_checkpointing": {"enabled": True}}),
+    ("+offload", {"activation_checkpointing": {"offload": "cpu"}}),
+    ("+tiled MLP", {"tiled_mlp": {"enabled": True}}),
+    ("+tiled loss", {"tiled_loss": {"enabled": True}}),
+    ("+untied attention", {"attention": {"implementation": "untied_ulysses"}}),
+    ("+memory-efficient RMSNorm", {"rms_norm": {"enabled": True}}),
+)
+
+
+def _merged(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def stack_ladder(base: Optional[dict] = None, upto: Optional[str] = None, together: Sequence[Tuple[str, ...]] = (),
+                 extra: Optional[Dict[str, dict]] = None) -> List[Tuple[str, dict]]:
+    """Cumulative ``long_context`` sections, one per step of :data:`STACK_STEPS`: row i is ``base`` with steps
+    0..i merged in. ``upto``: the last step's label; ``together``: groups of consecutive step labels shown as
+    one row (the row takes the group's last label, e.g. ``("+tiled MLP", "+tiled loss", "+tiled MLP and loss")``:
+    the last entry is the row's label); ``extra``: keys merged into a step (e.g. the user's heads_per_chunk)."""
+    acc, out = copy.deepcopy(base or {}), []
+    skip = {label: group[-1] for group in together for label in group[:-2]}
+    for label, add in STACK_STEPS:
+        acc = _merged(_merged(acc, add), (extra or {}).get(label, {}))
+        if label not in skip:
+            row = next((g[-1] for g in together if label == g[-2]), label)
+            out.append((row, copy.deepcopy(acc)))
+        if label == upto:
+            break
+    return out
 
 
 def ladder(ds_config: dict, model_config, world_size: int) -> List[Tuple[str, dict]]:
@@ -20,24 +57,11 @@ def ladder(ds_config: dict, model_config, world_size: int) -> List[Tuple[str, di
         sp = world_size
     lc_user = (base.get(SECTION) or {})
     hpc = (lc_user.get("attention") or {}).get("heads_per_chunk", 1)
-    steps = [
-        ("no SP", 1, {"attention": {"implementation": "none"}}),
-        ("Ulysses", sp, {"attention": {"implementation": "ulysses"}}),
-        ("+checkpointing", sp, {"attention": {"implementation": "ulysses"},
-                                "activation_checkpointing": {"enabled": True}}),
-        ("+offload", sp, {"attention": {"implementation": "ulysses"},
-                          "activation_checkpointing": {"enabled": True, "offload": "cpu"}}),
-        ("+tiled MLP and loss", sp, {"attention": {"implementation": "ulysses"},
-                                     "activation_checkpointing": {"enabled": True, "offload": "cpu"},
-                                     "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}}),
-        ("+untied attention", sp, {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": hpc},
-                                   "activation_checkpointing": {"enabled": True, "offload": "cpu"},
-                                   "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True}}),
-        ("+memory-efficient RMSNorm", sp, {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": hpc},
-                                           "activation_checkpointing": {"enabled": True, "offload": "cpu"},
-                                           "tiled_mlp": {"enabled": True}, "tiled_loss": {"enabled": True},
-                                           "rms_norm": {"enabled": True}}),
-    ]
+    ulysses = {"attention": {"implementation": "ulysses"}}
+    steps = [("no SP", 1, {"attention": {"implementation": "none"}}), ("Ulysses", sp, ulysses)] + [
+        (label, sp, section) for label, section in stack_ladder(
+            ulysses, together=[("+tiled MLP", "+tiled loss", "+tiled MLP and loss")],
+            extra={"+untied attention": {"attention": {"heads_per_chunk": hpc}}})]
     out = []
     for label, s, section in steps:
         cfg = copy.deepcopy(base)

@@ -529,7 +529,9 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
 
     from ..attention import registry
     from ..memory.checkpointing import around_checkpointed_runs
+    from ..layout import Layout
     from ..patch import patch_model
+    from ..spec import build_spec
 
     sp = lc.sequence_parallel_size
     t0 = time.perf_counter()
@@ -537,13 +539,16 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     with fake_world(world_size), registry.restored(), _contiguous_positions(), \
             _meta_kernels(device), _flash_sdpa_on_meta(device):
         group = dist.new_group(list(range(sp))) if sp > 1 else None
-        model = build_model(with_layers(model_config, num_layers), dtype_of(ds_config), device, mode)
+        mc = with_layers(model_config, num_layers)
+        model = build_model(mc, dtype_of(ds_config), device, mode)
         for p in model.parameters():
             if p.requires_grad:
                 # DeepSpeed moves each full grad into its bucket/partition as soon as it is ready;
                 # the partitions are model states, counted by arithmetic.
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        patched = patch_model(model, lc, group, 1.0)
+        # Planner.run checked this config against the model and the world (config.check_against)
+        spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len, check="done")
+        patched = patch_model(model, spec)
         acct = Accountant(device)
         acct.ignore(list(model.parameters()) + list(model.buffers()))
         handle = patched.memory
