@@ -52,14 +52,6 @@ def test_does_not_fit_exits_1(tmp_path, capsys):
     assert rc == 1 and json.loads(capsys.readouterr().out)["fits"] is False
 
 
-def test_max_context_json(tmp_path, capsys):
-    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8",
-               "--gpu-mem", "8GiB", "--max-context", "--json"] + HOST)
-    out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["max_sequence_length"] % 8 == 0 and out["max_sequence_length"] > 0
-    assert out["fits"] and out["sequence_length"] == out["max_sequence_length"]
-
-
 @pytest.mark.parametrize("args,cfg,needle", [
     (["--gpus", "8"], None, "model config"),                                   # missing model config
     (["--gpus", "12", "--model-config", MODEL], None, "does not divide the world size 12"),
@@ -174,6 +166,8 @@ def test_max_context_says_which_limit_binds(tmp_path, capsys):
     args = ["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path), "--gpus", "8", "--json"]
     assert main(args + ["--gpu-mem", "8GiB", "--max-context"] + HOST) == 0
     dev = json.loads(capsys.readouterr().out)
+    assert dev["max_sequence_length"] % 8 == 0 and dev["max_sequence_length"] > 0  # the --max-context JSON
+    assert dev["fits"] and dev["sequence_length"] == dev["max_sequence_length"]
     assert dev["binding"] == "device" and "bound by device memory" in dev["binding_detail"], dev["binding_detail"]
     assert main(args + ["--gpu-mem", "80GiB", "--seq-len", "65536"] + HOST) == 0
     full = json.loads(capsys.readouterr().out)
