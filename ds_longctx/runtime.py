@@ -37,6 +37,10 @@ from typing import Any, Callable, Dict, Optional
 
 # seconds an error exit may spend in MPI_Abort before the process ends itself
 _ABORT_GRACE_S = 30.0
+# seconds a rank that printed a bad-input error (ConfigError) waits before ending the job: the checks run on
+# every rank before any collective and give the same verdict everywhere, but the launcher kills the other
+# ranks as soon as one exits (mpirun at once), often before a slower rank has printed its own copy
+_CONFIG_ERROR_GRACE_S = 3.0
 
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
@@ -321,7 +325,9 @@ def main_guard():
 
     An exception (or ``SystemExit`` with a non-zero code) prints this rank's traceback with a
     ``[rank N]`` prefix and calls ``shutdown(code)`` (exit code 1 for exceptions), so no rank is
-    left waiting in a collective. ``SystemExit(0)`` ends the rank like ``shutdown(0)``.
+    left waiting in a collective. A ConfigError (a bad input: one line naming the key and the fix) waits
+    ``_CONFIG_ERROR_GRACE_S`` first when the job has several processes, so that every rank prints its copy
+    before the launcher ends the others. ``SystemExit(0)`` ends the rank like ``shutdown(0)``.
 
     It also installs the signal handlers (:func:`install_signal_handlers`) and the launcher watch
     (:func:`watch_launcher`), so that SIGTERM/SIGINT or the launcher's death end the rank with its
@@ -339,7 +345,24 @@ def main_guard():
         shutdown(code)
     except BaseException as e:
         report(e)
+        _config_error_grace(e)
         shutdown(130 if isinstance(e, KeyboardInterrupt) else 1)
+
+
+def _config_error_grace(exc: BaseException) -> None:
+    """After a ConfigError on a job of several processes: wait ``_CONFIG_ERROR_GRACE_S`` so that every rank
+    meeting the same check prints it before the launcher ends the job (a SIGTERM from the launcher still ends
+    this rank at once, through its handler)."""
+    from .errors import ConfigError
+
+    if not isinstance(exc, ConfigError):
+        return
+    from .launch import launched_world_size
+
+    if launched_world_size() > 1:
+        import time
+
+        time.sleep(_CONFIG_ERROR_GRACE_S)
 
 
 def run(main: Callable[..., Any], *args, **kwargs) -> None:

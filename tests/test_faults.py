@@ -281,3 +281,12 @@ def test_cli_inputs(tmp_path):
                        r"Fix: .*--allow-beyond-max-position"):
         train.check_max_position(_args("--seq-len", "8192"), mc, 8192)
     train.check_max_position(_args("--seq-len", "8192", "--allow-beyond-max-position"), mc, 8192)
+
+
+def test_shards_bounded_by_the_trained_length():
+    # --seq-len 64 on SP 2 gives 32 rows: 100 shards pass the config's sequence_length (512: 256 rows) but not this
+    lc = parse(_tiny(long_context=dict(_tiny()["long_context"], tiled_mlp={"enabled": True, "shards": 100})))
+    with pytest.raises(ConfigError, match=r"^long_context.tiled_mlp.shards: 100 is more than the 32 rows it splits "
+                       r"\(sequence length 64 "):
+        train.validate_args(_args("--seq-len", "64"), lc)
+    train.validate_args(_args("--seq-len", "256"), lc)
