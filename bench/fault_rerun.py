@@ -63,27 +63,35 @@ def launcher_cmd(launcher, argv, port):
 
 
 def start(launcher, argv, env_extra=None, cmd=None):
+    """Start the launch in its own session; a thread drains its output as a terminal would (a full pipe
+    would stall the job: a rank blocked writing its last line is not a hang of the job)."""
+    import threading
+
     port = free_port()
     env = dict(_env(), MASTER_PORT=str(port), **(env_extra or {}))
     cmd = cmd or launcher_cmd(launcher, argv, port)
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+                         errors="replace", start_new_session=True)
     p.cmd = cmd
+    p.chunks = []
+    p.reader = threading.Thread(target=lambda: p.chunks.extend(iter(p.stdout.readline, "")), daemon=True)
+    p.reader.start()
     return p
 
 
 def finish(p, timeout):
     """(returncode or None on a hang, output)."""
     try:
-        out, _ = p.communicate(timeout=timeout)
-        return p.returncode, out
+        rc = p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        out, _ = p.communicate()
-        return None, out
+        p.wait()
+        rc = None
+    p.reader.join(timeout=10)  # the output ends when the last process holding the pipe is gone
+    return rc, "".join(p.chunks)
 
 
 def case_pids(marker):
@@ -633,6 +641,9 @@ def kill_save_case(rank, point, launchers=("deepspeed", "mpirun")):
                         tail=out[-2000:])
         if rc == 0:
             return dict(outcome="wrong", detail=f"the kill point {rank}:{point} was never reached", rc=rc)
+        if any(m in out for m in RAW_MARKS) or not re.search(r"return code = -9|signal 9|Killed", out):
+            return dict(outcome="wrong", detail="the save did not end by the SIGKILL of the hook", rc=rc,
+                        tail=out[-2500:])
         latest = open(os.path.join(ck, "latest")).read()
         complete = latest == "step3"
         res = run_resume(d, launcher, ck, 3 if complete else 2)

@@ -143,16 +143,16 @@ def run_cleanups() -> None:
 
 
 def _terminate(code: int, message: str) -> None:
-    """End this rank now from a signal handler or a watch thread: message, cleanups, exit ``code``.
+    """End this rank now from a signal handler or a watch thread: cleanups, message, exit ``code``.
     (No barrier and no MPI_Abort: the launcher is ending the other ranks, or is gone.)"""
     if not _ending.acquire(blocking=False):
         return  # another path is already ending the process
+    run_cleanups()  # first: the launcher may SIGKILL soon, and the message may block on a full pipe
     try:
         _flush()
         os.write(2, f"{_prefix()}ds_longctx: {message}\n".encode(errors="replace"))
     except OSError:
         pass
-    run_cleanups()
     _flush()
     os._exit(code)
 
@@ -165,12 +165,38 @@ def _on_signal(signum, frame):
     _terminate(128 + signum, f"received {name}: ending this rank (exit {128 + signum})")
 
 
+_wakeup_thread: Optional[threading.Thread] = None
+
+
+def _watch_wakeup_fd(fd: int) -> None:
+    """Thread: the signal numbers CPython's C-level handler writes to the wakeup fd. A Python handler runs
+    only in the main thread between bytecodes, so a main thread inside a long native call (a gloo wait, an
+    NVMe read) would start the cleanups only when it returns: mpirun sends SIGKILL about a second after
+    SIGTERM, which left NVMe files behind. This thread ends the rank at once (the main thread released the
+    GIL in the native call)."""
+    names = {int(getattr(signal, n)) for n in _TERM_SIGNALS if hasattr(signal, n)}
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum in names and signal.getsignal(signum) is _on_signal:
+                _on_signal(signum, None)
+
+
 def install_signal_handlers() -> bool:
-    """SIGTERM, SIGINT and SIGHUP end this rank cleanly: a one-line message, the ``on_exit`` cleanups,
-    exit code 128+signal. Only replaces default handlers (SIG_DFL, Python's KeyboardInterrupt), only from
-    the main thread; returns whether it installed them."""
+    """SIGTERM, SIGINT and SIGHUP end this rank cleanly: the ``on_exit`` cleanups, a one-line message, exit
+    code 128+signal. Only replaces default handlers (SIG_DFL, Python's KeyboardInterrupt), only from
+    the main thread; returns whether it installed them. Unless the process already has a wakeup fd
+    (``signal.set_wakeup_fd``: asyncio's), one is set and a thread reads it, so that the rank ends within
+    milliseconds even while the main thread is inside a native call."""
+    global _wakeup_thread
     if threading.current_thread() is not threading.main_thread():
         return False
+    installed = False
     for name in _TERM_SIGNALS:
         sig = getattr(signal, name, None)
         if sig is None:
@@ -178,6 +204,23 @@ def install_signal_handlers() -> bool:
         current = signal.getsignal(sig)
         if current in (signal.SIG_DFL, signal.default_int_handler, None) or current is _on_signal:
             signal.signal(sig, _on_signal)
+            installed = True
+    if installed and _wakeup_thread is None and sys.platform != "win32":
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous == -1:
+            _wakeup_thread = threading.Thread(target=_watch_wakeup_fd, args=(r,), name="ds_longctx-signals",
+                                              daemon=True)
+            _wakeup_thread.start()
+        else:  # someone else's wakeup fd: leave it (the main-thread handler still ends the rank)
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(r)
+            os.close(w)
     return True
 
 
