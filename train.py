@@ -248,6 +248,7 @@ def _kill_point(rank, point):
         import signal
 
         _flush_std()
+        os.write(2, f"[rank {rank}] ds_longctx test hook: SIGKILL at {point}\n".encode())
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -96,11 +96,15 @@ def _flush() -> None:
 
 def report(exc: BaseException) -> None:
     """Print ``exc`` to stderr, every line prefixed with this rank: a ConfigError as its one-line
-    message (it names the key and the fix), anything else as its full traceback."""
+    message (it names the key and the fix), gloo's error for a peer that died (kill -9, a crash) as one
+    line saying so, anything else as its full traceback."""
     from .errors import ConfigError
 
     if isinstance(exc, ConfigError):
         text = f"ds_longctx: error: {exc}\n"
+    elif _peer_gone(exc):
+        text = (f"ds_longctx: a peer process of this job ended during a collective ({_first_line(exc)}): ending "
+                "this rank too; the launcher's log and the other ranks' lines name the one that failed\n")
     else:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     prefix = _prefix()
@@ -110,6 +114,20 @@ def report(exc: BaseException) -> None:
         os.write(2, lines.encode(errors="replace"))  # unbuffered: the process may end right after
     except OSError:
         pass
+
+
+# what gloo raises in a rank whose peer process died (kill -9, a crash): the traceback says nothing more
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """A gloo transport error from a peer that ended (not this rank's own fault)."""
+    return isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(m in str(exc) for m in _PEER_GONE)
 
 
 _cleanups: Dict[int, Callable[[], None]] = {}
