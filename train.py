@@ -140,6 +140,9 @@ def validate_args(args, lc):
             raise _config_error("--save", f"{existing!r} is not writable", "give a directory this user can write")
     if args.resume:
         find_resume_tag(args.resume)  # raises when there is no usable checkpoint
+    from ds_longctx.config import check_shards
+
+    check_shards(lc, seq_len)  # against the length trained (--seq-len), not only the config's sequence_length
     return seq_len
 
 
@@ -252,6 +255,81 @@ def _atomic_write(path, text):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# Test hook (tests and bench/fault_rerun.py only): DS_LONGCTX_TEST_KILL_AT="RANK:POINT" makes that rank
+# SIGKILL itself when save_checkpoint reaches POINT, so that a kill at each point of the save is deterministic.
+# Unset (always, outside tests), it changes nothing: the save runs without any wrapper.
+TEST_KILL_ENV = "DS_LONGCTX_TEST_KILL_AT"
+SAVE_POINTS_RANK0 = ("before_fileN", "after_fileN", "after_files", "before_record", "after_record",
+                     "after_latest")
+SAVE_POINTS_OTHER = ("before_fileN", "after_fileN", "after_files", "done")  # only rank 0 writes record/latest
+
+
+def _kill_point(rank, point):
+    if os.environ.get(TEST_KILL_ENV) == f"{rank}:{point}":
+        import signal
+
+        _flush_std()
+        os.write(2, f"[rank {rank}] ds_longctx test hook: SIGKILL at {point}\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _flush_std():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+
+
+def save_checkpoint(engine, path, tag, record, rank):
+    """Save ``tag`` under ``path`` so that a save killed at any point leaves ``latest`` on a complete tag.
+
+    Order: every rank's DeepSpeed files (``save_latest=False``), a barrier, the layout record (rank 0:
+    the run's layout, the model's shape facts and each file's size, written to a temporary file and
+    renamed), then ``latest`` (the same way), then a barrier. ``--resume`` loads ``latest`` when it is
+    complete (its record exists and every listed file has its size and opens as a torch archive), else the
+    newest complete tag, and says why (see :func:`find_resume_tag`).
+
+    Files take the user's umask (0644 files in 0755 directories under the usual 022): on a shared machine
+    set ``umask 077`` before training, or save into a directory only you can read. Load only checkpoints
+    you trust: DeepSpeed's loader unpickles them (``torch.load(weights_only=False)``)."""
+    ce = engine.checkpoint_engine
+    hooked = os.environ.get(TEST_KILL_ENV)
+    if hooked:  # test hook: a kill point before and after each file DeepSpeed writes on this rank
+        counter = itertools.count(1)
+        original, own = ce.save, "save" in vars(ce)
+
+        def save(*a, **k):  # DeepSpeed calls it positionally and with state_dict=, path=
+            n = next(counter)
+            _kill_point(rank, f"before_file{n}")
+            out = original(*a, **k)
+            _kill_point(rank, f"after_file{n}")
+            return out
+
+        ce.save = save
+    try:
+        engine.save_checkpoint(path, tag=tag, client_state={"step": record["step"], "ds_longctx_layout": record},
+                               save_latest=False)
+    finally:
+        if hooked:  # undo: the engine's own save again
+            if own:
+                ce.save = original
+            else:
+                del ce.save
+    _kill_point(rank, "after_files")
+    dist.barrier()
+    if rank == 0:
+        tag_dir = os.path.join(path, tag)
+        _kill_point(rank, "before_record")
+        _atomic_write(os.path.join(tag_dir, LAYOUT_FILE), json.dumps(dict(record, files=_tag_files(tag_dir)),
+                                                                     indent=1))
+        _kill_point(rank, "after_record")
+        _atomic_write(os.path.join(path, "latest"), tag)
+        _kill_point(rank, "after_latest")
+    dist.barrier()
+    _kill_point(rank, "done")
 
 
 def check_tag(path, tag):
@@ -644,20 +722,9 @@ def main(argv=None):
             _logger().info(f"profile: per-step records in {path}, traces of steps "
                            f"{sorted(lc.profile.steps)} in {lc.profile.output_dir}")
     if args.save:
-        tag = f"step{args.steps}"
         record = dict(run_layout, step=args.steps, micro_batches_consumed=args.steps * gas,
                       model=model_facts(model.config))
-        # order: every rank's files, then the layout record (listing each file's size), then 'latest'; a save
-        # killed at any point leaves 'latest' on the previous complete tag (and --resume skips incomplete tags)
-        engine.save_checkpoint(args.save, tag=tag, client_state={"step": args.steps, "ds_longctx_layout": record},
-                               save_latest=False)
-        dist.barrier()
-        if rank == 0:
-            tag_dir = os.path.join(args.save, tag)
-            _atomic_write(os.path.join(tag_dir, LAYOUT_FILE), json.dumps(dict(record, files=_tag_files(tag_dir)),
-                                                                         indent=1))
-            _atomic_write(os.path.join(args.save, "latest"), tag)
-        dist.barrier()
+        save_checkpoint(engine, args.save, f"step{args.steps}", record, rank)
     if args.data in ("copy",) and args.eval_samples:
         acc = copy_accuracy(engine, dataset, args.eval_samples, comm.sp_rank(group), sp, group,
                             start_index=len(dataset) - args.eval_samples)

@@ -37,6 +37,10 @@ from typing import Any, Callable, Dict, Optional
 
 # seconds an error exit may spend in MPI_Abort before the process ends itself
 _ABORT_GRACE_S = 30.0
+# seconds a rank that printed a bad-input error (ConfigError) waits before ending the job: the checks run on
+# every rank before any collective and give the same verdict everywhere, but the launcher kills the other
+# ranks as soon as one exits (mpirun at once), often before a slower rank has printed its own copy
+_CONFIG_ERROR_GRACE_S = 3.0
 
 _RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
 
@@ -91,12 +95,16 @@ def _flush() -> None:
 
 
 def report(exc: BaseException) -> None:
-    """Print ``exc`` to stderr, every line prefixed with this rank: a ConfigError or BatchError as its
-    one-line message (it names the key and the fix), anything else as its full traceback."""
+    """Print ``exc`` to stderr, every line prefixed with this rank: a ConfigError or BatchError as its one-line
+    message (it names the key and the fix), gloo's error for a peer that died (kill -9, a crash) as one
+    line saying so, anything else as its full traceback."""
     from .errors import LongContextError
 
     if isinstance(exc, LongContextError):
         text = f"ds_longctx: error: {exc}\n"
+    elif _peer_gone(exc):
+        text = (f"ds_longctx: a peer process of this job ended during a collective ({_first_line(exc)}): ending "
+                "this rank too; the launcher's log and the other ranks' lines name the one that failed\n")
     else:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     prefix = _prefix()
@@ -106,6 +114,20 @@ def report(exc: BaseException) -> None:
         os.write(2, lines.encode(errors="replace"))  # unbuffered: the process may end right after
     except OSError:
         pass
+
+
+# what gloo raises in a rank whose peer process died (kill -9, a crash): the traceback says nothing more
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _peer_gone(exc: BaseException) -> bool:
+    """A gloo transport error from a peer that ended (not this rank's own fault)."""
+    return isinstance(exc, RuntimeError) and "gloo" in str(exc) and any(m in str(exc) for m in _PEER_GONE)
 
 
 _cleanups: Dict[int, Callable[[], None]] = {}
@@ -139,16 +161,16 @@ def run_cleanups() -> None:
 
 
 def _terminate(code: int, message: str) -> None:
-    """End this rank now from a signal handler or a watch thread: message, cleanups, exit ``code``.
+    """End this rank now from a signal handler or a watch thread: cleanups, message, exit ``code``.
     (No barrier and no MPI_Abort: the launcher is ending the other ranks, or is gone.)"""
     if not _ending.acquire(blocking=False):
         return  # another path is already ending the process
+    run_cleanups()  # first: the launcher may SIGKILL soon, and the message may block on a full pipe
     try:
         _flush()
         os.write(2, f"{_prefix()}ds_longctx: {message}\n".encode(errors="replace"))
     except OSError:
         pass
-    run_cleanups()
     _flush()
     os._exit(code)
 
@@ -161,12 +183,38 @@ def _on_signal(signum, frame):
     _terminate(128 + signum, f"received {name}: ending this rank (exit {128 + signum})")
 
 
+_wakeup_thread: Optional[threading.Thread] = None
+
+
+def _watch_wakeup_fd(fd: int) -> None:
+    """Thread: the signal numbers CPython's C-level handler writes to the wakeup fd. A Python handler runs
+    only in the main thread between bytecodes, so a main thread inside a long native call (a gloo wait, an
+    NVMe read) would start the cleanups only when it returns: mpirun sends SIGKILL about a second after
+    SIGTERM, which left NVMe files behind. This thread ends the rank at once (the main thread released the
+    GIL in the native call)."""
+    names = {int(getattr(signal, n)) for n in _TERM_SIGNALS if hasattr(signal, n)}
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        for signum in data:
+            if signum in names and signal.getsignal(signum) is _on_signal:
+                _on_signal(signum, None)
+
+
 def install_signal_handlers() -> bool:
-    """SIGTERM, SIGINT and SIGHUP end this rank cleanly: a one-line message, the ``on_exit`` cleanups,
-    exit code 128+signal. Only replaces default handlers (SIG_DFL, Python's KeyboardInterrupt), only from
-    the main thread; returns whether it installed them."""
+    """SIGTERM, SIGINT and SIGHUP end this rank cleanly: the ``on_exit`` cleanups, a one-line message, exit
+    code 128+signal. Only replaces default handlers (SIG_DFL, Python's KeyboardInterrupt), only from
+    the main thread; returns whether it installed them. Unless the process already has a wakeup fd
+    (``signal.set_wakeup_fd``: asyncio's), one is set and a thread reads it, so that the rank ends within
+    milliseconds even while the main thread is inside a native call."""
+    global _wakeup_thread
     if threading.current_thread() is not threading.main_thread():
         return False
+    installed = False
     for name in _TERM_SIGNALS:
         sig = getattr(signal, name, None)
         if sig is None:
@@ -174,6 +222,23 @@ def install_signal_handlers() -> bool:
         current = signal.getsignal(sig)
         if current in (signal.SIG_DFL, signal.default_int_handler, None) or current is _on_signal:
             signal.signal(sig, _on_signal)
+            installed = True
+    if installed and _wakeup_thread is None and sys.platform != "win32":
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            previous = None
+        if previous == -1:
+            _wakeup_thread = threading.Thread(target=_watch_wakeup_fd, args=(r,), name="ds_longctx-signals",
+                                              daemon=True)
+            _wakeup_thread.start()
+        else:  # someone else's wakeup fd: leave it (the main-thread handler still ends the rank)
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(r)
+            os.close(w)
     return True
 
 
@@ -321,7 +386,9 @@ def main_guard():
 
     An exception (or ``SystemExit`` with a non-zero code) prints this rank's traceback with a
     ``[rank N]`` prefix and calls ``shutdown(code)`` (exit code 1 for exceptions), so no rank is
-    left waiting in a collective. ``SystemExit(0)`` ends the rank like ``shutdown(0)``.
+    left waiting in a collective. A ConfigError (a bad input: one line naming the key and the fix) waits
+    ``_CONFIG_ERROR_GRACE_S`` first when the job has several processes, so that every rank prints its copy
+    before the launcher ends the others. ``SystemExit(0)`` ends the rank like ``shutdown(0)``.
 
     It also installs the signal handlers (:func:`install_signal_handlers`) and the launcher watch
     (:func:`watch_launcher`), so that SIGTERM/SIGINT or the launcher's death end the rank with its
@@ -339,7 +406,24 @@ def main_guard():
         shutdown(code)
     except BaseException as e:
         report(e)
+        _config_error_grace(e)
         shutdown(130 if isinstance(e, KeyboardInterrupt) else 1)
+
+
+def _config_error_grace(exc: BaseException) -> None:
+    """After a ConfigError on a job of several processes: wait ``_CONFIG_ERROR_GRACE_S`` so that every rank
+    meeting the same check prints it before the launcher ends the job (a SIGTERM from the launcher still ends
+    this rank at once, through its handler)."""
+    from .errors import ConfigError
+
+    if not isinstance(exc, ConfigError):
+        return
+    from .launch import launched_world_size
+
+    if launched_world_size() > 1:
+        import time
+
+        time.sleep(_CONFIG_ERROR_GRACE_S)
 
 
 def run(main: Callable[..., Any], *args, **kwargs) -> None:

@@ -316,3 +316,12 @@ except ConfigError as e:
         assert "HF_HUB_OFFLINE is set" in line and "gated" in line and "huggingface-cli login" in line, line
         assert "HF_HOME" in line and ("--model-config path/to/config.json" in line) == (flag == "--model"), line
     assert "--tokenizer <local tokenizer directory>" in errs[2]
+
+
+def test_shards_bounded_by_the_trained_length():
+    # --seq-len 64 on SP 2 gives 32 rows: 100 shards pass the config's sequence_length (512: 256 rows) but not this
+    lc = parse(_tiny(long_context=dict(_tiny()["long_context"], tiled_mlp={"enabled": True, "shards": 100})))
+    with pytest.raises(ConfigError, match=r"^long_context.tiled_mlp.shards: 100 is more than the 32 rows it splits "
+                       r"\(sequence length 64 "):
+        train.validate_args(_args("--seq-len", "64"), lc)
+    train.validate_args(_args("--seq-len", "256"), lc)

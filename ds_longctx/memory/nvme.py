@@ -180,6 +180,23 @@ def _cleanup(state):
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def _exit_cleanup(state):
+    """On an exit path (runtime.on_exit: error exits, signals, the launcher's death): remove the directory at
+    once (a launcher may SIGKILL within a second), then drop the queued I/O and let the write in flight end,
+    and remove again: a write in flight recreates ``layer_inputs.bin`` (DeepSpeed's aio opens the file by
+    name) between rmtree's unlink and its rmdir, which left the directory behind."""
+    directory = state["dir"]
+    shutil.rmtree(directory, ignore_errors=True)
+    q, cv, thread = state["queue"], state["cv"], state["thread"]
+    with cv:
+        q.clear()
+        q.append(None)
+        cv.notify_all()
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=2.0)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 class NVMeTarget(OffloadTarget):
     """Layer inputs go device -> staging chunk -> file, and come back file -> staging chunk -> device,
     on one I/O thread. ``to_host`` returns at once; the returned job is the offloader's throttle (it
@@ -221,8 +238,8 @@ class NVMeTarget(OffloadTarget):
         # os._exit paths (error exits, signals, the launcher's death) skip atexit: remove the files there too
         from ..runtime import cancel_on_exit, on_exit
 
-        directory = self.dir
-        key = on_exit(lambda: shutil.rmtree(directory, ignore_errors=True))
+        state = self._state
+        key = on_exit(lambda: _exit_cleanup(state))
         weakref.finalize(self, cancel_on_exit, key)
         self._allocated = 0             # bytes of the file reserved with posix_fallocate
         self._samples = {}              # slot offset -> the first/last 8 bytes of each chunk written there
