@@ -606,7 +606,12 @@ def main(argv=None):
     from ds_longctx.launch import check_launch
 
     init_distributed()  # (model_init would start it next) every rank passes the rendezvous, then
-    check_launch(lc.sequence_parallel_size)  # world vs SP, on every rank together, before the model is built
+    world = check_launch(lc.sequence_parallel_size)  # world vs SP, on every rank together, before the model is built
+    from ds_longctx.config import check_train_batch_size
+
+    # before model_init: transformers' HfDeepSpeedConfig parses the ds_config there and DeepSpeed's own batch
+    # assertion (every rank counted as data parallel, no key named) would come first
+    check_train_batch_size(ds_config, world, lc.sequence_parallel_size)
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len)
     engine, _, loader, _ = ds_longctx.initialize(args=args, model=model, config=ds_config, training_data=dataset,

@@ -325,3 +325,26 @@ def test_shards_bounded_by_the_trained_length():
                        r"\(sequence length 64 "):
         train.validate_args(_args("--seq-len", "64"), lc)
     train.validate_args(_args("--seq-len", "256"), lc)
+
+
+@pytest.mark.distributed
+def test_train_batch_size_inconsistent_is_refused_before_the_model(tmp_path):
+    """train.py: an inconsistent train_batch_size was DeepSpeed's raw assertion from model_init (transformers
+    parses the ds_config there); now check_train_batch_size's ConfigError comes first, naming the key."""
+    cfg = json.load(open(TINY_CPU))
+    cfg.update(sequence_parallel_size=1, train_batch_size=3, train_micro_batch_size_per_gpu=1,
+               gradient_accumulation_steps=1)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    script = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+import train
+from ds_longctx.errors import ConfigError
+try:
+    train.main(["--deepspeed_config", {str(path)!r}, "--steps", "1"])
+except ConfigError as e:
+    print("ERR", e)
+"""
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "ERR train_batch_size: 3 is not" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]
