@@ -524,19 +524,15 @@ _FA2_FNS = ("_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_f
 _FA3_FNS = ("_flash_attn_forward", "_flash_attn_backward")
 
 
-class FlashAttn2(Backend):
-    """flash_attn 2.x private fwd/bwd (the public autograd wrapper does not expose a backward from the LSE).
-    Sliding windows and soft-capping natively where the installed release takes them (window_size: 2.3,
-    softcap: 2.6), dense and varlen (attention/documents.py)."""
-    name = "flash_attention_2"
+class _FlashAttnPrivate(Backend):
+    """flash-attn's private ``_flash_attn_forward/_backward`` (FA2 and FA3 alike), the window and soft-cap passed
+    by the argument names the installed release takes (flash_pattern_kwargs). ``_module`` imports the release."""
     native_gqa = True
     device_type = "cuda"
-    supports_window = _Capability("flash_attn.flash_attn_interface", _FA2_FNS, ("window_size", "window_size_left"))
-    supports_softcap = _Capability("flash_attn.flash_attn_interface", _FA2_FNS, ("softcap",))
 
     @staticmethod
-    def available() -> bool:
-        return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    def _module():
+        raise NotImplementedError
 
     def _fwd(self, q, k, v, causal, scale):
         return self._fwd_pattern(q, k, v, causal, scale, 0, 0.0)
@@ -545,9 +541,7 @@ class FlashAttn2(Backend):
         return self._bwd_pattern(dout, q, k, v, out, lse, causal, scale, 0, 0.0)
 
     def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
-        from flash_attn import flash_attn_interface as fa
-
-        fn = fa._flash_attn_forward
+        fn = self._module()._flash_attn_forward
         if window > 0 or softcap > 0:
             verify_native_pattern(self, q, window, softcap)
         res = _call_by_name(fn, q=q, k=k, v=v, softmax_scale=scale, causal=causal,
@@ -555,20 +549,35 @@ class FlashAttn2(Backend):
         return res[0], _lse_from(res, q)
 
     def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
-        from flash_attn import flash_attn_interface as fa
-
-        fn = fa._flash_attn_backward
+        fn = self._module()._flash_attn_backward
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         _call_by_name(fn, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
                       softmax_scale=scale, causal=causal, **flash_pattern_kwargs(fn, window, softcap, self.name))
         return dq, dk, dv
 
 
-class FlashAttn3(Backend):
+class FlashAttn2(_FlashAttnPrivate):
+    """flash_attn 2.x private fwd/bwd (the public autograd wrapper does not expose a backward from the LSE).
+    Sliding windows and soft-capping natively where the installed release takes them (window_size: 2.3,
+    softcap: 2.6), dense and varlen (attention/documents.py)."""
+    name = "flash_attention_2"
+    supports_window = _Capability("flash_attn.flash_attn_interface", _FA2_FNS, ("window_size", "window_size_left"))
+    supports_softcap = _Capability("flash_attn.flash_attn_interface", _FA2_FNS, ("softcap",))
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+    @staticmethod
+    def _module():
+        from flash_attn import flash_attn_interface
+
+        return flash_attn_interface
+
+
+class FlashAttn3(_FlashAttnPrivate):
     """flash_attn_interface (FA3, Hopper) private fwd/bwd; window_size and softcap natively."""
     name = "flash_attention_3"
-    native_gqa = True
-    device_type = "cuda"
     supports_window = _Capability("flash_attn_interface", _FA3_FNS, ("window_size", "window_size_left"))
     supports_softcap = _Capability("flash_attn_interface", _FA3_FNS, ("softcap",))
 
@@ -578,30 +587,11 @@ class FlashAttn3(Backend):
             return False
         return torch.cuda.get_device_capability()[0] >= 9
 
-    def _fwd(self, q, k, v, causal, scale):
-        return self._fwd_pattern(q, k, v, causal, scale, 0, 0.0)
+    @staticmethod
+    def _module():
+        import flash_attn_interface
 
-    def _bwd(self, dout, q, k, v, out, lse, causal, scale):
-        return self._bwd_pattern(dout, q, k, v, out, lse, causal, scale, 0, 0.0)
-
-    def _fwd_pattern(self, q, k, v, causal, scale, window, softcap):
-        import flash_attn_interface as fa3
-
-        fn = fa3._flash_attn_forward
-        if window > 0 or softcap > 0:
-            verify_native_pattern(self, q, window, softcap)
-        res = _call_by_name(fn, q=q, k=k, v=v, softmax_scale=scale, causal=causal,
-                            **flash_pattern_kwargs(fn, window, softcap, self.name))
-        return res[0], _lse_from(res, q)
-
-    def _bwd_pattern(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
-        import flash_attn_interface as fa3
-
-        fn = fa3._flash_attn_backward
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _call_by_name(fn, dout=dout.contiguous(), q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                      softmax_scale=scale, causal=causal, **flash_pattern_kwargs(fn, window, softcap, self.name))
-        return dq, dk, dv
+        return flash_attn_interface
 
 
 # ---------------------------------------------------------------------------------------------
