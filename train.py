@@ -459,31 +459,10 @@ def host_rss_bytes():
 
 
 def load_model_config(path):
-    from transformers import CONFIG_MAPPING
+    """The HF config of ``--model-config`` (a config.json or a directory holding one)."""
+    from ds_longctx.models.loading import load_model_config as load
 
-    path = _model_config_path(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _config_error("--model-config", f"{path} is not valid JSON ({e})", "give a HF config.json") from None
-    if not isinstance(d, dict):
-        raise _config_error("--model-config", f"{path} holds a JSON {type(d).__name__}, not an object",
-                            "give a HF config.json")
-    model_type = d.pop("model_type", None)
-    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-        what = "has no \"model_type\"" if model_type is None else f"has model_type {model_type!r}, which " \
-            "this transformers does not know"
-        raise _config_error("--model-config", f"{path} {what}", "set \"model_type\" to a transformers model type "
-                            "(e.g. \"llama\", \"qwen2\")")
-    attn = d.pop("attn_implementation", "sdpa")
-    try:
-        cfg = CONFIG_MAPPING[model_type](**d)
-    except (TypeError, ValueError) as e:
-        raise _config_error("--model-config", f"{path} is not a valid {model_type} config ({e})",
-                            "fix the config.json fields") from None
-    cfg._attn_implementation = attn
-    return cfg
+    return load(path)
 
 
 def build_model(args, ds_config):

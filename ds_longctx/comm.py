@@ -6,7 +6,8 @@ sequence-data-parallel group is every rank), so ZeRO and DeepSpeed's Ulysses see
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,48 @@ def sp_world_size(group=None) -> int:
 def sp_rank(group=None) -> int:
     group = group if group is not None else sp_group()
     return 0 if group is None else dist.get_rank(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# control data: small integers the ranks agree on (shard counts, batch verdicts and shapes)
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def control_plane():
+    """Host integers agreed over a group are control data, not part of the step's tensor program: they
+    are made and read outside every active tensor mode. Under the planner's fake tensors
+    (``FakeTensorMode`` and its accountant) they stay real, so the same collective runs on the planner's
+    fake process group (which hands every rank rank 0's values) and its result can be read; a FLOP
+    counter or profiler mode does not count them. Without modes (training) this changes nothing."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def control_device(group=None) -> torch.device:
+    """Where the group's backend takes tensors: the current CUDA device for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_ints(values: Sequence[int], group=None) -> List[List[int]]:
+    """Every rank's ``values`` (one list of the same length on every rank), in group rank order."""
+    with control_plane():
+        t = torch.tensor([int(v) for v in values], dtype=torch.long, device=control_device(group))
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t, group=group)
+        return torch.stack(parts).cpu().tolist()
+
+
+def max_int(local: int, group=None) -> int:
+    """MAX of ``local`` over ``group`` (None: every rank); every rank must call it at the same point."""
+    with control_plane():
+        t = torch.tensor([int(local)], dtype=torch.int64, device=control_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t.item())
 
 
 # ---------------------------------------------------------------------------------------------

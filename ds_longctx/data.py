@@ -28,7 +28,7 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     described for the WHOLE sample in ``doc_cu_seqlens`` [batch, n+1], which every rank receives:
     a rank cannot tell a document boundary on a shard edge from its own position_ids.
     """
-    from .attention.documents import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
+    from .batch import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
 
     if "input_ids" not in batch:
         raise BatchError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")

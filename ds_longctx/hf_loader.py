@@ -37,7 +37,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .attention.documents import document_structure
+from .batch import document_structure
 from .errors import BatchError, LongContextError, error_class
 from .loss import IGNORE_INDEX
 

@@ -208,7 +208,8 @@ def get_patch(model) -> Optional[PatchHandle]:
 
 # ---------------------------------------------------------------------------------------------
 # the model forward wrapper: batch -> Documents keyword (a batch-level concern: it lives here, above
-# attention, so attention/documents.py keeps only the document structure and the kernel adapters)
+# attention, so attention/documents.py keeps only the Documents structure and the kernel adapters, and
+# batch.py the batch's document structure)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -227,11 +228,10 @@ def install_document_forward(model, group, own_attention: bool) -> None:
       must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
       full-length eval batch is sharded over the group in turns (``sp_batch.eval_in_turns``).
     """
-    from .attention.documents import (BATCH_KEY, DOCS_KWARG, LENS_KEY, Documents, custom_mask_error,
-                                      document_structure, mask_padding_targets)
+    from .attention.documents import DOCS_KWARG, Documents
+    from .batch import BATCH_KEY, LENS_KEY, custom_mask_error, document_structure, mask_padding_targets
     from .comm import sp_world_size
     from .loss import shift_labels_of
-    from .measure.fake import is_simulated
 
     sp = sp_world_size(group)
     inner = model.forward
@@ -240,7 +240,7 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
         doc_lens = kwargs.pop(LENS_KEY, None)
-        if sp > 1 and not is_simulated(input_ids if input_ids is not None else position_ids):
+        if sp > 1:
             # every rank's verdict on its shard, agreed over the group before any collective (sp_batch)
             from . import sp_batch
 
@@ -257,10 +257,6 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                 return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              labels=labels, shift_labels=shift_labels, **kwargs)
             raise custom_mask_error(attention_mask)  # before any collective (same batch structure on every rank)
-        if cu is None and doc_lens is None and is_simulated(input_ids):
-            # the planner's fake-tensor simulation of a dense sample: no values to derive documents from
-            return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         labels=labels, shift_labels=shift_labels, **kwargs)
         docs = None
         if cu is not None:
             if attention_mask is not None and not bool((attention_mask == 1).all()):

@@ -33,7 +33,8 @@ def is_full_eval_batch(training: bool, labels, shift_labels, cu) -> bool:
 def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp: int,
                 training: bool, kwargs) -> Optional[LongContextError]:
     """This rank's own verdict on its shard (no collectives): the BatchError to raise, or None."""
-    from .attention.documents import BATCH_KEY, LENS_KEY, Documents, custom_mask_error
+    from .attention.documents import Documents
+    from .batch import BATCH_KEY, LENS_KEY, custom_mask_error
 
     try:
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
@@ -82,23 +83,23 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
 def _shape_of(input_ids, position_ids, kwargs):
     for t in (input_ids, kwargs.get("inputs_embeds"), position_ids):
         if isinstance(t, torch.Tensor) and t.dim() >= 2:
-            return t.shape[0], t.shape[1], t.device
-    return 0, 0, torch.device("cpu")
+            return t.shape[0], t.shape[1]
+    return 0, 0
 
 
 def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, input_ids, position_ids, attention_mask,
           cu, kwargs) -> None:
     """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank."""
-    b, s, device = _shape_of(input_ids, position_ids, kwargs)
-    head = torch.tensor([int(fault is not None), b, s, int(cu is not None), int(full_eval)], dtype=torch.long,
-                        device=device)
-    parts = [torch.empty_like(head) for _ in range(sp)]
-    dist.all_gather(parts, head, group=group)  # tiny: 5 integers per rank
-    rows = torch.stack(parts).cpu().tolist()
+    from .comm import all_gather_ints, control_plane
+
+    b, s = _shape_of(input_ids, position_ids, kwargs)
+    # tiny: 5 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
+    rows = all_gather_ints([int(fault is not None), b, s, int(cu is not None), int(full_eval)], group)
     if any(r[0] for r in rows):
         msgs = [None] * sp
-        dist.all_gather_object(msgs, None if fault is None else (fault.key, fault.problem, fault.fix, type(fault).__name__),
-                               group=group)
+        with control_plane():
+            dist.all_gather_object(msgs, None if fault is None else (fault.key, fault.problem, fault.fix, type(fault).__name__),
+                                   group=group)
         r = next(i for i, m in enumerate(msgs) if m is not None)
         key, problem, fix, kind = msgs[r]
         raise error_class(kind)(key, f"(SP rank {r}'s shard) {problem}", fix)
@@ -125,7 +126,7 @@ def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, in
 def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
     """Without doc_cu_seqlens the gathered sample must be one causal sequence: positions continuing by +1
     within and across the shards, no padding. Says which of unsharded, packed or padded it is."""
-    from .attention.documents import BATCH_KEY
+    from .batch import BATCH_KEY
 
     p = position_ids.detach().long()
     contiguous = ((p[:, 1:] - p[:, :-1]) == 1).all(1) if p.shape[1] > 1 else torch.ones(p.shape[0], dtype=torch.bool,

@@ -39,7 +39,7 @@ class _NormedProjSource(_ProjSource):
 
     def _tiles(self):
         n = self.x2.shape[0]
-        for lo in tile_starts(self.x2, n, self.step):
+        for lo in tile_starts(n, self.step):
             hi = min(lo + self.step, n)
             yield lo, hi, rms_norm_tile(self.x2, self.r2, self.norm_w, lo, hi)
 

@@ -1,13 +1,12 @@
 """Packed documents: causal attention *within* each document of a sample, on every attention path.
 
-The contract (HF's and TRL's packed convention): a sample's ``position_ids`` restart at 0 (more
-precisely: do not continue by +1) at each document start; optionally a per-sample list of document
-lengths (``doc_lens``) is given instead. A right-padded tail (``attention_mask`` zeros) is one more
-document whose targets are ignored.
+This module is attention's side: the :class:`Documents` structure the kernels read and the kernel
+adapters over it. The batch's side (the packing contract, ``document_structure``, ``mask_padding_targets``,
+the batch keys) is the data layer's, in ``ds_longctx/batch.py``.
 
 Document boundaries are *global* information: with SP a boundary can fall exactly on a shard edge,
 where a rank's local position_ids look contiguous. So the structure is derived from the full sample
-before sharding (:func:`document_structure`, used by ``data.shard_batch``) and travels in the batch
+before sharding (``batch.document_structure``, used by ``data.shard_batch``) and travels in the batch
 as ``doc_cu_seqlens`` [b, n+1] (cumulative boundaries over the whole gathered sequence, every rank
 the same tensor, rows padded by repeating the length).
 
@@ -24,12 +23,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..batch import BATCH_KEY
 from ..errors import BatchError
 from .kernels import Backend, Windowed
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
-BATCH_KEY = "doc_cu_seqlens"         # batch key of the global structure (written by shard_batch)
-LENS_KEY = "doc_lens"                # optional user-given per-sample document lengths
 
 
 class Documents:
@@ -45,8 +43,10 @@ class Documents:
             raise BatchError(f"batch.{BATCH_KEY}", f"expected a [batch, n+1] tensor of document boundaries, got "
                               f"{tuple(cu.shape) if isinstance(cu, torch.Tensor) else type(cu).__name__}",
                               "build batches with ds_longctx.data.shard_batch (or the loader of initialize)")
-        self.cu = cu.detach().to("cpu", torch.long)
-        rows = self.cu.tolist()
+        # read once on the host: a batch tensor's values (tolist reads them without dispatching an op, so
+        # the planner's real doc_cu_seqlens stays readable under its fake-tensor mode)
+        rows = [[int(v) for v in r] for r in cu.tolist()]
+        self.cu = torch.tensor(rows, dtype=torch.long)
         self.seq_len = rows[0][-1]
         for i, row in enumerate(rows):
             if row[0] != 0 or row[-1] != self.seq_len or any(b < a for a, b in zip(row[:-1], row[1:])):
@@ -87,114 +87,6 @@ class Documents:
 
     def __repr__(self):
         return f"Documents(seq_len={self.seq_len}, docs={[len(b) for b in self.bounds]})"
-
-
-# ---------------------------------------------------------------------------------------------
-# deriving the structure from a full (unsharded) batch
-# ---------------------------------------------------------------------------------------------
-
-
-def custom_mask_error(mask) -> BatchError:
-    """The one refusal of a custom (not [batch, seq] padding) attention mask. Never "drop the mask": a
-    prefix-LM or other custom pattern would then silently train causal-only."""
-    shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-    return BatchError("batch.attention_mask", f"is a custom attention mask ({shape}); custom 4-D masks are not "
-                       "supported under sequence parallelism, nor by ds_longctx's batch sharding (attention there "
-                       "is causal, per document)",
-                       "for document masking, pack the documents and mark them with position_ids restarting at 0 "
-                       f"per document (or '{LENS_KEY}', or '{BATCH_KEY}' from ds_longctx.data.shard_batch); a mask of "
-                       "another pattern (prefix-LM, ...) has no SP path yet: at sequence_parallel_size 1 with "
-                       "long_context.attention.implementation 'none', call the model (engine(**batch)) with the "
-                       "full batch and its mask, which transformers applies exactly")
-
-
-def _right_padding_lengths(mask: torch.Tensor) -> List[int]:
-    """Number of real tokens per sample of a [b, S] 0/1 mask; only right padding is accepted."""
-    if mask.dim() != 2:
-        raise custom_mask_error(mask)
-    m = mask.bool()
-    n_real = m.sum(1)
-    ar = torch.arange(m.shape[1], device=m.device)
-    bad = ~(m == (ar.unsqueeze(0) < n_real.unsqueeze(1))).all(1)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise BatchError("batch.attention_mask", f"sample {i} is not right-padded (zeros before ones)",
-                          "pad on the right (tokenizer padding_side='right'); the padded tail becomes an ignored "
-                          "document")
-    return n_real.tolist()
-
-
-def document_structure(input_ids: torch.Tensor, position_ids=None, attention_mask=None, doc_lens=None):
-    """Documents of a FULL batch: returns (cu [b, n+1] long, position_ids [b, S] long, n_real list).
-
-    Boundaries come from ``doc_lens`` when given, else from ``position_ids`` (a document starts where
-    a position is not its predecessor + 1: HF's ``find_packed_sequence_indices`` rule), else one
-    document. A right-padded tail is one more document (positions restart at 0 there); the caller
-    ignores its targets. Position ids of real tokens are kept as given (RoPE needs them).
-    """
-    bsz, seq = input_ids.shape
-    n_real = [seq] * bsz if attention_mask is None else _right_padding_lengths(attention_mask)
-    if position_ids is not None:
-        if tuple(position_ids.shape) != (bsz, seq):
-            raise BatchError("batch.position_ids", f"shape {tuple(position_ids.shape)} differs from input_ids "
-                              f"{(bsz, seq)}", "give one position per token")
-        pos = position_ids.detach().to("cpu", torch.long).clone()
-    else:
-        pos = None
-    if doc_lens is not None:
-        rows = doc_lens.tolist() if isinstance(doc_lens, torch.Tensor) else [list(r) for r in doc_lens]
-        if len(rows) != bsz:
-            raise BatchError(f"batch.{LENS_KEY}", f"has {len(rows)} rows for {bsz} samples", "one list per sample")
-    cus, out_pos = [], torch.empty(bsz, seq, dtype=torch.long)
-    for i in range(bsz):
-        n = n_real[i]
-        if doc_lens is not None:
-            lens = [int(x) for x in rows[i] if int(x) != 0]
-            if any(x < 0 for x in lens) or sum(lens) != n:
-                raise BatchError(f"batch.{LENS_KEY}", f"sample {i}: document lengths {lens} must be positive and "
-                                  f"sum to its {n} real tokens", "give the lengths of the documents packed in it")
-            starts, acc = [], 0
-            for x in lens:
-                starts.append(acc)
-                acc += x
-            if pos is not None:  # given positions must not contradict the given documents
-                p = pos[i, :n]
-                inside = torch.ones(n, dtype=torch.bool)
-                inside[starts] = False
-                if n > 1 and not bool(((p[1:] - p[:-1]) == 1)[inside[1:]].all()):
-                    raise BatchError(f"batch.{LENS_KEY}", f"sample {i}: position_ids are not contiguous inside the "
-                                      "given documents", "drop position_ids (they are built restarting per "
-                                      "document) or make them restart at the document starts")
-            else:
-                out_pos[i, :n] = torch.cat([torch.arange(x) for x in lens]) if lens else out_pos[i, :0]
-        elif pos is not None and n > 0:
-            p = pos[i, :n]
-            starts = [0] + ((p[1:] - p[:-1]) != 1).nonzero().flatten().add(1).tolist()
-        else:
-            starts = [0] if n > 0 else []
-            if pos is None:
-                out_pos[i, :n] = torch.arange(n)
-        if pos is not None:
-            out_pos[i, :n] = pos[i, :n]
-        out_pos[i, n:] = torch.arange(seq - n)  # the padded tail: its own document
-        cus.append(starts + [n] + ([seq] if n < seq else []))
-    width = max(len(c) for c in cus)
-    cu = torch.tensor([c + [seq] * (width - len(c)) for c in cus], dtype=torch.long)
-    if cu[:, 0].ne(0).any():  # a fully padded sample starts at its pad document
-        cu[:, 0] = 0
-    return cu, out_pos, n_real
-
-
-def mask_padding_targets(shift_labels: torch.Tensor, n_real: List[int]) -> torch.Tensor:
-    """Ignore every target that is a pad token (incl. the last real token's): a copy."""
-    seq = shift_labels.shape[1]
-    if all(n == seq for n in n_real):
-        return shift_labels
-    out = shift_labels.clone()
-    for i, n in enumerate(n_real):
-        if n < seq:
-            out[i, max(n - 1, 0):] = -100
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -457,5 +349,4 @@ def document_core(core, impl: str):
     return attention
 
 
-__all__ = ["Documents", "DocumentBackend", "document_structure", "mask_padding_targets", "with_documents",
-           "document_core", "DOCS_KWARG", "BATCH_KEY", "LENS_KEY"]
+__all__ = ["Documents", "DocumentBackend", "with_documents", "document_core", "DOCS_KWARG"]

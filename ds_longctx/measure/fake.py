@@ -1,11 +1,10 @@
-"""Is a tensor the planner's stand-in (shapes and dtypes, no values)? The one definition, for the ops that
-still branch on it (memory/tiling.py, memory/norm.py, attention/documents.py) and the live-bytes tracker.
+"""Is a tensor a ``FakeTensor``? For the live-bytes tracker (measure/live_bytes.py) only: a fake tensor's
+storage has no address, so the tracker keys it by identity. No op branches on fake tensors: the planner
+runs the training code itself (its simulation seams are planner/simulate.py's and memory/tiles.py's).
 
 Checked by type name, so importing this costs no ``torch._subclasses`` import and a tensor subclass that
 wraps a fake one is not itself taken for fake."""
 from __future__ import annotations
-
-import torch
 
 
 def is_fake(t) -> bool:
@@ -13,9 +12,4 @@ def is_fake(t) -> bool:
     return type(t).__name__ == "FakeTensor"
 
 
-def is_simulated(t) -> bool:
-    """A fake or a meta tensor: there are no values to compute on. None and non-tensors: False."""
-    return isinstance(t, torch.Tensor) and (is_fake(t) or t.device.type == "meta")
-
-
-__all__ = ["is_fake", "is_simulated"]
+__all__ = ["is_fake"]

@@ -16,7 +16,7 @@ from typing import List
 
 import torch
 
-from ..measure.fake import is_simulated
+from .tiles import row_starts
 from ..models import is_llama_style_rmsnorm  # noqa: F401  (re-exported: which norms have Llama's formula)
 
 # fp32 elements per forward/backward tile: 128 MiB per fp32 temporary, small next to a layer at 1M+ tokens
@@ -28,28 +28,9 @@ def _rows_per_tile(hidden: int) -> int:
     return max(1, _TILE_ELEMS // max(1, hidden))
 
 
-def tile_starts(x, rows: int, step: int):
-    """First rows of the row tiles. Under the planner's fake tensors only the first tile runs: tiles hold
-    nothing across iterations (results go into preallocated rows) and the first is the largest, so it
-    alone reaches the loop's memory peak; the others would only multiply the simulation's fake ops."""
-    if is_simulated(x):
-        return _Representative(rows, step)
-    return range(0, rows, step)
-
-
-class _Representative:
-    """The first tile alone, its FLOPs and bytes standing for all tiles' (measure/flops.representing)."""
-
-    def __init__(self, rows: int, step: int):
-        self.rows, self.step = rows, step
-
-    def __iter__(self):
-        if self.rows <= 0:
-            return
-        from ..measure.flops import representing
-
-        with representing(self.rows / min(self.rows, self.step)):
-            yield 0
+def tile_starts(rows: int, step: int):
+    """First rows of the row tiles (memory/tiles.py: all of them; the planner's step runs the first)."""
+    return row_starts(rows, step)
 
 
 def rms_norm_rows(x, weight, eps: float):
@@ -69,7 +50,7 @@ def rms_norm_rows(x, weight, eps: float):
     rstd = torch.empty(x.shape[:-1] + (1,), dtype=torch.float32, device=x.device)
     out2, rstd2 = out.view(-1, hidden), rstd.view(-1, 1)
     step = _rows_per_tile(hidden)
-    for lo in tile_starts(x2, x2.shape[0], step):
+    for lo in tile_starts(x2.shape[0], step):
         hi = min(lo + step, x2.shape[0])
         xf = x2[lo:hi].to(torch.float32)
         variance = xf.pow(2).mean(-1, keepdim=True)
@@ -102,7 +83,7 @@ def rms_norm_rows_backward(x, rstd, weight, grad_out, need_x: bool = True, need_
     # fp32 accumulator across tiles; autograd would sum in the output dtype over the whole batch
     grad_w = torch.zeros(hidden, dtype=torch.float32, device=x.device) if need_w else None
     step = _rows_per_tile(hidden)
-    for lo in tile_starts(x2, x2.shape[0], step):
+    for lo in tile_starts(x2.shape[0], step):
         hi = min(lo + step, x2.shape[0])
         xf = x2[lo:hi].to(torch.float32)
         r = r2[lo:hi]

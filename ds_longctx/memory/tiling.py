@@ -14,9 +14,8 @@ Why not DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` (ulysses_sp.py):
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import List, Optional, Sequence, Union
+from typing import List, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -24,9 +23,8 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, lm_logits
-from ..measure.fake import is_simulated
-from ..measure.flops import representing
 from ..models import mlp_class_names, mlp_facts
+from .tiles import each_tile
 
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
 # tiling is exact (models/: one Architecture per model type)
@@ -42,32 +40,27 @@ def auto_shards(local_seq: int, hidden: int) -> int:
     return max(1, math.ceil(local_seq / max(1, hidden)))
 
 
-def agree_max(local: int, group=None, like: Optional[torch.Tensor] = None) -> int:
+def agree_max(local: int, group=None) -> int:
     """MAX of ``local`` over ``group`` (None: every rank). Every rank must call it at the same point.
 
     The group must cover every rank that shares ZeRO-3 parameter all-gathers with this one: with
-    DP x SP that is the whole world, not the SP group, so callers pass None.
+    DP x SP that is the whole world, not the SP group, so callers pass None. Under the planner the
+    same all-reduce runs on its fake process group (comm.max_int: control data, outside tensor modes).
     """
-    if not (dist.is_available() and dist.is_initialized()) or is_simulated(like):
-        return int(local)  # under the planner's fake tensors there is nothing to read back
-    if dist.get_world_size(group) == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return int(local)
-    device = "cpu"
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([int(local)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    from ..comm import max_int
+
+    return max_int(local, group)
 
 
-def resolve_shards(shards: Union[int, str], local_seq: int, hidden: int, group=None,
-                   like: Optional[torch.Tensor] = None) -> int:
+def resolve_shards(shards: Union[int, str], local_seq: int, hidden: int, group=None) -> int:
     """An integer is taken as is (identical config on every rank, no collective); "auto" is
     ceil(local_seq / hidden) agreed by MAX over ``group``."""
     if isinstance(shards, bool) or not (isinstance(shards, int) or shards == "auto"):
         raise ValueError(f"shards: {shards!r} is not a shard count; use a positive integer or 'auto'")
     if shards == "auto":
-        return agree_max(auto_shards(local_seq, hidden), group, like)
+        return agree_max(auto_shards(local_seq, hidden), group)
     if shards < 1:
         raise ValueError(f"shards must be positive, got {shards}; use a positive integer or 'auto'")
     return shards
@@ -97,16 +90,8 @@ class TiledRowsFunction(torch.autograd.Function):
         out = None
         row = 0
         pieces = torch.tensor_split(flat, shards, dim=0)
-        work = contextlib.nullcontext()
-        if is_simulated(flat):
-            # under the planner's fake tensors only the first (largest) shard runs: a shard keeps nothing
-            # once done (results go into preallocated rows; the planner drops each full weight gradient
-            # as it is accumulated), so it alone shows the loop's peak, and the others would only
-            # multiply the simulation's fake ops; its FLOPs and bytes stand for every shard's
-            pieces = pieces[:1]
-            work = representing(flat.shape[0] / max(1, pieces[0].shape[0]))
-        with torch.no_grad(), work:
-            for piece in pieces:
+        with torch.no_grad():
+            for piece in each_tile(pieces, flat.shape[0], pieces[0].shape[0]):
                 y = fn(module, piece)
                 if out is None:  # allocated once the output width and dtype are known
                     out = y.new_empty(flat.shape[0], y.shape[-1])
@@ -124,14 +109,9 @@ class TiledRowsFunction(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         x_grad = torch.zeros_like(flat) if need_x else None
         try:
-            pairs = zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(g, shards, 0))
-            work = contextlib.nullcontext()
-            if is_simulated(flat):
-                # the planner's fake tensors: one shard shows the loop's peak (see forward)
-                pairs = [next(pairs)]
-                work = representing(flat.shape[0] / max(1, pairs[0][0].shape[0]))
-            with work:
-                _tiles_backward(pairs, fn, module, shards, params, need_x, x_grad)
+            pairs = list(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(g, shards, 0)))
+            _tiles_backward(each_tile(pairs, flat.shape[0], pairs[0][0].shape[0]), fn, module, shards, params, need_x,
+                            x_grad)
         finally:
             _mark_ready(params, True)
         return (x_grad.view_as(x) if need_x else None), None, None, None, None
@@ -181,7 +161,7 @@ class TilingState:
         if self._cached is not None and self._cached[0] == self.forward_id:
             return self._cached[1]
         local_seq = x.shape[-2] if x.dim() >= 3 else x.shape[0]
-        n = resolve_shards("auto", local_seq, x.shape[-1], self.group, like=x)
+        n = resolve_shards("auto", local_seq, x.shape[-1], self.group)
         self._cached = (self.forward_id, n)
         return n
 
@@ -323,7 +303,7 @@ def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shi
         raise ValueError(f"tiled_causal_lm_loss_sum: hidden {tuple(hidden.shape)} must be [b, s, h] and "
                          f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
     labels = shift_labels.to(hidden.device)
-    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None, like=hidden)
+    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
     params = [p for p in lm_head.parameters() if p.requires_grad]
     # ZeRO-3 parameters cannot be inputs of the Function (their recorded shape is the empty partition,
     # and the recompute's gathered-weight gradient is then rejected); when only lm_head trains, an

@@ -9,9 +9,7 @@ checked against full-depth runs (tests/test_planner.py; ``--full-depth`` forces 
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
@@ -19,6 +17,7 @@ from ..config import ConfigError, check_against, load_ds_config, parse
 from . import model_states as ms
 from . import host as host_plan
 from ..models import text_config
+from ..models.loading import load_model_config
 from .simulate import CATEGORIES, simulate_step
 from .units import fmt_bytes, parse_bytes
 
@@ -100,46 +99,6 @@ class PlanResult:
 # ---------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------
-
-
-def load_model_config(model_config=None, model: Optional[str] = None):
-    """A transformers config from a config object, a dict, a config.json path or a model directory."""
-    from transformers import AutoConfig, PretrainedConfig
-
-    src = model_config if model_config is not None else model
-    if src is None:
-        raise ConfigError("--model-config", "no model config was given",
-                          "pass --model-config config.json or --model <local model directory>")
-    if isinstance(src, PretrainedConfig):
-        return src
-    if isinstance(src, dict):
-        d = dict(src)
-    else:
-        path = os.fspath(src)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.exists(path):
-            if model_config is None:  # --model: a local directory only (the planner fetches nothing from the hub)
-                raise ConfigError("--model", f"{os.fspath(src)!r} is not a local model directory (the planner reads "
-                                  "a local config.json and does not download from the Hugging Face hub)",
-                                  "pass --model-config path/to/config.json (e.g. ds_configs/models/llama3-8b.json) or "
-                                  "--model <local directory holding config.json> (e.g. from `huggingface-cli download "
-                                  "<id> config.json --local-dir DIR`; a gated repo needs `huggingface-cli login`)")
-            raise ConfigError("--model-config", f"{path!r} does not exist",
-                              "pass an HF config.json (e.g. ds_configs/models/llama3-8b.json) or a model directory")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError("--model-config", f"{path} is not valid JSON ({e})", "fix the JSON") from None
-    mt = d.pop("model_type", None)
-    if mt is None:
-        raise ConfigError("--model-config", "the model config has no model_type", "use an HF config.json")
-    try:
-        return AutoConfig.for_model(mt, **d)
-    except Exception as e:
-        raise ConfigError("--model-config", f"transformers cannot build a {mt!r} config ({e})",
-                          "use a config.json of a causal LM transformers knows") from None
 
 
 def param_info(model_config) -> ms.ParamInfo:

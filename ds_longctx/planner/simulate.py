@@ -528,8 +528,10 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..attention import registry
+    from ..batch import BATCH_KEY
     from ..memory.checkpointing import around_checkpointed_runs
     from ..layout import Layout
+    from ..memory.tiles import representative
     from ..patch import patch_model
     from ..spec import build_spec
 
@@ -556,12 +558,15 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
             handle.set_offload_target(_SimHostTarget(acct))
         tagger = _Tagger(acct, model)
         local = seq_len // sp
+        # the batch the training loader feeds (data.shard_batch): rank 0's shard of one dense sample per row,
+        # its document structure as the real (host) tensor every rank receives
+        cu = torch.tensor([[0, local * sp]] * batch_size, dtype=torch.long)
         try:
-            with mode, acct, around_checkpointed_runs(tagger.layer_run):
+            with mode, acct, around_checkpointed_runs(tagger.layer_run), representative():
                 ids = torch.zeros(batch_size, local, dtype=torch.long, device=device)
                 pos = torch.arange(local, device=device).unsqueeze(0).expand(batch_size, -1)
                 labels = torch.zeros(batch_size, local, dtype=torch.long, device=device)
-                out = model(input_ids=ids, position_ids=pos, shift_labels=labels)
+                out = model(input_ids=ids, position_ids=pos, shift_labels=labels, **{BATCH_KEY: cu})
                 loss = out.loss
                 del out
                 acct.in_backward = True
