@@ -80,6 +80,7 @@ def test_extrapolated_depth_matches_full_depth():
     from ds_longctx.planner import Planner, load_model_config
 
     mc = load_model_config("ds_configs/models/llama3-8b.json")
+    mc.num_hidden_layers = 8  # Llama-3-8B's layer shapes; extrapolating to 8 layers is the same rule as to 32
     ds = {"bf16": {"enabled": True}, "sequence_parallel_size": 8, "zero_optimization": {"stage": 3},
           "long_context": {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 2},
                            "activation_checkpointing": {"enabled": True, "offload": "cpu"},

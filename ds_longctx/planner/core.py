@@ -309,14 +309,23 @@ class Planner:
                 cache[(k, full)] = self.run(k * unit, label=label, full_depth=full)
             return cache[(k, full)]
 
-        def headroom(r: PlanResult):
-            return r.device_budget_bytes - r.reserve_bytes - r.peak_device_bytes
+        def root(a: PlanResult, b: PlanResult) -> int:
+            """False position between a fitting ``a`` and a failing ``b``: the first crossing of any checked
+            limit (device, host: each nearly affine in S) by linear interpolation of its headroom."""
+            ka, kb, cross = a.sequence_length // unit, b.sequence_length // unit, []
+            for name, vb in b.limits.items():
+                va = a.limits[name]
+                if vb["budget"] and vb["need"] > vb["budget"] and va["budget"]:
+                    h_a, h_b = va["budget"] - va["need"], vb["budget"] - vb["need"]
+                    if h_a >= 0 > h_b:
+                        cross.append(ka + int((kb - ka) * h_a / (h_a - h_b)))
+            return min(cross) if cross else (ka + kb) // 2
 
-        if not at(1).fits:
-            return 0, _bound_by(at(1), at(1), 0)
         lo = hi = max(1, 4096 // unit)
         while not at(lo).fits and lo > 1:
             hi, lo = lo, max(1, lo // 4)
+        if not at(lo).fits:  # lo == 1: not even one unit fits
+            return 0, _bound_by(at(1), at(1), 0)
         while at(hi).fits:  # gallop: memory grows at least linearly, so this brackets in few steps
             lo = hi
             hi = min(hi * 4, limit // unit)
@@ -330,11 +339,7 @@ class Planner:
         while hi - lo > 1:
             # false position on the (nearly affine) headroom, every other step a bisection so that
             # steps in the curve (shard counts change with S) cannot stall it
-            h_lo, h_hi = headroom(at(lo)), headroom(at(hi))
-            if not halve and h_lo >= 0 > h_hi:
-                guess = lo + int((hi - lo) * h_lo / (h_lo - h_hi))
-            else:
-                guess = (lo + hi) // 2
+            guess = (lo + hi) // 2 if halve else root(at(lo), at(hi))
             mid = min(max(guess, lo + 1), hi - 1)
             before = hi - lo
             if at(mid).fits:
