@@ -150,3 +150,52 @@ def test_step_only_fp32_grad_and_reduce_scatter_transients():
     assert r.step_peak_bytes == p.states.device_total + p.states.step_transient_device
     assert r.peak_device_bytes == max(r.activation_peak_bytes, r.step_peak_bytes)
     assert any("optimizer step" in n for n in r.notes)
+
+
+def _zero12_buffers_worker(rank, world, cases):
+    """Real DeepSpeed ZeRO-1/2 engines after one backward: the IPG bucket buffers and the full grads."""
+    import deepspeed
+
+    from tiny_models import build, tiny_config
+
+    out = []
+    for zero in cases:
+        model = build(tiny_config(heads=4, kv_heads=2, vocab=64, layers=2, intermediate=48), seed=0)
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": dict(zero),
+               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True}
+        engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        seen = {"bufs": 0, "grads": 0}
+        setup, reduce = opt.setup_buckets, opt.reduce_gradients
+
+        def setup_buckets():  # observe (not replace) DeepSpeed's own allocation: it frees them after backward
+            setup()
+            seen["bufs"] = max(seen["bufs"], sum(b.numel() * b.element_size() for bk in opt.ipg_buckets.values()
+                                                 for b in bk.buffer))
+
+        def reduce_gradients(*a, **k):  # ZeRO-1: the full grads, just before their reduction
+            seen["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                                if p.grad is not None)
+            return reduce(*a, **k)
+
+        opt.setup_buckets, opt.reduce_gradients = setup_buckets, reduce_gradients
+        ids = torch.randint(0, 64, (1, 32))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        out.append((seen["bufs"], seen["grads"], sum(p.numel() for p in model.parameters())))
+        engine.destroy() if hasattr(engine, "destroy") else None
+    return out
+
+
+@pytest.mark.distributed
+def test_zero12_bucket_buffers_and_grads_equal_a_real_engines():
+    """ZeRO-1/2 model states against DeepSpeed's own engines (2 ranks, gloo, fp32): the contiguous-gradients
+    bucket buffers (two with overlap_comm) and ZeRO-1's full gradients, byte for byte."""
+    from ds_longctx.planner.model_states import ParamInfo, compute
+
+    cases = [{"stage": 1, "reduce_bucket_size": 3000}, {"stage": 1, "reduce_bucket_size": 3000, "overlap_comm": True},
+             {"stage": 2, "reduce_bucket_size": 3000}, {"stage": 2, "reduce_bucket_size": 3000, "overlap_comm": True}]
+    measured = run_distributed(_zero12_buffers_worker, 2, cases, timeout=300)[0]
+    for zero, (bufs, grads, P) in zip(cases, measured):
+        st = compute({"zero_optimization": zero}, ParamInfo(total=P, largest_module=0), 2)
+        assert st.device["zero buffers"] == bufs, (zero, st.device, bufs)
+        if zero["stage"] == 1:  # "grads" = the full grads + the fp32 grad partition (P/N, counted apart)
+            assert st.device["grads"] - -(-P // 2) * 4 == grads, (zero, st.device, grads)

@@ -16,8 +16,8 @@ model dtype's bytes (2 for bf16/fp16, 4 for fp32), k optimizer states per parame
   params + one prefetch bucket) and persistent params (numel <= stage3_param_persistence_threshold,
   kept whole); the reduce-scatter transients of backward (a flat copy of one IPG bucket + the full-
   size grads of the largest decoder-layer block awaiting their bucket).
-- stage 1/2: full lp params; stage 1 full lp grads, stage 2 an IPG bucket; fp32 grad partition,
-  fp32 master and states P/N.
+- stage 1/2: full lp params; stage 1 full lp grads; the IPG bucket buffer (reduce_bucket_size elements,
+  two with overlap_comm); fp32 grad partition, fp32 master and states P/N.
 - stage 0 with bf16 (DeepSpeed's BF16_Optimizer): full lp params, full fp32 grads, master and states
   partitioned P/N. Stage 0 in fp32: full params, grads and states.
 - offload_optimizer.device=cpu moves master, states and the fp32 grad partitions to host;
@@ -164,11 +164,20 @@ def compute(ds_config: dict, params: ParamInfo, world_size: int) -> ModelStates:
         put("device", "zero transients", (bucket + min(bucket, params.largest_layer_block)) * lp)
     elif stage in (1, 2):
         put("device", "params", P * lp)
+        bucket = _int(zero, "reduce_bucket_size", int(5e8), "zero_optimization.")
+        # DeepSpeed 0.19.8 stage_1_and_2.setup_buckets (first backward): with contiguous_gradients (default on)
+        # one reduce_bucket_size buffer, two with overlap_comm (default off below stage 3: double buffering);
+        # in the grad-accumulation dtype where that differs from the model's at stage 1 (use_grad_accum_attribute)
+        overlap = _bool(zero, "overlap_comm", False)
+        buf = gacc if (stage == 1 and gacc != lp) else lp
         if stage == 1:
-            put("device", "grads", P * lp)
-        else:  # ZeRO-2, contiguous_gradients or not: the IPG bucket buffer, or the bucket's full-size grads
-            # waiting for their reduction (about the same bytes)
-            put("device", "zero buffers", _int(zero, "reduce_bucket_size", int(5e8), "zero_optimization.") * lp)
+            put("device", "grads", P * buf)  # every param's full gradient until the step (param.grad / grad_accum)
+            if _bool(zero, "contiguous_gradients", True):
+                put("device", "zero buffers", bucket * buf * (2 if overlap else 1))
+        elif _bool(zero, "contiguous_gradients", True):
+            put("device", "zero buffers", bucket * lp * (2 if overlap else 1))
+        else:  # ZeRO-2 without the buffers: a bucket's full-size grads wait for their reduction (about the same)
+            put("device", "zero buffers", bucket * lp)
         put(opt_where, "grads", part * 4)
         if mixed:
             put(opt_where, "optimizer", part * 4)
