@@ -92,11 +92,12 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
                                  use_cache=False, **kwargs)
         hidden = out.last_hidden_state
         logits = None
-        if fused:  # TRL's per-token fields, from the logits (untiled: [b, s_local, vocab] for this forward)
+        if fused:  # TRL's per-token fields, tile by tile (as TRL's own fused head: no [b, s, vocab] logits)
             from .compat import fused_lm_head_output
-            from .loss import fused_token_fields, lm_logits
+            from .memory.tiling import tiled_token_fields
 
-            fields = fused_token_fields(lm_logits(self.lm_head, hidden, logit_fn), shift_labels)
+            fields = tiled_token_fields(hidden, self.lm_head, shift_labels,
+                                        spec.loss_shards if tiled.enabled else "auto", logit_fn, shared=tied)
             if unshifted:  # TRL's shape for unshifted labels: [b, seq - 1] (the last token has no target)
                 fields = {k: v[:, :-1] for k, v in fields.items()}
             loss = sp_loss(-fields["log_probs"].sum(), fields["label_mask"].sum())

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..loss import IGNORE_INDEX, lm_logits
+from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import mlp_class_names, mlp_facts
 from .tiles import each_tile
 
@@ -257,35 +257,112 @@ class TiledLMLossSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, labels = ctx.saved_tensors
-        lm_head, shards, params = ctx.lm_head, ctx.shards, ctx.params
-        # a parameter the model also uses elsewhere (tied input embedding) gets its other gradient later in
-        # this backward: it must not be reduced after the last tile too (ZeRO-3 asserts on a parameter
-        # reduced twice in one bucket), so it is marked ready only at the end and reduced once, with the sum
-        own = [p for p in params if not any(p is q for q in ctx.shared)]
-        need_x = ctx.needs_input_grad[0]
+        g = grad_out.detach().float()
+
+        def tile(xp, yp, rows):
+            loss = _ce_sum(ctx.lm_head, xp, yp, ctx.logit_fn)
+            if loss.requires_grad:
+                torch.autograd.backward(loss, g)
+
+        x_out = _backward_over_tiles(ctx, tile)
+        return (x_out, None, None, None, None, None, None) + (None,) * ctx.n_anchors
+
+
+def _backward_over_tiles(ctx, tile):
+    """The tiled lm_head Functions' backward: recompute each row tile with grad (``tile(xp, yp, rows)`` runs
+    its autograd backward with the true upstream gradient), accumulate the hidden gradient, and let lm_head's
+    parameter gradients accumulate locally, marked ready for ZeRO after the last tile only."""
+    hidden, labels = ctx.saved_tensors
+    shards, params = ctx.shards, ctx.params
+    # a parameter the model also uses elsewhere (tied input embedding) gets its other gradient later in
+    # this backward: it must not be reduced after the last tile too (ZeRO-3 asserts on a parameter
+    # reduced twice in one bucket), so it is marked ready only at the end and reduced once, with the sum
+    own = [p for p in params if not any(p is q for q in ctx.shared)]
+    need_x = ctx.needs_input_grad[0]
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    x_grad = torch.zeros_like(flat) if need_x else None
+    row = 0
+    try:
+        for i, (xp, yp) in enumerate(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0))):
+            _mark_ready(params, False)
+            _mark_ready(own, i == shards - 1)
+            xp = xp.detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                tile(xp, yp, slice(row, row + xp.shape[0]))
+            if need_x and xp.grad is not None:
+                x_grad[row:row + xp.shape[0]].copy_(xp.grad)
+            row += xp.shape[0]
+            del xp
+    finally:
+        _mark_ready(params, True)
+    return x_grad.view_as(hidden) if need_x else None
+
+
+class TiledTokenFields(torch.autograd.Function):
+    """TRL's fused LM head fields per token (label log-probability, entropy, is-top-1; zero where the label
+    is ignored: ``loss.fused_token_fields``) over ``shards`` row tiles, never holding more than one tile's
+    logits. Backward recomputes each tile with the true upstream gradients of log_probs and entropy (a loss
+    may weight tokens, e.g. TRL's DFT, or use the entropy); is_top1 has none."""
+
+    @staticmethod
+    def forward(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, *anchors):
+        ctx.lm_head, ctx.shards, ctx.params, ctx.shared, ctx.logit_fn = lm_head, shards, params, shared, logit_fn
+        ctx.n_anchors = len(anchors)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, labels)
         flat = hidden.detach().reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
-        x_grad = torch.zeros_like(flat) if need_x else None
-        g = grad_out.detach().float()
-        row = 0
-        try:
-            for i, (xp, yp) in enumerate(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0))):
-                _mark_ready(params, False)
-                _mark_ready(own, i == shards - 1)
-                xp = xp.detach().requires_grad_(need_x)
-                with torch.enable_grad():
-                    loss = _ce_sum(lm_head, xp, yp, ctx.logit_fn)
-                if loss.requires_grad:
-                    torch.autograd.backward(loss, g)
-                if need_x and xp.grad is not None:
-                    x_grad[row:row + xp.shape[0]].copy_(xp.grad)
-                row += xp.shape[0]
-                del loss, xp
-        finally:
-            _mark_ready(params, True)
-        x_out = x_grad.view_as(hidden) if need_x else None
+        parts = {"log_probs": [], "entropy": [], "is_top1": []}
+        with torch.no_grad():
+            for xp, yp in zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0)):
+                f = fused_token_fields(lm_logits(lm_head, xp, logit_fn), yp)
+                for k, v in parts.items():
+                    v.append(f[k])
+        lp, ent, top1 = (torch.cat(parts[k]).view(labels.shape) for k in ("log_probs", "entropy", "is_top1"))
+        ctx.mark_non_differentiable(top1)
+        return lp, ent, top1
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_top1):
+        def tile(xp, yp, rows):
+            f = fused_token_fields(lm_logits(ctx.lm_head, xp, ctx.logit_fn), yp)
+            outs, grads = [], []
+            for out, g in ((f["log_probs"], g_lp), (f["entropy"], g_ent)):
+                if g is not None and out.requires_grad:
+                    outs.append(out)
+                    grads.append(g.detach().reshape(-1)[rows].to(out.dtype))
+            if outs:
+                torch.autograd.backward(outs, grads)
+
+        x_out = _backward_over_tiles(ctx, tile) if (g_lp is not None or g_ent is not None) else None
         return (x_out, None, None, None, None, None, None) + (None,) * ctx.n_anchors
+
+
+def _lm_head_inputs(hidden, lm_head):
+    """lm_head's trainable parameters, and the anchor that keeps a tiled Function's output requiring grad
+    when only lm_head trains: ZeRO-3 parameters cannot be inputs of the Function (their recorded shape is
+    the empty partition, and the recompute's gathered-weight gradient is then rejected)."""
+    params = [p for p in lm_head.parameters() if p.requires_grad]
+    anchor = ()
+    if params and not hidden.requires_grad and torch.is_grad_enabled():
+        anchor = (hidden.new_empty(0).requires_grad_(True),)
+    return params, anchor
+
+
+def tiled_token_fields(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
+                       shards: Union[int, str] = "auto", logit_fn=None, shared: Sequence[torch.Tensor] = ()) -> dict:
+    """TRL's fused LM head fields ({log_probs, entropy, is_top1, label_mask}, each [b, s_local]) without
+    [seq, vocab] logits: what ``loss.fused_token_fields`` gives from full logits, tile by tile. Arguments as
+    :func:`tiled_causal_lm_loss_sum`."""
+    if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
+        raise ValueError(f"tiled_token_fields: hidden {tuple(hidden.shape)} must be [b, s, h] and "
+                         f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
+    labels = shift_labels.to(hidden.device)
+    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
+    params, anchor = _lm_head_inputs(hidden, lm_head)
+    lp, ent, top1 = TiledTokenFields.apply(hidden, labels, lm_head, n, params, tuple(shared), logit_fn, *anchor)
+    return {"log_probs": lp, "entropy": ent, "is_top1": top1, "label_mask": labels != IGNORE_INDEX}
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
@@ -304,13 +381,7 @@ def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shi
                          f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
     labels = shift_labels.to(hidden.device)
     n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
-    params = [p for p in lm_head.parameters() if p.requires_grad]
-    # ZeRO-3 parameters cannot be inputs of the Function (their recorded shape is the empty partition,
-    # and the recompute's gathered-weight gradient is then rejected); when only lm_head trains, an
-    # empty leaf makes the output require grad so backward still reaches the tiles
-    anchor = ()
-    if params and not hidden.requires_grad and torch.is_grad_enabled():
-        anchor = (hidden.new_empty(0).requires_grad_(True),)
+    params, anchor = _lm_head_inputs(hidden, lm_head)
     loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, tuple(shared), logit_fn, *anchor)
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count
