@@ -76,7 +76,17 @@ def fake_world(world_size: int):
 def _contiguous_positions():
     """HF looks for packed sequences in position_ids by reading their values; on fake tensors it cannot
     and assumes packing, which materializes an [s, s] mask. The planner's position_ids are one
-    contiguous sequence, for which the real run finds no packing: give that answer."""
+    contiguous sequence, for which the real run finds no packing: give that answer.
+
+    The one swap left (issue 23 item 2), because no input reaches the real run's answer on fake tensors:
+    transformers 5.24's ``_preprocess_mask_arguments`` calls ``find_packed_sequence_indices`` whenever
+    position_ids are given (the decoder makes them when the caller does not), the mask is None and there is
+    no cache, and that function returns the packed mask whenever ``is_tracing`` holds, which it does for
+    every FakeTensor; an all-ones 2-D mask instead (what the document wrapper passes for packed batches
+    under our attention) is materialized too (``_ignore_causal_mask_sdpa`` refuses to skip a fake padding
+    mask). Only HF's early exits (a 4-D mask, an attention name without a mask function) would avoid it,
+    which would change what the real run passes HF. Without this, 7 of the 8 shipped configs no longer fit
+    (llama3-8b-1m: 15.91 -> 54.98 GiB per GPU; llama3.2-1b-1gpu: 76.33 GiB -> 6.8 TiB)."""
     import transformers.masking_utils as mu
 
     orig = mu.find_packed_sequence_indices
