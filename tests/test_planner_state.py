@@ -42,3 +42,63 @@ def test_planner_with_sdpa_kernel():
     sdpa = Planner(ds_config(3, 2, _untied(True, "sdpa")), mc, 2, "80GiB").run(1024)
     auto = Planner(ds_config(3, 2, _untied(True, "auto")), mc, 2, "80GiB").run(1024)
     assert sdpa.peak_device_bytes == auto.peak_device_bytes  # "sdpa" means torch's flash on the GPU
+
+
+def test_sdpa_on_the_stand_in_is_the_flash_kernel_during_a_simulation_only():
+    """Issue 23 item 2: SDPA on the meta stand-in runs as CUDA's flash kernel (out + fp32 LSE saved, GQA's K/V
+    with their own head count, no S x S score matrix) through a kernel registered for the simulation only: seen
+    in checkpoint recomputation, gone after the block (meta is torch's math fallback again), CPU untouched."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from ds_longctx.planner.simulate import _flash_sdpa_on_meta, _meta_kernels
+
+    S = 256
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.calls.append((func._overloadpacket.__name__, [tuple(a.shape) for a in args
+                                                               if isinstance(a, torch.Tensor)], out))
+            return out
+
+    def step(fake_mode):
+        with fake_mode:
+            q = torch.empty(1, 4, S, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            kv = [torch.empty(1, 2, S, 16, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "kv"]
+            with Ops() as ops:
+                out = checkpoint(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                enable_gqa=True),
+                                 q, *kv, use_reentrant=False)
+                out.sum().backward()
+        return ops.calls
+
+    def squares(calls):  # any result with an S x S trailing block: the math kernel's scores
+        return [n for n, _, out in calls for t in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(t, torch.Tensor) and tuple(t.shape[-2:]) == (S, S)]
+
+    with _meta_kernels("meta"), _flash_sdpa_on_meta("meta"):
+        calls = step(FakeTensorMode())
+        # CPU tensors keep torch's own SDPA inside the block
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
+        ref = torch.softmax((q @ k.transpose(-1, -2)) / 2 + torch.full((8, 8), float("-inf")).triu(1), -1) @ v
+        assert torch.allclose(F.scaled_dot_product_attention(q, k, v, is_causal=True), ref, atol=1e-6)
+    names = [n for n, _, _ in calls]
+    # forward, its recompute in backward (checkpoint), backward: the flash stand-in each time
+    assert names.count("attention_forward") == 2 and names.count("attention_backward") == 1, names
+    fwd = next(c for c in calls if c[0] == "attention_forward")
+    assert fwd[1] == [(1, S, 4, 16), (1, S, 2, 16), (1, S, 2, 16)]  # K/V not repeated to 4 heads
+    assert fwd[2][1].dtype == torch.float32 and tuple(fwd[2][1].shape) == (1, 4, S)  # the saved LSE
+    assert squares(calls) == []
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::scaled_dot_product_attention", "AutogradMeta")
+    # after the block: torch's math fallback on meta again (so the test above can fail)
+    after = step(FakeTensorMode())
+    assert "attention_forward" not in [n for n, _, _ in after] and squares(after)

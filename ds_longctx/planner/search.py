@@ -7,7 +7,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import SECTION
 from ..models import attention_shape, text_config
-from .units import fmt_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
 

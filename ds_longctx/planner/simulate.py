@@ -10,8 +10,8 @@ shapes are the same, so rank 0's step is every rank's step.
 Simulated device. Fake CUDA tensors exist on a CPU-only torch, but autograd aborts on them (the
 engine needs a CUDA device guard) and SDPA on them falls back to the math kernel (an S x S matrix).
 So the GPU is stood in for by the ``meta`` device: offloaded tensors (``.to("cpu")``) then land on
-fake ``cpu`` and are counted as host bytes, and ``F.scaled_dot_product_attention`` on meta is routed
-to the flash kernel's op (out + fp32 LSE saved, no S x S matrix), which is what runs on the GPU.
+fake ``cpu`` and are counted as host bytes, and SDPA on meta gets a kernel for the simulation (torch.library,
+:func:`_flash_sdpa_on_meta`) that runs it as the GPU's flash kernel (out + fp32 LSE saved, no S x S matrix).
 ``device="cpu"`` simulates a CPU run instead (host and device are the same memory there); the CPU
 tests use it to compare with real CPU measurements.
 """
@@ -26,12 +26,11 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..attention import kernels as _kernels  # noqa: F401  (registers the ds_longctx attention ops)
+from ..attention.kernels import backward_workspace_bytes  # (importing it registers the ds_longctx attention ops)
 from ..measure import flops as _flops
 from ..models import layer_role, text_config
 
@@ -77,7 +76,17 @@ def fake_world(world_size: int):
 def _contiguous_positions():
     """HF looks for packed sequences in position_ids by reading their values; on fake tensors it cannot
     and assumes packing, which materializes an [s, s] mask. The planner's position_ids are one
-    contiguous sequence, for which the real run finds no packing: give that answer."""
+    contiguous sequence, for which the real run finds no packing: give that answer.
+
+    The one swap left (issue 23 item 2), because no input reaches the real run's answer on fake tensors:
+    transformers 5.24's ``_preprocess_mask_arguments`` calls ``find_packed_sequence_indices`` whenever
+    position_ids are given (the decoder makes them when the caller does not), the mask is None and there is
+    no cache, and that function returns the packed mask whenever ``is_tracing`` holds, which it does for
+    every FakeTensor; an all-ones 2-D mask instead (what the document wrapper passes for packed batches
+    under our attention) is materialized too (``_ignore_causal_mask_sdpa`` refuses to skip a fake padding
+    mask). Only HF's early exits (a 4-D mask, an attention name without a mask function) would avoid it,
+    which would change what the real run passes HF. Without this, 7 of the 8 shipped configs no longer fit
+    (llama3-8b-1m: 15.91 -> 54.98 GiB per GPU; llama3.2-1b-1gpu: 76.33 GiB -> 6.8 TiB)."""
     import transformers.masking_utils as mu
 
     orig = mu.find_packed_sequence_indices
@@ -191,8 +200,6 @@ class Accountant(TorchDispatchMode):
         """Memory a kernel holds only during its call (the GPU attention backward's workspace): peak only."""
         if func._overloadpacket is not _ATTN_BWD or self.device_type != "meta" or args[1].device.type != "meta":
             return
-        from ..attention.kernels import backward_workspace_bytes
-
         work = backward_workspace_bytes(tuple(args[1].shape), tuple(args[2].shape), args[1].element_size())
         key = ("workspace", len(self.device_events))
         self.device_events += [("+", key, work), ("-", key)]
@@ -395,15 +402,15 @@ _SIM_KERNEL = "planner_meta_flash"
 
 
 class _MetaFlash(torch.autograd.Function):
-    """HF's SDPA call on the meta stand-in as the GPU's flash kernel: the ds_longctx attention ops (their fakes:
-    out + fp32 LSE saved; their FLOP formulas; the backward's workspace charged by the Accountant). Layout
-    [b, h, s, d] in, the ops' [b, s, h, d] inside."""
+    """SDPA on the meta stand-in as the GPU's flash kernel: the ds_longctx attention ops (their fakes: out + fp32
+    LSE saved, K/V with their own head count under GQA; their FLOP formulas; the backward's workspace charged by
+    the Accountant). Layout [b, h, s, d] in, the ops' [b, s, h, d] inside."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal):
+    def forward(ctx, q, k, v, causal, scale):
         out, lse = torch.ops.ds_longctx.attention_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                          causal, 1.0, _SIM_KERNEL)
-        ctx.causal = causal
+                                                          causal, scale, _SIM_KERNEL)
+        ctx.causal, ctx.scale = causal, scale
         ctx.save_for_backward(q, k, v, out, lse)
         return out.transpose(1, 2)
 
@@ -411,32 +418,42 @@ class _MetaFlash(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.ds_longctx.attention_backward(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2),
-                                                             v.transpose(1, 2), out, lse, ctx.causal, 1.0, _SIM_KERNEL)
-        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None
+                                                             v.transpose(1, 2), out, lse, ctx.causal, ctx.scale,
+                                                             _SIM_KERNEL)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
+
+
+def _sdpa_on_meta(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``aten::scaled_dot_product_attention`` for tensors on the meta stand-in device (its autograd kernel, so
+    that the flash stand-in's own autograd node is recorded). Without a mask: what CUDA's SDPA runs, the flash
+    kernel (out + fp32 LSE saved; under GQA (``enable_gqa``) K/V keep their head count, as flash takes them).
+    With an explicit mask: torch's own composite (the math kernel) on meta, as before."""
+    if attn_mask is None:
+        sc = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        return _MetaFlash.apply(query, key, value, bool(is_causal), sc)
+    return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 @contextlib.contextmanager
 def _flash_sdpa_on_meta(device: str):
-    """On the meta stand-in device, run SDPA as the CUDA flash kernel does (out + fp32 LSE saved,
-    GQA without repeating K/V), not as the math fallback (an S x S matrix) that meta would pick.
-    Replaces the module attribute (what HF calls) rather than using a TorchFunctionMode, which
-    checkpoint recomputation in backward does not see."""
+    """On the meta stand-in device, SDPA runs as the CUDA flash kernel does (out + fp32 LSE saved, GQA
+    without repeating K/V), not as the math fallback (an S x S matrix) that torch picks for meta (its SDPA
+    backend choice is a per-device stub with no meta entry, so registering ``aten::_fused_sdp_choice`` for
+    Meta is never consulted). Done as a kernel of ``aten::scaled_dot_product_attention`` for the Meta autograd
+    key (torch.library), registered for the simulation and removed after it: no function of torch or
+    transformers is replaced, tensors on every real device are untouched, and every SDPA call on the stand-in
+    reaches it however it is made (HF's ``F.scaled_dot_product_attention``, a direct import, checkpoint
+    recomputation in backward)."""
     if device != "meta":
         yield
         return
-    orig = F.scaled_dot_product_attention
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if query.device.type == "meta" and attn_mask is None:
-            return _MetaFlash.apply(query, key, value, bool(is_causal))
-        return orig(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
-
-    F.scaled_dot_product_attention = sdpa
+    lib = torch.library.Library("aten", "IMPL")
     try:
+        lib.impl("scaled_dot_product_attention", _sdpa_on_meta, "AutogradMeta")
         yield
     finally:
-        F.scaled_dot_product_attention = orig
+        lib._destroy()  # what torch.library._scoped_library does: the registration goes with the block
 
 
 def _meta_backend_class():
