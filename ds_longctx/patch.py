@@ -229,7 +229,7 @@ def install_document_forward(model, group, own_attention: bool) -> None:
       must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
       full-length eval batch is sharded over the group in turns (``sp_batch.eval_in_turns``).
     """
-    from .attention.documents import DOCS_KWARG, Documents
+    from .attention.documents import DOCS_KWARG, Documents, no_mask
     from .batch import BATCH_KEY, LENS_KEY, custom_mask_error, document_structure, mask_padding_targets
     from .comm import sp_world_size
     from .loss import shift_labels_of
@@ -287,12 +287,24 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                                   "builds a KV cache, so attention would cross documents", "call with use_cache=False")
             kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
             kwargs[DOCS_KWARG] = docs
-            if own_attention and input_ids is not None:
-                attention_mask = torch.ones_like(input_ids)
+        if own_attention and (attention_mask is None or attention_mask.dim() == 2):  # 2-D: all ones by now
+            # our attention applies causality, windows and documents itself: HF builds no [s, s] mask of its own
+            # (a windowed layer's would be s_local^2 bytes per forward; a packed one from restarting position_ids)
+            shape = _batch_shape(input_ids, position_ids, kwargs)
+            if shape is not None:
+                attention_mask = no_mask(*shape)
         return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                      shift_labels=shift_labels, **kwargs)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _batch_shape(input_ids, position_ids, kwargs):
+    """(batch, local tokens, device) of a forward's inputs, None without token inputs."""
+    for t in (input_ids, kwargs.get("inputs_embeds"), position_ids):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return t.shape[0], t.shape[1], t.device
+    return None
 
 
 __all__ = ["patch_model", "PatchHandle", "get_patch"]

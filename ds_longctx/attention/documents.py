@@ -30,6 +30,24 @@ from .kernels import Backend, Windowed
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
 
 
+_NO_MASK_ATTR = "_ds_longctx_no_mask"
+
+
+def no_mask(batch: int, seq: int, device) -> torch.Tensor:
+    """What ds_longctx's forward hands transformers as the attention mask when its own attention runs (it reads
+    the batch's documents itself): a [batch, 1, seq, seq] all-True bool view of ONE element (zero strides, no
+    [seq, seq] memory), marked. transformers returns a 4-D mask as given, so it builds no causal / sliding-
+    window / packed [s, s] mask of its own (for a windowed layer it would: seq^2 bytes per forward), and the
+    attention functions recognise it (:func:`is_no_mask`) and apply causality, windows and documents themselves."""
+    m = torch.ones((), dtype=torch.bool, device=device).expand(batch, 1, seq, seq)
+    setattr(m, _NO_MASK_ATTR, True)
+    return m
+
+
+def is_no_mask(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and getattr(mask, _NO_MASK_ATTR, False) is True
+
+
 class Documents:
     """Document boundaries of every sample of a batch over the whole (gathered) sequence.
 

@@ -35,7 +35,7 @@ from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, atten
 from ..models.windows import sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
-from .documents import DOCS_KWARG
+from .documents import DOCS_KWARG, is_no_mask
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
@@ -395,12 +395,10 @@ def _check_mask(mask, s_local, window=None):
     """Accept None or the plain causal mask of the local shard (with the layer's sliding ``window``, as HF
     builds it for a windowed layer: the kernel applies the window over the gathered sequence); reject
     padding/packed masks."""
-    if mask is None:
+    if mask is None or is_no_mask(mask):  # ds_longctx's forward read the batch's documents (documents.no_mask)
         return
     if not isinstance(mask, torch.Tensor):  # e.g. flex BlockMask
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
-    if mask.device.type == "meta":  # the planner's stand-in device: no values (its batches are plain causal)
-        return
     ref, version, verdict = _LAST_MASK
     if ref is not None and ref() is mask and version == (mask._version, window):  # one mask is shared by layers
         if not verdict:

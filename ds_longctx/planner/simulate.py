@@ -76,7 +76,9 @@ def fake_world(world_size: int):
 def _contiguous_positions():
     """HF looks for packed sequences in position_ids by reading their values; on fake tensors it cannot
     and assumes packing, which materializes an [s, s] mask. The planner's position_ids are one
-    contiguous sequence, for which the real run finds no packing: give that answer.
+    contiguous sequence, for which the real run finds no packing: give that answer. Only where HF's own
+    attention runs (implementation "none", or "ulysses" at SP=1): ours hands HF a 4-D no-mask
+    (attention.documents.no_mask), which HF returns as given without looking at position_ids.
 
     The one swap left (issue 23 item 2), because no input reaches the real run's answer on fake tensors:
     transformers 5.24's ``_preprocess_mask_arguments`` calls ``find_packed_sequence_indices`` whenever
@@ -555,8 +557,8 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     sp = lc.sequence_parallel_size
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_world(world_size), registry.restored(), _contiguous_positions(), \
-            _meta_kernels(device), _flash_sdpa_on_meta(device):
+    with fake_world(world_size), registry.restored(), _meta_kernels(device), _flash_sdpa_on_meta(device), \
+            contextlib.ExitStack() as hf_attention:
         group = dist.new_group(list(range(sp))) if sp > 1 else None
         mc = with_layers(model_config, num_layers)
         model = build_model(mc, dtype_of(ds_config), device, mode)
@@ -568,6 +570,8 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
         # Planner.run checked this config against the model and the world (config.check_against)
         spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len, check="done")
         patched = patch_model(model, spec)
+        if not spec.owns_attention:  # our attention hands HF a 4-D no-mask (documents.no_mask): HF looks at nothing
+            hf_attention.enter_context(_contiguous_positions())
         acct = Accountant(device)
         acct.ignore(list(model.parameters()) + list(model.buffers()))
         handle = patched.memory
