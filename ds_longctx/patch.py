@@ -124,8 +124,22 @@ def _show_in_repr(model, handle: PatchHandle) -> None:
     model.extra_repr = types.MethodType(extra_repr, model)
 
 
-def _check_model_against(model, lc) -> None:
+def _check_model_against(model, lc, sp: int) -> None:
     """What the config asks of the built model (not of its config): refused before anything is installed."""
+    impl = lc.attention.implementation
+    if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
+        get_decoder = getattr(model, "get_decoder", None)
+        body = get_decoder() if callable(get_decoder) else model  # a multimodal model's vision tower is not ours
+        # a config flag (models.windows.is_bidirectional) misses models whose attention modules are built
+        # bidirectional (RoBERTa-style LM heads without is_decoder=True): our SP attention is causal only
+        both = sorted({type(m).__name__ for m in body.modules() if getattr(m, "is_causal", None) is False})
+        if both:
+            raise ConfigError("long_context.attention.implementation",
+                              f"{type(model).__name__}'s attention modules {both} attend bidirectionally "
+                              f"(is_causal=False), and {impl!r} computes causal attention only",
+                              "for a causal LM built from an encoder (RoBERTa, BERT-generation, ...) set "
+                              "is_decoder=True in its config; a bidirectional model has no SP path yet: train it at "
+                              "sequence_parallel_size 1 with long_context.attention.implementation 'none'")
     if lc.activation_checkpointing.enabled:
         from .memory.checkpointing import decoder_layers, supported_names
 
@@ -156,7 +170,7 @@ def patch_model(model, spec, group=None, grad_scale: float = 1.0) -> PatchHandle
         raise TypeError("patch_model(model, spec): the SP group travels in the spec (build_spec(..., group=...) or "
                         "spec.with_group(group)), not as an argument")
     lc = spec.config
-    _check_model_against(model, lc)
+    _check_model_against(model, lc, spec.sp)
     handle = PatchHandle(model, spec)
     impl = lc.attention.implementation
     sp = spec.sp
@@ -236,6 +250,7 @@ def install_document_forward(model, group, own_attention: bool) -> None:
 
     sp = sp_world_size(group)
     inner = model.forward
+    no_hf_mask = hands_hf_no_mask(model, own_attention)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
                 **kwargs):
@@ -287,16 +302,28 @@ def install_document_forward(model, group, own_attention: bool) -> None:
                                   "builds a KV cache, so attention would cross documents", "call with use_cache=False")
             kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
             kwargs[DOCS_KWARG] = docs
-        if own_attention and (attention_mask is None or attention_mask.dim() == 2):  # 2-D: all ones by now
+        if no_hf_mask and (attention_mask is None or attention_mask.dim() == 2):  # 2-D: all ones by now
             # our attention applies causality, windows and documents itself: HF builds no [s, s] mask of its own
             # (a windowed layer's would be s_local^2 bytes per forward; a packed one from restarting position_ids)
             shape = _batch_shape(input_ids, position_ids, kwargs)
             if shape is not None:
                 attention_mask = no_mask(*shape)
+        elif own_attention and docs is not None and not docs.dense and input_ids is not None:
+            attention_mask = torch.ones_like(input_ids)  # no packed mask from the restarting position_ids
         return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                      shift_labels=shift_labels, **kwargs)
 
     model.forward = types.MethodType(forward, model)
+
+
+def hands_hf_no_mask(model, own_attention: bool) -> bool:
+    """Whether the forward hands transformers a 4-D no-mask (attention.documents.no_mask) instead of letting it
+    build its own: only under our attention, and only for the architectures of ds_longctx.models, whose decoders
+    pass HF's mask to the attention function alone (others read it elsewhere too: OPT's position embeddings, Doge's
+    dynamic mask; those keep transformers' own mask, which our attention checks)."""
+    from .models import ARCHITECTURES, text_config
+
+    return own_attention and text_config(model.config).model_type in ARCHITECTURES
 
 
 def _batch_shape(input_ids, position_ids, kwargs):

@@ -36,6 +36,18 @@ def attention_shape(model_config) -> AttentionShape:
     hidden_size / heads, which is what those models' attention modules compute."""
     tc = text_config(model_config)
     name = getattr(tc, "model_type", None) or type(tc).__name__
+    try:
+        return _attention_shape(tc, name)
+    except RuntimeError as e:  # transformers' per-layer (heterogeneous) configs refuse a global head count
+        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+            raise
+        raise ConfigError("model.config", f"the {name} config gives attention shapes per layer (heterogeneous "
+                          f"layers: {str(e).split('.')[0]})", "sequence parallelism, untied attention and the "
+                          "planner need one head count and head_dim for every layer: train this model at "
+                          "sequence_parallel_size 1 with long_context.attention.implementation 'none'") from None
+
+
+def _attention_shape(tc, name: str) -> AttentionShape:
     heads = getattr(tc, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:
         raise ConfigError("model.config.num_attention_heads", f"the {name} config has no attention head count "

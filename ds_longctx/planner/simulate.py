@@ -76,9 +76,9 @@ def fake_world(world_size: int):
 def _contiguous_positions():
     """HF looks for packed sequences in position_ids by reading their values; on fake tensors it cannot
     and assumes packing, which materializes an [s, s] mask. The planner's position_ids are one
-    contiguous sequence, for which the real run finds no packing: give that answer. Only where HF's own
-    attention runs (implementation "none", or "ulysses" at SP=1): ours hands HF a 4-D no-mask
-    (attention.documents.no_mask), which HF returns as given without looking at position_ids.
+    contiguous sequence, for which the real run finds no packing: give that answer. Only where HF builds its
+    own mask (HF's attention, or architectures outside ds_longctx.models): otherwise the forward hands HF a 4-D
+    no-mask (patch.hands_hf_no_mask), which HF returns as given without looking at position_ids.
 
     The one swap left (issue 23 item 2), because no input reaches the real run's answer on fake tensors:
     transformers 5.24's ``_preprocess_mask_arguments`` calls ``find_packed_sequence_indices`` whenever
@@ -551,7 +551,7 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     from ..memory.checkpointing import around_checkpointed_runs
     from ..layout import Layout
     from ..memory.tiles import representative
-    from ..patch import patch_model
+    from ..patch import hands_hf_no_mask, patch_model
     from ..spec import build_spec
 
     sp = lc.sequence_parallel_size
@@ -570,7 +570,7 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
         # Planner.run checked this config against the model and the world (config.check_against)
         spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len, check="done")
         patched = patch_model(model, spec)
-        if not spec.owns_attention:  # our attention hands HF a 4-D no-mask (documents.no_mask): HF looks at nothing
+        if not hands_hf_no_mask(model, spec.owns_attention):  # else HF gets a 4-D no-mask and looks at nothing
             hf_attention.enter_context(_contiguous_positions())
         acct = Accountant(device)
         acct.ignore(list(model.parameters()) + list(model.buffers()))
