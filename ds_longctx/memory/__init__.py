@@ -10,7 +10,7 @@ from .checkpointing import decoder_layers, install_checkpointing, uninstall_chec
 from .norm import (MemoryEfficientRMSNorm, install_memory_efficient_rmsnorm,
                    uninstall_memory_efficient_rmsnorm)
 from .offload import (AutoTarget, CheckpointInputOffloader, HostCopyTarget, OffloadTarget, PinnedHostTarget)
-from .tiling import (TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
+from .tiling import (TilingError, TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
                      tiled_causal_lm_loss_sum, uninstall_tiled_mlp)
 
 
@@ -90,8 +90,20 @@ def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = No
                                                         prefetch=ac.prefetch)
         handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(model, ac, handle.offloader)
     if tm.enabled:
-        # agreement over every rank (None), not the SP group: see tiling.agree_max
-        handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm, None)
+        # agreement over every rank (None), not the SP group: see tiling.agree_max. The op's refusals
+        # (tiling.TilingError: no supported MLP here, router noise at a training forward) name the config switch
+        from ..config import TILED_MLP_KEY
+        from ..errors import naming
+
+        def untiled_fix(e: TilingError) -> str:
+            return f"set {TILED_MLP_KEY}=false {e.untiled}" + (f", or {e.other}" if e.other else "")
+
+        def refusals():
+            return naming(TILED_MLP_KEY, TilingError, untiled_fix)
+
+        with refusals():
+            handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm.shards, None,
+                                                                                   refusals)
     rn = getattr(lc_cfg, "rms_norm", None)
     if rn is not None and rn.enabled:
         handle.rms_norms = install_memory_efficient_rmsnorm(model)
