@@ -23,6 +23,8 @@ SECTION = "long_context"
 KERNEL_KEY = f"{SECTION}.attention.kernel"
 # the switch of the tiled MLP: memory.tiling's refusals (TilingError) become a ConfigError naming it at the install
 TILED_MLP_KEY = f"{SECTION}.tiled_mlp.enabled"
+# activation checkpointing's keys (offload, nvme_path): memory.nvme's refusals (NVMeError) name them at the install
+AC_KEY = f"{SECTION}.activation_checkpointing"
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 

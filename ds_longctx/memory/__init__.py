@@ -4,6 +4,7 @@ built model; the tiled loss is
 a function the engine's loss forward calls (:func:`tiling.tiled_causal_lm_loss_sum`)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from .checkpointing import decoder_layers, install_checkpointing, uninstall_checkpointing
@@ -81,13 +82,16 @@ def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = No
     ac, tm = lc_cfg.activation_checkpointing, lc_cfg.tiled_mlp
     if ac.enabled:
         if ac.offload in ("cpu", "nvme"):
+            refusals = contextlib.nullcontext
             if offload_target is None and ac.offload == "nvme":
                 # built now, before deepspeed.initialize: a missing aio op or a bad path fails here
                 from .nvme import NVMeTarget
 
-                offload_target = NVMeTarget(ac.nvme_path, ring=ac.nvme_buffer_count, pin_memory=ac.pin_memory)
+                with naming_nvme_keys():
+                    offload_target = NVMeTarget(ac.nvme_path, ring=ac.nvme_buffer_count, pin_memory=ac.pin_memory)
+                refusals = naming_nvme_keys  # a drive that fills up at a forward
             handle.offloader = CheckpointInputOffloader(target=offload_target, pin_memory=ac.pin_memory,
-                                                        prefetch=ac.prefetch)
+                                                        prefetch=ac.prefetch, refusals=refusals)
         handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(model, ac, handle.offloader)
     if tm.enabled:
         # agreement over every rank (None), not the SP group: see tiling.agree_max. The op's refusals
@@ -110,6 +114,28 @@ def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = No
     return handle
 
 
+@contextlib.contextmanager
+def naming_nvme_keys():
+    """memory.nvme's refusals in the block (nvme.NVMeError: no async_io op, an unusable nvme_path, a drive too
+    full) as the ConfigError naming the activation_checkpointing key, with the fix in config terms. Used
+    around building the target, around its writes, and by train.py around the all-rank reservation
+    (nvme.reserve_on_every_rank: the same error on every rank)."""
+    from ..config import AC_KEY
+    from ..errors import ConfigError
+    from .nvme import NVMeError
+
+    try:
+        yield
+    except NVMeError as e:
+        if e.kind == "space":
+            fix = "free space on that drive, point nvme_path at a larger drive, raise keep_on_device, or use " \
+                  "offload='cpu'"
+        else:
+            fix = f"{e.options}, or use offload='cpu'" if e.host_fallback else e.fix
+        key = f"{AC_KEY}.offload" if e.kind == "aio" else f"{AC_KEY}.nvme_path"
+        raise ConfigError(key, e.problem, fix) from None
+
+
 def get_memory_handle(model) -> Optional[MemoryStackHandle]:
     """The handle the engine stored on the model (accepts a DeepSpeed engine too)."""
     module = getattr(model, "module", model)
@@ -119,4 +145,4 @@ def get_memory_handle(model) -> Optional[MemoryStackHandle]:
 __all__ = ["apply_memory_stack", "get_memory_handle", "MemoryStackHandle", "tiled_causal_lm_loss_sum",
            "CheckpointInputOffloader", "OffloadTarget", "HostCopyTarget", "PinnedHostTarget", "AutoTarget",
            "agree_max", "auto_shards", "resolve_shards", "decoder_layers", "MemoryEfficientRMSNorm",
-           "install_memory_efficient_rmsnorm", "uninstall_memory_efficient_rmsnorm"]
+           "install_memory_efficient_rmsnorm", "uninstall_memory_efficient_rmsnorm", "naming_nvme_keys"]
