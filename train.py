@@ -503,7 +503,7 @@ def build_dataset(args, model_config, seq_len):
 def _reserve_nvme(engine, model_config, lc, seq_len, micro, ds_config):
     """offload='nvme': reserve every rank's layer-input bytes on its drive before step 1, agreed over the
     job (a full drive is one clear error on every rank, not a failed write at step 1)."""
-    from ds_longctx.memory import get_memory_handle
+    from ds_longctx.memory import get_memory_handle, naming_nvme_keys
     from ds_longctx.memory.nvme import NVMeTarget, _align, reserve_on_every_rank
     from ds_longctx.models import text_config
 
@@ -515,7 +515,8 @@ def _reserve_nvme(engine, model_config, lc, seq_len, micro, ds_config):
     offloaded = max(0, len(handle.checkpointed_layers) - ac.keep_on_device)
     half = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
     per_layer = micro * (seq_len // lc.sequence_parallel_size) * text_config(model_config).hidden_size * (2 if half else 4)
-    reserve_on_every_rank(target, offloaded * _align(per_layer))
+    with naming_nvme_keys():  # the same ConfigError on every rank, naming nvme_path
+        reserve_on_every_rank(target, offloaded * _align(per_layer))
 
 
 @torch.no_grad()

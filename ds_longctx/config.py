@@ -13,10 +13,18 @@ from typing_extensions import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .attention.kernels import KERNEL_KEY, available_backends, backend_for, is_available, is_known, kernel_names
+from .attention.kernels import (KernelError, available_backends, backend_for, is_available, is_known,
+                                kernel_names)
 from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
 
 SECTION = "long_context"
+# the key whose value names the attention kernel: the kernels' own refusals (attention.kernels.KernelError)
+# become a ConfigError naming it where the name came from the config (get_backend, the attention installs)
+KERNEL_KEY = f"{SECTION}.attention.kernel"
+# the switch of the tiled MLP: memory.tiling's refusals (TilingError) become a ConfigError naming it at the install
+TILED_MLP_KEY = f"{SECTION}.tiled_mlp.enabled"
+# activation checkpointing's keys (offload, nvme_path): memory.nvme's refusals (NVMeError) name them at the install
+AC_KEY = f"{SECTION}.activation_checkpointing"
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
@@ -491,6 +499,8 @@ def get_backend(name: str, device):
     check_kernel(name)
     try:
         return backend_for(name, device)
+    except KernelError as e:
+        raise ConfigError(KERNEL_KEY, e.problem, e.fix) from None
     except ValueError as e:
         raise ConfigError(KERNEL_KEY, str(e), "set it to 'auto' or run on a device the kernel supports") from None
 

@@ -9,7 +9,13 @@
   beside packed documents, ...). Raised on every rank before any collective (``sp_batch.agree``).
 
 Every message names the thing (``key``: a config key path or ``batch.<field>``) and the fix.
+
+Ops (attention kernels, the tiled MLP, the NVMe ring) know no config key: they refuse with a ``ValueError``
+subclass of their own that carries ``problem`` and ``fix`` in op terms. The layer where the value came from
+the config (the spec builder, the installs) re-raises it as the ``ConfigError`` naming the key
+(:func:`naming`), so the user sees one error, naming the key and the fix.
 """
+import contextlib
 
 
 class LongContextError(ValueError):
@@ -31,10 +37,22 @@ class BatchError(LongContextError):
     """A batch the patched model cannot use. The message names the batch field and the fix."""
 
 
+@contextlib.contextmanager
+def naming(key: str, op_error, fix=None):
+    """Inside the block, an ``op_error`` (an op's ``ValueError`` subclass, or a tuple of them, with ``problem``
+    and ``fix`` attributes) is re-raised as ``ConfigError(key, problem, fix)``: ``fix(err)`` when given (the fix
+    restated in config terms), else the op's own fix. One error for the user (the op's stays as
+    ``__context__``, not printed)."""
+    try:
+        yield
+    except op_error as e:
+        raise ConfigError(key, e.problem, fix(e) if fix is not None else e.fix) from None
+
+
 def error_class(name: str) -> type:
     """The error class named ``name`` (an error crosses ranks as its key, problem, fix and class name)."""
     cls = {"ConfigError": ConfigError, "BatchError": BatchError, "LongContextError": LongContextError}.get(name)
     return cls if cls is not None else BatchError
 
 
-__all__ = ["LongContextError", "ConfigError", "BatchError", "error_class"]
+__all__ = ["LongContextError", "ConfigError", "BatchError", "error_class", "naming"]

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -44,18 +43,50 @@ def small_tmpfs(tmp_path):
 
 
 @pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_io op needs libaio-dev")
+def test_nvme_drive_full_at_a_forward_names_nvme_path(small_tmpfs):
+    """A drive that fills up at a forward (no reservation before step 1: a Trainer run, a longer batch than
+    planned): the patched model's forward raises the ConfigError naming nvme_path with the fix in config terms
+    (apply_memory_stack translates the target's NVMeError around its writes)."""
+    from tiny_models import build
+
+    from ds_longctx.memory import apply_memory_stack
+
+    model = build(tiny_config(heads=16, kv_heads=4, head_dim=64, layers=1))  # 4 MiB per layer input at 1024
+    lc = parse({"long_context": {"activation_checkpointing": {"enabled": True, "offload": "nvme", "keep_on_device": 0,
+                                                              "nvme_path": small_tmpfs, "pin_memory": False}}})
+    handle = apply_memory_stack(model, lc)
+    try:
+        ids = torch.randint(0, 64, (1, 1024), generator=torch.Generator().manual_seed(0))
+        model.train()
+        with pytest.raises(ConfigError, match=r"^long_context\.activation_checkpointing\.nvme_path: '.*tmpfs' is too "
+                           r"full for this rank's layer inputs: .* \(No space left on device\)\. Fix: .*raise "
+                           r"keep_on_device, or use offload='cpu'$"):
+            model(input_ids=ids, labels=ids)
+    finally:
+        handle.remove()
+    assert os.listdir(small_tmpfs) == []
+
+
+@pytest.mark.skipif(not _aio_available(), reason="DeepSpeed's async_io op needs libaio-dev")
 def test_nvme_full_drive_lost_write_and_truncation_are_clear_errors(small_tmpfs):
-    from ds_longctx.memory.nvme import NVMeTarget, reserve_on_every_rank
+    from ds_longctx.memory import naming_nvme_keys
+    from ds_longctx.memory.nvme import NVMeError, NVMeTarget, reserve_on_every_rank
 
     t = NVMeTarget(small_tmpfs, ring=2, pin_memory=False)
     assert sorted(os.listdir(t.dir)) == ["layer_inputs.bin", "owner.json"]
-    # the plan does not fit: path, bytes needed and free, before any write
-    with pytest.raises(ConfigError, match=r"nvme_path: '.*tmpfs' is too full for this rank's layer inputs: 67108864 "
+    # the plan does not fit: path, bytes needed and free, before any write (the op's error names no config key;
+    # naming_nvme_keys, what train.py runs it under, names nvme_path and the fix in config terms)
+    with pytest.raises(NVMeError, match=r"^'.*tmpfs' is too full for this rank's layer inputs: 67108864 "
                        r"bytes \(64.0 MiB\) needed in .*layer_inputs.bin .* free\. Fix: free space"):
         reserve_on_every_rank(t, 64 << 20)
+    with pytest.raises(ConfigError, match=r"^long_context\.activation_checkpointing\.nvme_path: '.*tmpfs' is too "
+                       r"full .* free\. Fix: free space on that drive, point nvme_path at a larger drive, raise "
+                       r"keep_on_device, or use offload='cpu'$"):
+        with naming_nvme_keys():
+            reserve_on_every_rank(t, 64 << 20)
     x = torch.randn(256, 1024)  # 1 MiB per layer input
     slots = []
-    with pytest.raises(ConfigError, match=r"too full .* free \(No space left on device\)"):
+    with pytest.raises(NVMeError, match=r"too full .* free \(No space left on device\)"):
         for i in range(8):  # the 4th does not fit: refused before the write (DeepSpeed's aio drops ENOSPC)
             s, job = t.to_host(x * i)
             t.wait(job)

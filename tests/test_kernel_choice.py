@@ -234,7 +234,7 @@ def test_windowed_and_full_layers_are_measured_apart():
     # none of the full candidates can apply a pattern without pattern_only: a clear error
     bare = MeasuredChoice([Named("x"), Named("y")], timer=lambda fn: (fn(), 1.0)[1], agree=lambda t: t)
     assert not bare.supports_window and not bare.supports_softcap
-    with pytest.raises(kernels.ConfigError, match="cannot apply a sliding window"):
+    with pytest.raises(kernels.KernelError, match="cannot apply a sliding window"):
         bare.forward(q, k, v, True, 0.25, 7)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_longctx.attention.kernels import BACKENDS, available_backends, get_backend, reference_attention
+from ds_longctx.attention.kernels import (BACKENDS, KernelError, available_backends, get_backend,
+                                         reference_attention)
 from ds_longctx.config import check_kernel, get_backend as config_get_backend
 from ds_longctx.config import ConfigError
 
@@ -208,14 +209,14 @@ def test_flash_attn_pattern_arguments_by_release(window, softcap):
                         **flash_pattern_kwargs(_fa3, window, softcap, "fa3"))
     assert got["window_size"] == (left, right) and got["softcap"] == softcap
     if softcap:  # FA2 before 2.6 takes no softcap: refused, never dropped
-        with pytest.raises(ConfigError, match="takes no softcap"):
+        with pytest.raises(KernelError, match="takes no softcap"):
             flash_pattern_kwargs(_fa2_25, window, softcap, "fa2")
     else:
         got = _call_by_name(_fa2_25, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
                             **flash_pattern_kwargs(_fa2_25, window, softcap, "fa2"))
         assert got["window_size"] == (left, right)
     if window:
-        with pytest.raises(ConfigError, match="takes no window size"):
+        with pytest.raises(KernelError, match="takes no window size"):
             flash_pattern_kwargs(_fa2_22, window, softcap, "fa2")
 
 
@@ -247,7 +248,7 @@ def test_capabilities_declared_per_backend():
         if not BACKENDS[name].available():
             assert caps[name] == (False, False)
     # torch's flash kernel refuses a soft-cap instead of dropping it
-    with pytest.raises(ConfigError, match="'sdpa_cuda_flash' cannot apply attention soft-capping"):
+    with pytest.raises(KernelError, match="'sdpa_cuda_flash' cannot apply attention soft-capping"):
         TorchCUDAFlash()._pattern(True, 7, 2.0)
     assert TorchCUDAFlash()._pattern(True, 7, None) == (7, 0.0)
 
@@ -264,12 +265,12 @@ def test_named_kernel_without_softcap_is_refused_for_a_soft_capped_layer():
         return kc
 
     choice("sdpa_cuda_flash").check_pattern(7, None, "layer 2")
-    with pytest.raises(ConfigError, match=r"layer 4 has attention soft-capping 50.0, which kernel 'sdpa_cuda_flash'.*"
+    with pytest.raises(KernelError, match=r"layer 4 has attention soft-capping 50.0, which kernel 'sdpa_cuda_flash'.*"
                                           r"Fix: .*'auto'"):
         choice("sdpa_cuda_flash").check_pattern(None, 50.0, "layer 4")
-    with pytest.raises(ConfigError, match="layer 1 has a sliding window of 7 tokens, which kernel 'sdpa_cuda_cudnn'"):
+    with pytest.raises(KernelError, match="layer 1 has a sliding window of 7 tokens, which kernel 'sdpa_cuda_cudnn'"):
         choice("sdpa_cuda_cudnn").check_pattern(7, None, "layer 1")
-    with pytest.raises(ConfigError, match="soft-capping 2.0, which kernel 'sdpa_cpu_flash' \\('sdpa'\\)"):
+    with pytest.raises(KernelError, match="soft-capping 2.0, which kernel 'sdpa_cpu_flash' \\('sdpa'\\)"):
         choice("sdpa").check_pattern(None, 2.0, "layer 0")
 
 
@@ -304,8 +305,8 @@ def test_a_build_that_ignores_the_window_is_an_error_not_a_dropped_window():
     Good()._fwd_pattern(q, q, q, True, 0.3, 0, 2.0)  # soft-capping: its own probe
     assert Good.probes == 2
     for window, softcap, what in ((7, 0.0, "sliding window"), (0, 2.0, "soft-capping")):
-        with pytest.raises(ConfigError, match=f"'test_probe_drops' does not apply its {what} on this install.*"
+        with pytest.raises(KernelError, match=f"'test_probe_drops' does not apply its {what} on this install.*"
                                               "Fix: .*'auto'"):
             DropsWindow()._fwd_pattern(q, q, q, True, 0.3, window, softcap)
-    with pytest.raises(ConfigError, match="does not apply"):  # the verdict is kept
+    with pytest.raises(KernelError, match="does not apply"):  # the verdict is kept
         DropsWindow()._fwd_pattern(q, q, q, True, 0.3, 7, 0.0)

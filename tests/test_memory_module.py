@@ -140,8 +140,21 @@ def test_tiled_mlp_matches_plain(arch):
 def test_tiled_mlp_rejects_unsupported_model():
     from ds_longctx.config import ConfigError
 
-    with pytest.raises(ConfigError, match="long_context.tiled_mlp.enabled"):
+    with pytest.raises(ConfigError, match=r"^long_context\.tiled_mlp\.enabled: Sequential has no MLP.*Fix: set "
+                                          r"long_context\.tiled_mlp\.enabled=false for this model \(its MLP"):
         apply_memory_stack(torch.nn.Sequential(torch.nn.Linear(4, 4)), _lc(tiled_mlp={"enabled": True}))
+
+
+def test_tiled_mlp_op_refuses_in_op_terms():
+    """The op (install_tiled_mlp, plain shard count) names no config key: the same refusal as a TilingError
+    (a ValueError) with the untiled fix; apply_memory_stack above names the key."""
+    from ds_longctx.errors import ConfigError
+    from ds_longctx.memory.tiling import TilingError, install_tiled_mlp
+
+    with pytest.raises(TilingError, match=r"^Sequential has no MLP.*Fix: do not tile it for this model") as e:
+        install_tiled_mlp(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2)
+    assert isinstance(e.value, ValueError) and not isinstance(e.value, ConfigError)
+    assert "long_context" not in str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -127,3 +127,55 @@ def test_auto_keep_values_are_refused_where_nothing_resolves_them():
 
     with pytest.raises(ConfigError, match="keep_attention_output.*unresolved"):
         patch_model(build(tiny_config()), parse(cfg), None, 1.0)
+
+
+def test_resolve_builds_each_configuration_as_a_new_value_and_walks_ties():
+    """planner/search.resolve over a table of (fits, predicted seconds) per (heads_per_chunk, tiled_mlp shards)
+    (the planner's answers stand in for simulations here: what is under test is the search): every configuration
+    it hands the planner is a new ds_config that nothing changes afterwards, the input is untouched, and the
+    choices and log lines follow the speed order (first fitting value, then the next ones while predicted
+    faster by more than TIE)."""
+    from ds_longctx.planner.search import TIE, resolve
+
+    cfg = copy.deepcopy(CFG)
+    lc = cfg["long_context"]
+    lc["attention"]["heads_per_chunk"] = "auto"
+    lc["tiled_mlp"]["shards"] = "auto"
+    before = copy.deepcopy(cfg)
+    # 16 heads / SP 8: heads_per_chunk in [2, 1]; 8192 local tokens / hidden 2048: mlp shards in [1, 2, 4]
+    fast = 8.0 * (1 - 2 * TIE)  # (2, 4): fits first for heads_per_chunk; for the shards, faster than (2, 2)
+    table = {(1, 4): (True, 10.0), (2, 4): (True, fast), (2, 1): (False, 1.0), (2, 2): (True, 8.0)}
+
+    class Result:
+        binding_detail, host_budget_bytes, offload = "table", None, None
+
+        def __init__(self, fits, seconds):
+            self.fits, self.time = fits, {"seconds": seconds}
+
+    handed = []
+
+    class Planner_:
+        def __init__(self, c):
+            handed.append((c, copy.deepcopy(c)))
+            self.c = c
+
+        def run(self, seq):
+            a = self.c["long_context"]
+            return Result(*table[(a["attention"]["heads_per_chunk"], a["tiled_mlp"]["shards"])])
+
+    logs = []
+    out = resolve(Planner_, cfg, load_model_config(SMALL), 8, SEQ, logs.append)
+    assert cfg == before
+    assert (out["long_context"]["attention"]["heads_per_chunk"], out["long_context"]["tiled_mlp"]["shards"]) == (2, 4)
+    assert out["long_context"]["tiled_loss"] == before["long_context"]["tiled_loss"]
+    assert [(c["long_context"]["attention"]["heads_per_chunk"], c["long_context"]["tiled_mlp"]["shards"])
+            for c, _ in handed] == [(1, 4), (2, 4), (1, 4), (2, 1), (2, 2), (2, 4)]
+    assert all(c == snap for c, snap in handed)  # nothing edited a configuration after handing it over
+    assert len({id(c) for c, _ in handed} | {id(out), id(cfg)}) == len(handed) + 2
+    assert logs == [
+        "ds_longctx auto: long_context.attention.heads_per_chunk=2: the first in speed order whose step fits at "
+        f"65536 tokens on 8 ranks (predicted step {fast:.4g} s; candidates in speed order: [2, 1])",
+        "ds_longctx auto: long_context.tiled_mlp.shards=4: predicted faster than the values before it in speed order "
+        f"at 65536 tokens on 8 ranks (predicted step {fast:.4g} s; candidates in speed order: [1, 2, 4])",
+        "ds_longctx auto: long_context.activation_checkpointing.keep_attention_output=False: the kept outputs go to "
+        "host memory with the layer inputs and no host budget was given to check them against"]

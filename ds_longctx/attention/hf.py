@@ -21,6 +21,7 @@ is an error, because causal-over-the-full-sequence would silently be wrong for i
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 import weakref
@@ -29,7 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, naming
 from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
                       is_llama_style_rmsnorm, rms_norm, rope_bshd, text_config)
 from ..models.windows import sinks_error
@@ -39,6 +40,18 @@ from .documents import DOCS_KWARG, is_no_mask
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
 
 FUSE_KEY = "long_context.attention.fuse_projections"
+
+
+@contextlib.contextmanager
+def naming_kernel_key():
+    """The kernels' refusals in the block (kernels.KernelError: a layer's window or soft-cap the configured
+    kernel cannot apply, a build that drops them, another device's tensors) as the ConfigError naming
+    ``long_context.attention.kernel``: the kernel name came from the config. Same verdict on every rank (one
+    kernel name, one model config), raised before the layer's first all-to-all or at the kernel's first call."""
+    from ..config import KERNEL_KEY  # config imports attention.kernels: not at module level
+
+    with naming(KERNEL_KEY, kernels.KernelError):
+        yield
 
 
 @dataclass
@@ -275,8 +288,9 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     docs = kwargs.get(DOCS_KWARG)
     # the layer's window / soft-cap (from the config; the module's own attribute must agree), applied by the
     # kernel per stage; before the mask check: HF's mask of a windowed layer is not plain causal
-    backend, window = layer_backend(state, self, s * state.sp, hidden_states.device, _sliding_window(self, facts),
-                                    None)
+    with naming_kernel_key():
+        backend, window = layer_backend(state, self, s * state.sp, hidden_states.device,
+                                        _sliding_window(self, facts), None)
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s, window)
     if self.training and getattr(self, "attention_dropout", 0.0):
@@ -295,13 +309,14 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
                           "(DeepSpeed's default 1e5 is)")
     # norm + attention + o_proj as one Function (attention/block.py); o_proj's module is not called, its
     # weights are gathered with the attention module (a ZeRO-3 leaf)
-    out = untied_attention_block(
-        hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
-        o.weight, heads=layer.heads, kv_heads=layer.kv_heads, spec=layer.spec, norm_weight=norm_w,
-        norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias, bo=o.bias,
-        q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
-        group=state.group, heads_per_chunk=state.heads_per_chunk, backend=backend, causal=True, scale=self.scaling,
-        docs=docs, schedule=state.schedule)
+    with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
+        out = untied_attention_block(
+            hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
+            o.weight, heads=layer.heads, kv_heads=layer.kv_heads, spec=layer.spec, norm_weight=norm_w,
+            norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias,
+            bo=o.bias, q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
+            group=state.group, heads_per_chunk=state.heads_per_chunk, backend=backend, causal=True,
+            scale=self.scaling, docs=docs, schedule=state.schedule)
     return out, None
 
 
@@ -343,17 +358,19 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
     docs = kwargs.get(DOCS_KWARG)
-    backend, window = layer_backend(state, module, s * state.sp, query.device, sliding_window, softcap)
+    with naming_kernel_key():
+        backend, window = layer_backend(state, module, s * state.sp, query.device, sliding_window, softcap)
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s, window)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     sc = state.schedule
     # the install's schedule is for the config's head counts; a module attending over others gets its own
     sched = sc if (q.shape[2], k.shape[2]) == (sc.heads, sc.kv_heads) else None
-    out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
-                                  backend=backend, causal=True,
-                                  scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
-                                  schedule=sched)
+    with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
+        out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
+                                      backend=backend, causal=True,
+                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
+                                      schedule=sched)
     return out, None
 
 

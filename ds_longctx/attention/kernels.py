@@ -29,12 +29,21 @@ from typing import Dict, Optional, Tuple, Type
 
 import torch
 
-from ..errors import ConfigError
-
-# the config key whose values name these backends (config.py checks the names; the window capability checks
-# below still raise with it)
-KERNEL_KEY = "long_context.attention.kernel"
 aten = torch.ops.aten
+
+
+class KernelError(ValueError):
+    """A kernel that cannot run what it is asked (a window or soft-cap it does not apply, a build that drops
+    them, another device's tensors), in op terms: ``problem`` and ``fix`` name kernels, not a config key. The
+    layer that took the kernel name from the config (config.get_backend, the attention installs) re-raises it
+    as the ConfigError naming ``long_context.attention.kernel`` (errors.naming)."""
+
+    def __init__(self, problem: str, fix: str):
+        self.problem, self.fix = problem, fix
+        super().__init__(f"{problem}. Fix: {fix}")
+
+    def __reduce__(self):
+        return (type(self), (self.problem, self.fix))
 
 
 class Backend:
@@ -98,8 +107,8 @@ class Backend:
         if not self.fake_only and ((w and not self.supports_window) or (c and not self.supports_softcap)):
             what = " and ".join(n for n, on in (("a sliding window", w and not self.supports_window),
                                                 ("attention soft-capping", c and not self.supports_softcap)) if on)
-            raise ConfigError(KERNEL_KEY, f"kernel {self.name!r} cannot apply {what}",
-                              "set long_context.attention.kernel to 'auto', which picks a kernel that applies them")
+            raise KernelError(f"kernel {self.name!r} cannot apply {what}",
+                              "use kernel 'auto', which picks a kernel that applies them")
         return w, c
 
     def forward(self, q, k, v, causal: bool, scale: float, window: Optional[int] = None,
@@ -131,8 +140,8 @@ def _check(backend, q, k, v):
         raise ValueError(f"{backend.name}: {q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads "
                          f"(k {tuple(k.shape)}, v {tuple(v.shape)})")
     if q.device.type != backend.device_type:
-        raise ValueError(f"{backend.name} runs on {backend.device_type} tensors, got {q.device}; "
-                         f"set {KERNEL_KEY} to 'auto' or to a kernel for this device")
+        raise KernelError(f"{backend.name} runs on {backend.device_type} tensors, got {q.device}",
+                          "use kernel 'auto' or a kernel for this device")
 
 
 def _bhsd(t):
@@ -419,10 +428,9 @@ def verify_native_pattern(backend: "Backend", like: torch.Tensor, window: int, s
     err = _PATTERN_VERIFIED[key]
     if err is not None and not err <= PATTERN_PROBE_TOLERANCE:
         what = " and ".join(n for n, on in (("sliding window", window > 0), ("soft-capping", softcap > 0)) if on)
-        raise ConfigError(KERNEL_KEY, f"kernel {backend.name!r} does not apply its {what} on this install (a "
-                          f"96-token probe differs from the banded kernel by {err:.3g}: the build ignores it)",
-                          "set long_context.attention.kernel to 'auto' (it then measures the kernels that pass, "
-                          "the banded one at least)")
+        raise KernelError(f"kernel {backend.name!r} does not apply its {what} on this install (a 96-token probe "
+                          f"differs from the banded kernel by {err:.3g}: the build ignores it)",
+                          "use kernel 'auto' (it then measures the kernels that pass, the banded one at least)")
 
 
 def flash_window(window: int) -> Tuple[int, int]:
@@ -463,12 +471,12 @@ def flash_pattern_kwargs(fn, window: int, softcap: float, name: str) -> Dict[str
         elif "window_size" in params:
             kw["window_size"] = (left, right)
         else:
-            raise ConfigError(KERNEL_KEY, f"{name}: the installed {getattr(fn, '__name__', fn)} takes no window size",
-                              "upgrade flash-attn (>= 2.3) or set the kernel to 'auto'")
+            raise KernelError(f"{name}: the installed {getattr(fn, '__name__', fn)} takes no window size",
+                              "upgrade flash-attn (>= 2.3) or use kernel 'auto'")
     if softcap and softcap > 0:
         if "softcap" not in params:
-            raise ConfigError(KERNEL_KEY, f"{name}: the installed {getattr(fn, '__name__', fn)} takes no softcap",
-                              "upgrade flash-attn (>= 2.6) or set the kernel to 'auto'")
+            raise KernelError(f"{name}: the installed {getattr(fn, '__name__', fn)} takes no softcap",
+                              "upgrade flash-attn (>= 2.6) or use kernel 'auto'")
         kw["softcap"] = float(softcap)
     return kw
 
@@ -819,8 +827,8 @@ class MeasuredChoice(Backend):
             return self._chosen[sig]
         cands = self.eligible(window, softcap)
         if not cands:
-            raise ConfigError(KERNEL_KEY, f"no kernel of {[c.name for c in self.candidates]} applies a sliding window "
-                              f"of {window} and soft-capping {softcap}", "run on CPU or install flash-attn >= 2.6")
+            raise KernelError(f"no kernel of {[c.name for c in self.candidates]} applies a sliding window of "
+                              f"{window} and soft-capping {softcap}", "run on CPU or install flash-attn >= 2.6")
         secs = []
         for cand in cands:
             try:
@@ -833,7 +841,8 @@ class MeasuredChoice(Backend):
         if t[best] == float("inf"):
             raise RuntimeError(f"attention 'auto': no candidate kernel ran q {tuple(q.shape)} {q.dtype}, k "
                                f"{tuple(k.shape)}, window {window}, softcap {softcap} (tried "
-                               f"{[c.name for c in cands]}); name a kernel in {KERNEL_KEY} to see its error")
+                               f"{[c.name for c in cands]}); name one of them as the kernel instead of 'auto' to see its "
+                               "error")
         chosen = cands[best]
         self._chosen[sig] = chosen
         self.choices[sig] = {"kernel": chosen.name,
@@ -936,10 +945,9 @@ class KernelChoice:
                     (f"attention soft-capping {softcap}", softcap, cls.supports_softcap))
             lacking = [what for what, on, ok in asks if on and not ok]
             if lacking:
-                raise ConfigError(KERNEL_KEY, f"{where} has {' and '.join(lacking)}, which kernel {n!r} "
-                                  f"({self.name!r}) cannot apply", "set long_context.attention.kernel to 'auto': "
-                                  "it runs such layers on a kernel that applies them (a flash kernel with "
-                                  "window_size / softcap, or torch_banded)")
+                raise KernelError(f"{where} has {' and '.join(lacking)}, which kernel {n!r} ({self.name!r}) cannot "
+                                  "apply", "use kernel 'auto': it runs such layers on a kernel that applies them (a "
+                                  "flash kernel with window_size / softcap, or torch_banded)")
 
     def for_layer(self, device: torch.device, window: Optional[int], softcap: Optional[float],
                   where: str = "this layer") -> Backend:
@@ -947,7 +955,7 @@ class KernelChoice:
         backend for a full-causal layer. 'auto' measured on CUDA (:class:`MeasuredChoice`) measures, for such a
         layer, the kernels that apply its window / cap (flash's native window_size / softcap) and the banded
         kernel; a single-kernel 'auto' without the capability (CPU) takes the device's banded kernel; a named
-        kernel without the capability is a ConfigError naming ``where`` (also raised by check_pattern at
+        kernel without the capability is a KernelError naming ``where`` (also raised by check_pattern at
         install). An overridden device type (the planner's stand-in) keeps its override: its ops' FLOP
         formulas count the window."""
         base = self.on(device)
@@ -959,8 +967,8 @@ class KernelChoice:
             if (window and not base.supports_window) or (softcap and not base.supports_softcap):
                 capable = [c for c in _BANDED.get(dev, ()) if BACKENDS[c].available()]
                 if not capable:
-                    raise ConfigError(KERNEL_KEY, f"{where} needs a kernel with sliding windows / soft-capping, and "
-                                      f"none is available for {dev} tensors", "run on CPU or CUDA")
+                    raise KernelError(f"{where} needs a kernel with sliding windows / soft-capping, and none is "
+                                      f"available for {dev} tensors", "run on CPU or CUDA")
                 base = _instance(BACKENDS[capable[0]])
         return Windowed(base, window or 0, softcap or 0.0)
 
@@ -970,8 +978,8 @@ def _resolve(name: str, dev: str) -> Backend:
     if name == "auto":
         found = [BACKENDS[c] for c in _AUTO_ORDER.get(dev, ()) if BACKENDS[c].available()]
         if not found:
-            raise ValueError(f"no attention kernel with LSE is available for {dev} tensors: run on CPU or CUDA with "
-                             "torch>=2.3")
+            raise KernelError(f"no attention kernel with LSE is available for {dev} tensors",
+                              "run on CPU or CUDA with torch>=2.3")
         if len(found) == 1:
             return _instance(found[0])
         if dev not in _MEASURED:  # one per device type: its choices hold for the whole job
@@ -981,13 +989,13 @@ def _resolve(name: str, dev: str) -> Backend:
     if name == "sdpa":
         cand = {"cpu": "sdpa_cpu_flash", "cuda": "sdpa_cuda_flash"}.get(dev)
         if cand is None or not BACKENDS[cand].available():
-            raise ValueError(f"torch's flash SDPA is not available for {dev} tensors: choose kernel 'auto' or run "
-                             "on CPU/CUDA")
+            raise KernelError(f"torch's flash SDPA is not available for {dev} tensors",
+                              "use kernel 'auto' or run on CPU/CUDA")
         return _instance(BACKENDS[cand])
     backend = _instance(BACKENDS[name])
     if backend.device_type != dev:
-        raise ValueError(f"attention kernel {name!r} runs on {backend.device_type}, the tensors are on {dev}: "
-                         "choose kernel 'auto' or move the model to the kernel's device")
+        raise KernelError(f"attention kernel {name!r} runs on {backend.device_type}, the tensors are on {dev}",
+                          "use kernel 'auto' or move the model to the kernel's device")
     return backend
 
 
@@ -1015,4 +1023,4 @@ __all__ = ["Backend", "BACKENDS", "KernelChoice", "Windowed", "TorchBanded", "ba
            "banded_attention_backward",
            "MeasuredChoice", "available_backends", "backend_for", "get_backend", "is_available", "is_known",
            "reference_attention",
-           "register_backend", "overridden", "kernel_names", "KERNEL_KEY"]
+           "register_backend", "overridden", "kernel_names", "KernelError"]

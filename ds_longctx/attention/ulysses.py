@@ -22,6 +22,7 @@ import torch
 from ..models.windows import sinks_error
 from . import registry
 from .documents import document_core
+from .hf import naming_kernel_key
 
 
 class _PatternAttention(torch.autograd.Function):
@@ -87,8 +88,9 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
                              "asks for); to keep it, train at SP=1 with implementation 'none'")
         scale = kwargs.get("scaling")
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
-        backend = kernel.for_layer(query.device, window, facts.softcap, f"layer {idx}")
-        return _PatternAttention.apply(query, key, value, backend, scale), None
+        with naming_kernel_key():  # the kernel name came from the config: a refusal names its key
+            backend = kernel.for_layer(query.device, window, facts.softcap, f"layer {idx}")
+            return _PatternAttention.apply(query, key, value, backend, scale), None
 
     return attention
 

@@ -4,13 +4,14 @@ built model; the tiled loss is
 a function the engine's loss forward calls (:func:`tiling.tiled_causal_lm_loss_sum`)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 from .checkpointing import decoder_layers, install_checkpointing, uninstall_checkpointing
 from .norm import (MemoryEfficientRMSNorm, install_memory_efficient_rmsnorm,
                    uninstall_memory_efficient_rmsnorm)
 from .offload import (AutoTarget, CheckpointInputOffloader, HostCopyTarget, OffloadTarget, PinnedHostTarget)
-from .tiling import (TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
+from .tiling import (TilingError, TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
                      tiled_causal_lm_loss_sum, uninstall_tiled_mlp)
 
 
@@ -81,21 +82,58 @@ def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = No
     ac, tm = lc_cfg.activation_checkpointing, lc_cfg.tiled_mlp
     if ac.enabled:
         if ac.offload in ("cpu", "nvme"):
+            refusals = contextlib.nullcontext
             if offload_target is None and ac.offload == "nvme":
                 # built now, before deepspeed.initialize: a missing aio op or a bad path fails here
                 from .nvme import NVMeTarget
 
-                offload_target = NVMeTarget(ac.nvme_path, ring=ac.nvme_buffer_count, pin_memory=ac.pin_memory)
+                with naming_nvme_keys():
+                    offload_target = NVMeTarget(ac.nvme_path, ring=ac.nvme_buffer_count, pin_memory=ac.pin_memory)
+                refusals = naming_nvme_keys  # a drive that fills up at a forward
             handle.offloader = CheckpointInputOffloader(target=offload_target, pin_memory=ac.pin_memory,
-                                                        prefetch=ac.prefetch)
+                                                        prefetch=ac.prefetch, refusals=refusals)
         handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(model, ac, handle.offloader)
     if tm.enabled:
-        # agreement over every rank (None), not the SP group: see tiling.agree_max
-        handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm, None)
+        # agreement over every rank (None), not the SP group: see tiling.agree_max. The op's refusals
+        # (tiling.TilingError: no supported MLP here, router noise at a training forward) name the config switch
+        from ..config import TILED_MLP_KEY
+        from ..errors import naming
+
+        def untiled_fix(e: TilingError) -> str:
+            return f"set {TILED_MLP_KEY}=false {e.untiled}" + (f", or {e.other}" if e.other else "")
+
+        def refusals():
+            return naming(TILED_MLP_KEY, TilingError, untiled_fix)
+
+        with refusals():
+            handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm.shards, None,
+                                                                                   refusals)
     rn = getattr(lc_cfg, "rms_norm", None)
     if rn is not None and rn.enabled:
         handle.rms_norms = install_memory_efficient_rmsnorm(model)
     return handle
+
+
+@contextlib.contextmanager
+def naming_nvme_keys():
+    """memory.nvme's refusals in the block (nvme.NVMeError: no async_io op, an unusable nvme_path, a drive too
+    full) as the ConfigError naming the activation_checkpointing key, with the fix in config terms. Used
+    around building the target, around its writes, and by train.py around the all-rank reservation
+    (nvme.reserve_on_every_rank: the same error on every rank)."""
+    from ..config import AC_KEY
+    from ..errors import ConfigError
+    from .nvme import NVMeError
+
+    try:
+        yield
+    except NVMeError as e:
+        if e.kind == "space":
+            fix = "free space on that drive, point nvme_path at a larger drive, raise keep_on_device, or use " \
+                  "offload='cpu'"
+        else:
+            fix = f"{e.options}, or use offload='cpu'" if e.host_fallback else e.fix
+        key = f"{AC_KEY}.offload" if e.kind == "aio" else f"{AC_KEY}.nvme_path"
+        raise ConfigError(key, e.problem, fix) from None
 
 
 def get_memory_handle(model) -> Optional[MemoryStackHandle]:
@@ -107,4 +145,4 @@ def get_memory_handle(model) -> Optional[MemoryStackHandle]:
 __all__ = ["apply_memory_stack", "get_memory_handle", "MemoryStackHandle", "tiled_causal_lm_loss_sum",
            "CheckpointInputOffloader", "OffloadTarget", "HostCopyTarget", "PinnedHostTarget", "AutoTarget",
            "agree_max", "auto_shards", "resolve_shards", "decoder_layers", "MemoryEfficientRMSNorm",
-           "install_memory_efficient_rmsnorm", "uninstall_memory_efficient_rmsnorm"]
+           "install_memory_efficient_rmsnorm", "uninstall_memory_efficient_rmsnorm", "naming_nvme_keys"]

@@ -40,11 +40,9 @@ from typing import List, Optional
 
 import torch
 
-from ..errors import ConfigError
 from .arena import HostBlock
 from .offload import OffloadTarget, _dispatch_free
 
-KEY = "long_context.activation_checkpointing"
 ALIGN = 4096  # O_DIRECT: buffer address, length and file offset; 4 KiB covers 512 B and 4 KiB sectors
 
 CHUNK_BYTES = 128 << 20  # one staging buffer; a layer input moves through the ring in chunks of this size
@@ -53,25 +51,43 @@ CHUNK_BYTES = 128 << 20  # one staging buffer; a layer input moves through the r
 AIO_BLOCK_SIZE, AIO_QUEUE_DEPTH, AIO_INTRA_OP_PARALLELISM = 1 << 20, 8, 1
 
 
+HOST_FALLBACK = "offload to host memory instead (memory.offload.AutoTarget)"
+
+
+class NVMeError(ValueError):
+    """The NVMe target cannot run here, in op terms (no config key): ``problem``, ``kind``: "aio" (DeepSpeed's
+    async_io op is missing or does not build), "path" (the ``nvme_path`` directory is unusable) or "space" (its
+    drive cannot hold the layer inputs), and the fix: ``options``, then (``host_fallback``) offloading to host
+    memory instead. The install that built the target from the config re-raises it as the ConfigError naming
+    the key, with the fix in config terms (memory.naming_nvme_keys)."""
+
+    def __init__(self, problem: str, options: str, kind: str, host_fallback: bool = False):
+        self.problem, self.options, self.kind, self.host_fallback = problem, options, kind, host_fallback
+        self.fix = f"{options}, or {HOST_FALLBACK}" if host_fallback else options
+        super().__init__(f"{problem}. Fix: {self.fix}")
+
+    def __reduce__(self):
+        return (type(self), (self.problem, self.options, self.kind, self.host_fallback))
+
+
 def load_aio():
-    """DeepSpeed's async_io op module, or a ConfigError naming what is missing."""
+    """DeepSpeed's async_io op module, or an NVMeError (kind "aio") naming what is missing."""
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception as e:  # pragma: no cover - deepspeed is a hard dependency
-        raise ConfigError(f"{KEY}.offload", f"'nvme' needs DeepSpeed's async_io op and deepspeed cannot be "
-                          f"imported ({e})", "install deepspeed, or use offload='cpu'") from None
+        raise NVMeError(f"'nvme' needs DeepSpeed's async_io op and deepspeed cannot be imported ({e})",
+                        "install deepspeed", "aio", True) from None
     builder = AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):
-        raise ConfigError(f"{KEY}.offload", "'nvme' needs DeepSpeed's async_io op, which cannot be built here: "
-                          "the libaio library and headers (libaio.h, -laio) or a C++ compiler were not found",
-                          "install libaio-dev (apt-get install -y libaio-dev; libaio-devel on RPM systems) and a "
-                          "C++ compiler, or set CFLAGS/LDFLAGS to where libaio lives, or use offload='cpu'")
+        raise NVMeError("'nvme' needs DeepSpeed's async_io op, which cannot be built here: the libaio library and "
+                        "headers (libaio.h, -laio) or a C++ compiler were not found",
+                        "install libaio-dev (apt-get install -y libaio-dev; libaio-devel on RPM systems) and a C++ "
+                        "compiler, or set CFLAGS/LDFLAGS to where libaio lives", "aio", True)
     try:
         return builder.load(verbose=False)
     except Exception as e:
-        raise ConfigError(f"{KEY}.offload", f"DeepSpeed's async_io op failed to build or load ({type(e).__name__}: "
-                          f"{e})", "check the build log above (TORCH_EXTENSIONS_DIR), install libaio-dev, or use "
-                          "offload='cpu'") from None
+        raise NVMeError(f"DeepSpeed's async_io op failed to build or load ({type(e).__name__}: {e})",
+                        "check the build log above (TORCH_EXTENSIONS_DIR), install libaio-dev", "aio", True) from None
 
 
 def _align(n: int) -> int:
@@ -128,18 +144,21 @@ def remove_stale_dirs(base: str) -> List[str]:
 
 
 def check_nvme_path(path: Optional[str]) -> str:
-    """The directory must exist and be writable by this process."""
+    """The directory must exist and be writable by this process (else an NVMeError of kind "path")."""
     if not path:
-        raise ConfigError(f"{KEY}.nvme_path", "offload='nvme' needs a directory on the NVMe drive",
-                          'set "nvme_path": "/local_nvme" (a local NVMe mount, one per node)')
+        raise NVMeError("offload='nvme' needs a directory on the NVMe drive",
+                        'pass nvme_path="/local_nvme" (a local NVMe mount, one per node)', "path")
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
-        raise ConfigError(f"{KEY}.nvme_path", f"{path!r} does not exist or is not a directory",
-                          "create it (mkdir -p) on every node, or point nvme_path at the NVMe mount")
+        raise NVMeError(f"{path!r} does not exist or is not a directory",
+                        "create it (mkdir -p) on every node, or point nvme_path at the NVMe mount", "path")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"{KEY}.nvme_path", f"{path!r} is not writable by this process (uid {os.getuid()})",
-                          "chmod/chown it for the training user, or pick a writable directory")
+        raise NVMeError(f"{path!r} is not writable by this process (uid {os.getuid()})",
+                        "chmod/chown it for the training user, or pick a writable directory", "path")
     return path
+
+
+SPACE_FIX = "free space on that drive, point nvme_path at a larger drive, keep more layer inputs on the device"
 
 
 class NVMeSlot:
@@ -208,9 +227,9 @@ class NVMeTarget(OffloadTarget):
                  queue_depth: int = AIO_QUEUE_DEPTH, intra_op_parallelism: int = AIO_INTRA_OP_PARALLELISM):
         base = check_nvme_path(nvme_path)
         self._aio = load_aio()
-        if ring < 2:
-            raise ConfigError(f"{KEY}.nvme_buffer_count", f"must be at least 2, got {ring}",
-                              "use 2 or 3 (one chunk is written while the next is copied)")
+        if ring < 2:  # config.py refuses nvme_buffer_count < 2 at parse; this guards direct callers
+            raise ValueError(f"ring: must be at least 2 staging chunks, got {ring}; use 2 or 3 (one chunk is "
+                             "written while the next is copied)")
         self.ring = ring
         self.chunk_bytes = _align(chunk_bytes)
         self.pin = pin_memory and torch.cuda.is_available()
@@ -225,9 +244,9 @@ class NVMeTarget(OffloadTarget):
         except OSError as e:
             if getattr(self, "dir", None):
                 shutil.rmtree(self.dir, ignore_errors=True)
-            raise ConfigError(f"{KEY}.nvme_path", f"cannot create a directory in {base!r} ({e})",
-                              "point nvme_path at a writable directory on a local NVMe drive with free space"
-                              ) from None
+            raise NVMeError(f"cannot create a directory in {base!r} ({e})",
+                            "point nvme_path at a writable directory on a local NVMe drive with free space",
+                            "path") from None
         self.file = os.path.join(self.dir, "layer_inputs.bin")
         self.handle = self._aio.aio_handle(block_size, queue_depth, False, True, intra_op_parallelism)
         self._cv = threading.Condition()
@@ -275,9 +294,9 @@ class NVMeTarget(OffloadTarget):
         self._release_buffers(buf, back)
         if why:
             self.close()
-            raise ConfigError(f"{KEY}.nvme_path", f"an O_DIRECT test write/read in {os.path.dirname(self.dir)!r} "
-                              f"failed ({why})", "use a directory on a local disk that supports O_DIRECT "
-                              "(ext4/xfs on NVMe; not some network or FUSE filesystems)")
+            raise NVMeError(f"an O_DIRECT test write/read in {os.path.dirname(self.dir)!r} failed ({why})",
+                            "use a directory on a local disk that supports O_DIRECT (ext4/xfs on NVMe; not some "
+                            "network or FUSE filesystems)", "path")
         os.truncate(self.file, 0)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
@@ -336,14 +355,12 @@ class NVMeTarget(OffloadTarget):
                 self.file_bytes += span
         return NVMeSlot(off, nbytes, sp, shape, dtype)
 
-    def _space_error(self, need_total: int, why: str = "") -> ConfigError:
+    def _space_error(self, need_total: int, why: str = "") -> NVMeError:
         free = free_bytes(self.base)
         more = max(0, need_total - self._allocated)
-        return ConfigError(f"{KEY}.nvme_path", f"{self.base!r} is too full for this rank's layer inputs: "
-                           f"{_fmt_bytes(need_total)} needed in {self.file} ({_fmt_bytes(more)} more than reserved), "
-                           f"{_fmt_bytes(free)} free{why}",
-                           "free space on that drive, point nvme_path at a larger drive, raise keep_on_device, "
-                           "or use offload='cpu'")
+        return NVMeError(f"{self.base!r} is too full for this rank's layer inputs: {_fmt_bytes(need_total)} needed "
+                         f"in {self.file} ({_fmt_bytes(more)} more than reserved), {_fmt_bytes(free)} free{why}",
+                         SPACE_FIX, "space", True)
 
     def _ensure_allocated(self, nbytes: int):
         """Reserve the file's blocks up to ``nbytes`` before any write lands there (DeepSpeed's aio drops
@@ -362,14 +379,14 @@ class NVMeTarget(OffloadTarget):
 
     def reserve(self, nbytes: int) -> Optional[str]:
         """Reserve ``nbytes`` of file now (the plan's NVMe bytes for this rank); returns None, or the
-        problem (the drive's free space cannot hold it) as the text of a ConfigError."""
+        problem (the drive's free space cannot hold it), the text of an NVMeError of kind "space"."""
         nbytes = _align(nbytes)
         if nbytes - self._allocated > free_bytes(self.base):
             return self._space_error(nbytes).problem
         try:
             with self._cv:
                 self._ensure_allocated(nbytes)
-        except ConfigError as e:
+        except NVMeError as e:
             return e.problem
         return None
 
@@ -554,22 +571,19 @@ class NVMeTarget(OffloadTarget):
         self._staging = []
 
 
-_SPACE_FIX = "free space on that drive, point nvme_path at a larger drive, raise keep_on_device, or use offload='cpu'"
-
-
 def reserve_on_every_rank(target: "NVMeTarget", nbytes: int, group=None) -> None:
     """Reserve this rank's planned NVMe bytes before step 1 and agree over the job: when any rank's
-    drive is too small, every rank raises the same ConfigError naming each failing rank's path, bytes
-    needed and free (one rank raising alone would leave the others in the next collective)."""
+    drive is too small, every rank raises the same NVMeError (kind "space") naming each failing rank's path,
+    bytes needed and free (one rank raising alone would leave the others in the next collective)."""
     import torch.distributed as dist
 
     problem = target.reserve(nbytes) if target is not None else None
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         if problem:
-            raise ConfigError(f"{KEY}.nvme_path", problem, _SPACE_FIX)
+            raise NVMeError(problem, SPACE_FIX, "space", True)
         return
     problems = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     bad = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
     if bad:
-        raise ConfigError(f"{KEY}.nvme_path", "; ".join(bad), _SPACE_FIX)
+        raise NVMeError("; ".join(bad), SPACE_FIX, "space", True)

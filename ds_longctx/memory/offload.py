@@ -12,6 +12,7 @@ injectable, and backward prefetches the previous layer's input while the current
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import weakref
@@ -209,11 +210,16 @@ class CheckpointInputOffloader:
     Use :meth:`capture` around one checkpoint call with that call's hidden-states tensor: the saved
     copy of that tensor (and only it) is replaced by a host copy. The hooks are bound at pack time,
     so backward may run any time later, outside any context.
+
+    ``refusals``: a context manager factory around each copy out (the install's translation of the target's
+    refusals, e.g. a full NVMe drive, into the config's error).
     """
 
     def __init__(self, target: Optional[OffloadTarget] = None, pin_memory: bool = True, prefetch: bool = True,
-                 min_bytes: int = 0, record_events: bool = False, max_inflight: int = 1):
+                 min_bytes: int = 0, record_events: bool = False, max_inflight: int = 1,
+                 refusals=contextlib.nullcontext):
         self.target = target if target is not None else AutoTarget(pin_memory=pin_memory)
+        self.refusals = refusals
         self.prefetch = prefetch
         self.min_bytes = min_bytes
         self.record_events = record_events
@@ -290,7 +296,8 @@ class CheckpointInputOffloader:
         return ref
 
     def _copy_out(self, t, seq) -> _Offloaded:
-        host, ev = self.target.to_host(t)
+        with self.refusals():
+            host, ev = self.target.to_host(t)
         if ev is not None:
             self._inflight.append(ev)
             while len(self._inflight) > self.max_inflight:

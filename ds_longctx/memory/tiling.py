@@ -14,6 +14,7 @@ Why not DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` (ulysses_sp.py):
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List, Sequence, Union
 
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..errors import ConfigError
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import mlp_class_names, mlp_facts
 from .tiles import each_tile
@@ -166,6 +166,21 @@ class TilingState:
         return n
 
 
+class TilingError(ValueError):
+    """An MLP the tiled forward cannot tile exactly, in op terms (no config key): ``problem``; ``untiled``: what
+    running that MLP untiled means (the fix that always works); ``other``: another fix, or "". The install that
+    took the switch from the config re-raises it as the ConfigError naming its key (memory.apply_memory_stack,
+    through ``install_tiled_mlp(refusals=...)`` for the ones raised at a forward)."""
+
+    def __init__(self, problem: str, untiled: str, other: str = ""):
+        self.problem, self.untiled, self.other = problem, untiled, other
+        self.fix = f"do not tile it {untiled}" + (f", or {other}" if other else "")
+        super().__init__(f"{problem}. Fix: {self.fix}")
+
+    def __reduce__(self):
+        return (type(self), (self.problem, self.untiled, self.other))
+
+
 def tiled_mlp_forward(module, x, state: TilingState):
     shards = state.mlp_shards(x)
     if shards <= 1:  # every rank agreed on 1: the plain forward issues the same collectives everywhere
@@ -173,13 +188,12 @@ def tiled_mlp_forward(module, x, state: TilingState):
     arch = mlp_facts(type(module).__name__)
     if arch.mlp_noise_attr and module.training and getattr(module, arch.mlp_noise_attr, 0):
         # same verdict on every rank (one config): raised before the tile loop's first ZeRO-3 fetch
-        raise ConfigError("long_context.tiled_mlp.enabled",
-                          f"{type(module).__name__} adds random noise to its input in training "
+        raise TilingError(f"{type(module).__name__} adds random noise to its input in training "
                           f"({arch.mlp_noise_attr}={getattr(module, arch.mlp_noise_attr)}); a tile recomputed in "
                           "backward would draw other noise than its forward, so the gradient would not be this "
-                          "forward's", f"set long_context.tiled_mlp.enabled=false (exact, untiled), or set the "
-                          f"model config's {arch.mlp_noise_attr} (router jitter) to 0 if you mean to train without "
-                          "that jitter (a different regularisation than the model's config asks for)")
+                          "forward's", "(exact, untiled)", f"set the model config's {arch.mlp_noise_attr} (router "
+                          "jitter) to 0 if you mean to train without that jitter (a different regularisation than "
+                          "the model's config asks for)")
     fn = _batched_class_forward if arch.mlp_batched else _class_forward
     params = [p for p in module.parameters() if p.requires_grad]
     return TiledRowsFunction.apply(x, fn, module, shards, params)
@@ -201,19 +215,27 @@ def find_mlps(model) -> List[torch.nn.Module]:
     return found
 
 
-def install_tiled_mlp(model, tm_cfg, group=None):
+def install_tiled_mlp(model, shards: Union[int, str], group=None, refusals=contextlib.nullcontext):
     """Patch the forward of every supported MLP *instance* (the class stays untouched, so other models
-    in the process are unaffected). Returns (state, modules, hook handles). Issues no collectives."""
+    in the process are unaffected) to run in ``shards`` row tiles (an int, or "auto": agreed per forward).
+    ``refusals``: a context manager factory around each tiled forward (the install's translation of a
+    :class:`TilingError` raised there). Returns (state, modules, hook handles). Issues no collectives.
+    A model without a supported MLP is a TilingError."""
     mlps = find_mlps(model)
     if not mlps:
-        raise ConfigError("long_context.tiled_mlp.enabled",
-                          f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
-                          f"(supported: {', '.join(SUPPORTED_MLPS)})",
-                          "set long_context.tiled_mlp.enabled=false for this model (its MLP then runs untiled: "
+        raise TilingError(f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
+                          f"(supported: {', '.join(SUPPORTED_MLPS)})", "for this model (its MLP then runs untiled: "
                           "exact, with the whole shard's MLP activations in memory)")
-    state = TilingState(tm_cfg.shards, group)
+    state = TilingState(shards, group)
+
+    def tiled(mod):
+        def forward(x):
+            with refusals():
+                return tiled_mlp_forward(mod, x, state)
+        return forward
+
     for m in mlps:
-        m.forward = (lambda mod: (lambda x: tiled_mlp_forward(mod, x, state)))(m)
+        m.forward = tiled(m)
     root = model.get_decoder() if hasattr(model, "get_decoder") else model
     hooks = [root.register_forward_pre_hook(state.new_forward)]
     return state, mlps, hooks

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..config import SECTION
 from ..models import attention_shape, text_config
@@ -98,6 +99,45 @@ def _seconds(r) -> float:
 TIE = 0.005
 
 
+@dataclass(frozen=True)
+class Knob:
+    """One "auto" value of the ``long_context`` section: ``key`` (its path inside the section, e.g.
+    "attention.heads_per_chunk") and its candidates in speed order (fastest first; the last is the
+    memory-safest)."""
+    key: str
+    values: Tuple = ()
+
+
+def with_values(ds_config: dict, values: Mapping[str, object]) -> dict:
+    """A new ds_config: ``ds_config`` with the ``long_context`` values ``values`` ({"attention.heads_per_chunk":
+    4, "tiled_mlp.shards": 2, ...}) set, as one new section; ``ds_config`` is not modified."""
+    patch: Dict[str, dict] = {}
+    for key, value in values.items():
+        sub, name = key.split(".")
+        patch.setdefault(sub, {})[name] = value
+    out = copy.deepcopy(ds_config)
+    out[SECTION] = _merged(out.get(SECTION) or {}, patch)
+    return out
+
+
+def auto_knobs(section: dict, model_config, sp: int, seq_len: int) -> List[Knob]:
+    """The speed knobs the section leaves to "auto", with their candidates: attention.heads_per_chunk (the
+    divisors of the local query heads, most first) and the shards of an enabled tiled_mlp / tiled_loss
+    ("auto" or absent: one up to DeepSpeed's rule, fewest first)."""
+    knobs = []
+    if (section.get("attention") or {}).get("heads_per_chunk") == "auto":
+        local = _local_heads(model_config, sp)
+        knobs.append(Knob("attention.heads_per_chunk",
+                          tuple(sorted([d for d in range(1, local + 1) if local % d == 0], reverse=True))))
+    hidden, local_seq = None, seq_len // max(1, sp)
+    for name in ("tiled_mlp", "tiled_loss"):
+        sec = section.get(name) or {}
+        if sec.get("enabled") and sec.get("shards", "auto") == "auto":
+            hidden = hidden or text_config(model_config).hidden_size
+            knobs.append(Knob(f"{name}.shards", tuple(_shard_candidates(local_seq, hidden))))
+    return knobs
+
+
 def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None) -> dict:
     """Replace "auto" values by the fastest settings whose step fits, by the planner's predicted step time.
 
@@ -109,104 +149,101 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     DeepSpeed's shard rule), relax each knob to the first value in speed order that fits, then walk on
     to the next fitting value while the predicted step time (PlanResult.time) is lower: ties between
     fitting settings go to the faster prediction, at one extra simulation per knob in the usual case.
+
+    The choices are a flat mapping of values (``chosen``); every simulated configuration, and the returned
+    one, is a new ds_config built from ``ds_config`` and them (:func:`with_values`). ``ds_config`` is not
+    modified.
     """
     log = log or logger.info
-    cfg = copy.deepcopy(ds_config)
-    section = cfg.setdefault(SECTION, {}) or {}
-    cfg[SECTION] = section
-    sp = cfg.get("sequence_parallel_size", 1)
-    att = section.setdefault("attention", {})
+    base = copy.deepcopy(ds_config)
+    section = dict(base.get(SECTION) or {})
+    section.setdefault("attention", {})
+    base[SECTION] = section
+    sp = base.get("sequence_parallel_size", 1)
     ac = section.get("activation_checkpointing") or {}
-    auto_keys = []
-    if att.get("heads_per_chunk") == "auto":
-        auto_keys.append(("attention", "heads_per_chunk"))
-    for name in ("tiled_mlp", "tiled_loss"):
-        sec = section.get(name) or {}
-        if sec.get("enabled") and sec.get("shards", "auto") == "auto":
-            auto_keys.append((name, "shards"))
+    knobs = auto_knobs(section, model_config, sp, seq_len)
     reinvest = [k for k in ("keep_attention_output", "keep_on_device") if ac.get(k) == "auto"]
-    for k in reinvest:  # memory-safest first
-        ac[k] = False if k == "keep_attention_output" else 0
-    if not auto_keys and not reinvest:
-        return cfg
-    hidden = text_config(model_config).hidden_size
-    local_seq = seq_len // max(1, sp)
-    cands = {}
-    for sec, key in auto_keys:
-        if key == "heads_per_chunk":
-            local = _local_heads(model_config, sp)
-            cands[(sec, key)] = sorted([d for d in range(1, local + 1) if local % d == 0], reverse=True)
-            section[sec][key] = 1
-        else:
-            cands[(sec, key)] = _shard_candidates(local_seq, hidden)
-            section[sec][key] = cands[(sec, key)][-1]
-    planner = planner_factory(cfg)
-    r = planner.run(seq_len)
+    # memory-safest first: the last candidate of each knob, nothing reinvested
+    chosen: Dict[str, object] = {k.key: k.values[-1] for k in knobs}
+    chosen.update({f"activation_checkpointing.{k}": False if k == "keep_attention_output" else 0 for k in reinvest})
+    if not knobs and not reinvest:
+        return base
+
+    def run(values: Mapping[str, object]):
+        return planner_factory(with_values(base, values)).run(seq_len)
+
+    r = run(chosen)
     if not r.fits:
         log(f"ds_longctx auto: even the memory-safest settings do not fit at {seq_len} tokens "
             f"({r.binding_detail}); keeping them: "
-            + ", ".join([f"{s}.{k}={section[s][k]}" for s, k in auto_keys] + [f"{k}={ac[k]}" for k in reinvest]))
-        return cfg
+            + ", ".join([f"{k.key}={chosen[k.key]}" for k in knobs]
+                        + [f"{k}={chosen[f'activation_checkpointing.{k}']}" for k in reinvest]))
+        return with_values(base, chosen)
     best = r
-    for sec, key in auto_keys:
-        chosen, values = section[sec][key], cands[(sec, key)]
-        first = None
-        for i, value in enumerate(values):
-            if value == chosen:
-                break
-            section[sec][key] = value
-            trial = planner_factory(cfg).run(seq_len)
-            if trial.fits:
-                chosen, best, first = value, trial, i
-                break
-        section[sec][key] = chosen
-        # ties: the next fitting values in speed order, while predicted faster
-        why = "the first in speed order whose step fits"
-        if first is not None:
-            for value in values[first + 1:]:
-                section[sec][key] = value
-                trial = planner_factory(cfg).run(seq_len)
-                if not (trial.fits and _seconds(trial) < _seconds(best) * (1 - TIE)):
-                    break
-                chosen, best = value, trial
-                why = "predicted faster than the values before it in speed order"
-            section[sec][key] = chosen
-        log(f"ds_longctx auto: {SECTION}.{sec}.{key}={chosen}: {why} at {seq_len} tokens on {world_size} ranks "
-            f"(predicted step {_seconds(best):.4g} s; candidates in speed order: {values})")
+    for knob in knobs:
+        value, best, why = _choose(knob, chosen, best, run)
+        chosen = {**chosen, knob.key: value}
+        log(f"ds_longctx auto: {SECTION}.{knob.key}={value}: {why} at {seq_len} tokens on {world_size} ranks "
+            f"(predicted step {_seconds(best):.4g} s; candidates in speed order: {list(knob.values)})")
     if "keep_attention_output" in reinvest:
-        best = _try_keep_attention_output(planner_factory, cfg, ac, best, seq_len, log)
+        value, best = _keep_attention_output(run, section, ac, chosen, best, log)
+        chosen = {**chosen, "activation_checkpointing.keep_attention_output": value}
     if "keep_on_device" in reinvest:
-        _try_keep_on_device(planner_factory, cfg, ac, best, seq_len, log)
-    return cfg
+        value, best = _keep_on_device(run, ac, chosen, best, log)
+        chosen = {**chosen, "activation_checkpointing.keep_on_device": value}
+    return with_values(base, chosen)
 
 
-def _try_keep_attention_output(planner_factory, cfg, ac, best, seq_len, log):
+def _choose(knob: Knob, chosen: Mapping[str, object], best, run):
+    """(value, its PlanResult, why) for one knob, the others as ``chosen``: the first value in speed order
+    whose step fits (the memory-safest ``chosen[knob.key]`` is known to), then the next ones while each is
+    predicted faster by more than :data:`TIE`."""
+    pick, values, first = chosen[knob.key], knob.values, None
+    for i, value in enumerate(values):
+        if value == pick:
+            break
+        trial = run({**chosen, knob.key: value})
+        if trial.fits:
+            pick, best, first = value, trial, i
+            break
+    why = "the first in speed order whose step fits"
+    if first is not None:
+        # ties: the next fitting values in speed order, while predicted faster
+        for value in values[first + 1:]:
+            trial = run({**chosen, knob.key: value})
+            if not (trial.fits and _seconds(trial) < _seconds(best) * (1 - TIE)):
+                break
+            pick, best = value, trial
+            why = "predicted faster than the values before it in speed order"
+    return pick, best, why
+
+
+def _keep_attention_output(run, section, ac, chosen, best, log):
+    """(keep_attention_output, the PlanResult to beat next): True where it fits and is predicted faster."""
     key = f"{SECTION}.activation_checkpointing.keep_attention_output"
-    att = cfg[SECTION].get("attention") or {}
+    att = section.get("attention") or {}
     if not ac.get("enabled") or att.get("implementation") != "untied_ulysses":
         log(f"ds_longctx auto: {key}=False: needs activation checkpointing and untied_ulysses attention")
-        return best
+        return False, best
     if ac.get("offload", "none") != "none" and best.host_budget_bytes is None:
         log(f"ds_longctx auto: {key}=False: the kept outputs go to host memory with the layer inputs and no host "
             "budget was given to check them against")
-        return best
-    ac["keep_attention_output"] = True
-    trial = planner_factory(cfg).run(seq_len)
+        return False, best
+    trial = run({**chosen, "activation_checkpointing.keep_attention_output": True})
     if trial.fits and _seconds(trial) < _seconds(best) * (1 - TIE):
         log(f"ds_longctx auto: {key}=True: predicted step {_seconds(trial):.4g} s against {_seconds(best):.4g} s, "
             f"and it fits ({trial.binding_detail})")
-        return trial
-    ac["keep_attention_output"] = False
+        return True, trial
     log(f"ds_longctx auto: {key}=False: " + (f"on, it does not fit ({trial.binding_detail})" if not trial.fits else
                                             f"not predicted faster ({_seconds(trial):.4g} s against "
                                             f"{_seconds(best):.4g} s)"))
-    return best
+    return False, best
 
 
-def _try_keep_on_device(planner_factory, cfg, ac, best, seq_len, log):
-    """The most last layers whose inputs stay on the device (no transfer) that the planner's offload
-    options (planner/host.py, arithmetic on the simulated step; "none" = every layer kept) say fit,
-    checked by one more simulation."""
+def _keep_on_device(run, ac, chosen, best, log):
+    """(keep_on_device, the PlanResult): the most last layers whose inputs stay on the device (no transfer)
+    that the planner's offload options (planner/host.py, arithmetic on the simulated step; "none" = every layer
+    kept) say fit, checked by one more simulation."""
     key = f"{SECTION}.activation_checkpointing.keep_on_device"
     target = ac.get("offload", "none")
     opts = [o for o in (best.offload or {}).get("options", []) if o["target"] in (target, "none") and o["fits"]]
@@ -214,12 +251,10 @@ def _try_keep_on_device(planner_factory, cfg, ac, best, seq_len, log):
     if target == "none" or k == 0:
         log(f"ds_longctx auto: {key}=0: " + ("nothing is offloaded" if target == "none" else
                                              "no device headroom for a layer input"))
-        return best
-    ac["keep_on_device"] = k
-    trial = planner_factory(cfg).run(seq_len)
+        return 0, best
+    trial = run({**chosen, "activation_checkpointing.keep_on_device": k})
     if trial.fits:
         log(f"ds_longctx auto: {key}={k}: the most layer inputs the device holds ({trial.binding_detail})")
-        return trial
-    ac["keep_on_device"] = 0
+        return k, trial
     log(f"ds_longctx auto: {key}=0: {k} did not fit when simulated ({trial.binding_detail})")
-    return best
+    return 0, best
