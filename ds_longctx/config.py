@@ -376,11 +376,18 @@ def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1
 def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[int]) -> None:
     """check_against's part for attention that ds_longctx splits (SP > 1, untied): heads, kernel, pattern.
     Not at SP=1 with transformers' own attention, where a model without heads (state-space) trains too."""
-    from .models import attention_shape
+    from .models import attention_shape, text_config
 
     sp, impl = cfg.sequence_parallel_size, cfg.attention.implementation
     shape = attention_shape(model_config)
     heads, kv = shape.heads, shape.kv_heads
+    tc = text_config(model_config)
+    v_dim = getattr(tc, "v_head_dim", None)
+    if getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim):
+        name = getattr(tc, "model_type", None) or type(tc).__name__
+        raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has multi-head latent attention "
+                          f"(query/key head dim {getattr(tc, 'qk_head_dim', None) or shape.head_dim}, value head dim "
+                          f"{v_dim}), which {impl!r} does not split", _NOT_YET_UNDER_SP)
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):

@@ -33,7 +33,7 @@ def test_architecture_is_exact_or_refused(model_type):
 UNTIED_CASES = {  # ds_longctx's own attention (untied, function level): type -> (full stack, after the fixes)
     "mistral": ("exact", "exact"),         # in ds_longctx.models: HF gets the 4-D no-mask
     "opt": ("refused", "exact"),           # reads the 2-D mask for its positions: keeps HF's own mask
-    "doge": ("refused", "exact"),          # reads the mask inside its attention module: keeps HF's own mask
+    "doge": ("refused", "refused"),        # keeps its own attention table: our attention would never run
     "ctrl": ("refused", "exact"),          # key biases' gradients vanish in exact arithmetic (noise in both runs)
     "roberta": ("refused", "refused"),     # built bidirectional (is_decoder=False): refused at patch time
     "gemma4_unified_text": ("refused", "refused"),  # per-layer head shapes: refused, not a raw config error
@@ -45,3 +45,24 @@ def test_architecture_under_our_attention_is_exact_or_refused(model_type):
     results = arch_sweep.main(["--only", model_type, "--out", "", "--attention", "untied"])
     row = results[model_type]
     assert (row["full_stack"][0], row["final"]) == UNTIED_CASES[model_type], row
+
+
+SP2_CASES = {  # at SP=2 (two processes, gloo): type -> (attention, final)
+    "llama": ("ulysses", "exact"),
+    "qwen3_next": ("ulysses", "refused"),   # linear-attention layers see only their shard: refused, not trained wrong
+    "jamba": ("untied", "refused"),         # Mamba layers, likewise
+    "doge": ("ulysses", "refused"),         # its own attention table (was trained on local shards, silently)
+    "deepseek_v2": ("untied", "refused"),   # multi-head latent attention (was a gloo size mismatch under untied)
+    "ctrl": ("ulysses", "refused"),         # no position_ids in its attention call (was DeepSpeed's raw assertion)
+}
+
+
+@pytest.mark.distributed
+def test_architectures_at_sp2_are_exact_or_refused():
+    got = {}
+    for attention in ("ulysses", "untied"):
+        types = ",".join(t for t, (a, _) in SP2_CASES.items() if a == attention)
+        results = arch_sweep.main(["--only", types, "--out", "", "--attention", attention,
+                                   "--sp", "2"])
+        got.update({t: r["final"] for t, r in (results or {}).items()})
+    assert got == {t: f for t, (_, f) in SP2_CASES.items()}, got

@@ -131,16 +131,18 @@ def _compare(ref, got):
     return loss_rel, worst, where, missing
 
 
-ATTENTION = {"none": {"implementation": "none"},
+ATTENTION = {"none": {"implementation": "none"}, "ulysses": {"implementation": "ulysses"},
              # ds_longctx's own attention at SP=1: function level (any model on transformers' attention interface)
              "untied": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 
 
-def run_one(model_type: str, stack: dict, attention: str = "none"):
-    """(status, detail) for one architecture with one long_context section."""
+def run_one(model_type: str, stack: dict, attention: str = "none", group=None):
+    """(status, detail) for one architecture with one long_context section; with an SP ``group`` (``--sp``) each
+    rank runs its sequence shard (data.shard_batch) and the gradients are summed over the group, against the
+    one-process reference every rank computes on the full sample."""
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.config import parse
+    from ds_longctx.config import check_against, parse
     from ds_longctx.errors import ConfigError
     from ds_longctx.patch import patch_model
 
@@ -172,10 +174,20 @@ def run_one(model_type: str, stack: dict, attention: str = "none"):
         raise
     except Exception as e:
         return "skipped", f"HF's own forward fails: {type(e).__name__}: {str(e)[:200]}"
-    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": ATTENTION[attention], **stack}})
+    sp = 1 if group is None else torch.distributed.get_world_size(group)
+    lc = parse({"sequence_parallel_size": sp, "long_context": {"attention": ATTENTION[attention], **stack}})
     try:
-        handle = patch_model(model, lc)
-        got = _loss_and_grads(model, batch)
+        check_against(lc, model.config, sp)  # what ds_longctx.initialize checks before it patches
+        handle = patch_model(model, lc, group)
+        if group is None:
+            got = _loss_and_grads(model, batch)
+        else:
+            from ds_longctx.data import shard_batch
+
+            loss, grads = _loss_and_grads(model, shard_batch(batch, torch.distributed.get_rank(group), sp))
+            for g in grads.values():  # each rank holds its shard's part of every gradient
+                torch.distributed.all_reduce(g, group=group)
+            got = (loss, grads)
         handle.remove()
     except Timeout:
         raise
@@ -212,8 +224,12 @@ def main(argv=None):
     ap.add_argument("--time-limit", type=float, default=600.0, help="stop starting new types after this many s")
     ap.add_argument("--per-type", type=int, default=60, help="seconds allowed per type")
     ap.add_argument("--attention", choices=sorted(ATTENTION), default="none",
-                    help="'none': transformers' attention; 'untied': ds_longctx's own (untied, function level)")
+                    help="'none': transformers' attention; 'untied': ds_longctx's own (untied, function level); "
+                    "'ulysses': DeepSpeed's Ulysses (needs --sp 2 or more)")
+    ap.add_argument("--sp", type=int, default=1, help="sequence-parallel degree: that many processes (gloo)")
     a = ap.parse_args(argv)
+    if a.sp > 1 and not torch.distributed.is_initialized():
+        return _spawn(a, argv)
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -231,24 +247,31 @@ def main(argv=None):
         t0 = time.time()
         try:
             signal.alarm(a.per_type)
-            row["full_stack"] = run_one(t, STACK, a.attention)
+            row["full_stack"] = run_one(t, STACK, a.attention, _GROUP[0])
             # a refusal whose fix is to switch a memory feature off: apply the fix and run again (it must lead to
             # exact training or to another clear error)
             stack, last = dict(STACK), row["full_stack"]
             while last[0] == "refused" and _fix_of(last[1]) in stack:
                 off = _fix_of(last[1])
                 stack.pop(off)
-                last = run_one(t, stack, a.attention)
+                last = run_one(t, stack, a.attention, _GROUP[0])
                 row.setdefault("after_fixes", []).append([f"{off} off"] + list(last))
         except Timeout:
             row.setdefault("full_stack", ["skipped", f"over {a.per_type} s"])
         finally:
             signal.alarm(0)
+        if _GROUP[0] is not None:  # the ranks must agree on every type (a divergence would desynchronise them)
+            verdicts = [None] * a.sp
+            torch.distributed.all_gather_object(verdicts, (t, row["full_stack"][0]), group=_GROUP[0])
+            if len(set(verdicts)) > 1:
+                raise RuntimeError(f"the SP ranks disagree on {t}: {verdicts}")
         row["final"] = row["after_fixes"][-1][1] if row.get("after_fixes") else row["full_stack"][0]
         row["seconds"] = round(time.time() - t0, 2)
         results[t] = row
         fixes = "+".join(f[0].split(" ")[0] for f in row.get("after_fixes", []))
         last = row["after_fixes"][-1][1:] if row.get("after_fixes") else row["full_stack"]
+        if _GROUP[0] is not None and torch.distributed.get_rank() != 0:
+            continue
         print(f"{t:28s} {row['full_stack'][0]:8s} {row['final']:8s} {fixes:36s} {row['seconds']:6.1f}s  "
               f"{str(last[1])[:120]}", flush=True)
 
@@ -259,8 +282,10 @@ def main(argv=None):
             out[v] = out.get(v, 0) + 1
         return out
 
+    if _GROUP[0] is not None and torch.distributed.get_rank() != 0:
+        return results
     summary = {"transformers": transformers.__version__, "torch": torch.__version__, "types": len(types),
-               "attention": a.attention,
+               "attention": a.attention, "sequence_parallel_size": a.sp,
                "full_stack": count("full_stack"), "final (after applying each refusal's memory-feature fix)":
                count("final"), "seconds": round(time.time() - start, 1)}
     print(json.dumps(summary, indent=1))
@@ -271,6 +296,49 @@ def main(argv=None):
                                "(implementation none, full memory stack) vs HF's own loss and gradients",
                        "summary": summary, "results": results}, f, indent=1, default=str)
     return results
+
+
+_GROUP = [None]  # the SP group inside a --sp worker
+
+
+def _worker(rank, a, argv, port):
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.sp))
+    from ds_longctx.comm import disable_cpu_shm_allreduce
+
+    disable_cpu_shm_allreduce()
+    import deepspeed
+
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_SIZE=str(a.sp))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=datetime.timedelta(seconds=120))
+    _GROUP[0] = torch.distributed.new_group(list(range(a.sp)))
+    import ds_longctx
+
+    code = 1
+    try:
+        main(argv)
+        code = 0
+    finally:
+        ds_longctx.shutdown(code)  # no interpreter finalization: gloo's threads abort it (see ds_longctx.runtime)
+
+
+def _spawn(a, argv):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import tempfile
+
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = a.out or os.path.join(tmp, "results.json")  # rank 0 writes it; the caller gets the results back
+        mp.start_processes(_worker, args=(a, argv + ["--out", out], port), nprocs=a.sp, start_method="spawn")
+        with open(out) as f:
+            return json.load(f)["results"]
 
 
 if __name__ == "__main__":

@@ -437,8 +437,11 @@ def _check_mask(mask, s_local, window=None):
         raise ValueError(_BAD_MASK)
 
 
-_BAD_MASK = ("untied attention got an attention mask that is not plain causal (padding or packed sequences); "
-             "it computes causal attention over the whole gathered sequence unless given the documents: call the "
+_BAD_MASK = ("ds_longctx's attention got an attention mask that is not plain causal (padding, packed sequences, or "
+             "a mask or score bias the model's attention module builds itself); it computes causal attention over the "
+             "whole gathered sequence (with the layer's window) unless given the documents: for a model that builds "
+             "its own mask, train at sequence_parallel_size 1 with long_context.attention.implementation 'none'; "
+             "for padding or packing, call the "
              "model patched by ds_longctx.initialize (engine(**batch)) with batches from ds_longctx.data.shard_batch, "
              "which turns packed position_ids and right padding into per-document attention")
 

@@ -99,9 +99,36 @@ def install(model: torch.nn.Module, impl: str, fn: Callable, label: str) -> Inst
         slot = _Slot(original=prev, dispatcher=_make_dispatcher(impl, prev))
         _SLOTS[impl] = slot
         table[impl] = slot.dispatcher
+    _check_own_tables(mods, impl, table, label)
     for m in mods:
         slot.modules[m] = fn
     return Installation(impl=impl, fn=fn, label=label, modules=[weakref.ref(m) for m in mods])
+
+
+def _check_own_tables(mods, impl: str, table, label: str) -> None:
+    """A modeling file may keep its own attention table (transformers: "a model that needs to locally
+    overwrite an existing attention function ... declares a new instance", Doge does); its modules look
+    ``impl`` up there and would never reach our dispatcher: its attention would run as is, on the local
+    sequence shard. Refused, before anything is routed."""
+    import sys
+
+    from ..errors import ConfigError
+
+    for cls in {type(m) for m in mods}:
+        own = getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None)
+        if own is None or own is table or not hasattr(own, "get_interface"):
+            continue
+        try:
+            theirs = own[impl]
+        except KeyError:
+            continue
+        if theirs is not table[impl]:
+            raise ConfigError("long_context.attention.implementation",
+                              f"{label}: {cls.__name__} looks its attention up in its own table "
+                              f"({cls.__module__}.ALL_ATTENTION_FUNCTIONS), where {impl!r} is not ds_longctx's: its "
+                              "attention would run unchanged on each rank's sequence shard",
+                              "this model has no sequence-parallel path yet: train it at sequence_parallel_size 1 "
+                              "with long_context.attention.implementation 'none'")
 
 
 def uninstall(inst: Installation) -> None:

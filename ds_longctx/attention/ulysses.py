@@ -21,8 +21,8 @@ import torch
 
 from ..models.windows import sinks_error
 from . import registry
-from .documents import document_core
-from .hf import naming_kernel_key
+from .documents import document_core, is_no_mask
+from .hf import _check_mask as check_mask, naming_kernel_key
 
 
 class _PatternAttention(torch.autograd.Function):
@@ -100,6 +100,8 @@ def install_ulysses(model, spec) -> registry.Installation:
     counts of the spec's model facts (``ds_longctx.spec.LongContextSpec``, trusted as built). No collectives."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+    from ..errors import ConfigError
+
     from ..models import text_config
     from ..models.windows import layer_attention
     from .kernels import KernelChoice
@@ -112,7 +114,8 @@ def install_ulysses(model, spec) -> registry.Installation:
     check_sp_attention_pattern("ulysses", model.config, 10 ** 18, layer_kinds=False)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     facts = spec.model
-    core = pattern_core(registry.original(impl), impl, layer_attention(tc), KernelChoice("auto"))
+    layers = layer_attention(tc)
+    core = pattern_core(registry.original(impl), impl, layers, KernelChoice("auto"))
     uattn = UlyssesSPAttentionHF(
         attn=document_core(core, impl), batch_size=1, attn_head_count=facts.heads,
         attn_head_size=facts.head_dim, kv_head_count=facts.kv_heads, num_hidden_layers=facts.layers,
@@ -131,8 +134,27 @@ def install_ulysses(model, spec) -> registry.Installation:
                 shape = list(getattr(uattn, name))
                 shape[1] = bs
                 setattr(uattn, name, torch.Size(shape))
+        # what DeepSpeed's wrapper asserts (and the heads it splits), as our refusal on every rank, before the
+        # all-to-all: a model whose attention call lacks them has no Ulysses path
+        shapes = (tuple(query.shape[1:2]) + tuple(query.shape[3:]), tuple(key.shape[1:2]) + tuple(key.shape[3:]),
+                  tuple(value.shape[1:2]) + tuple(value.shape[3:]))
+        expect = ((facts.heads, facts.head_dim), (facts.kv_heads, facts.head_dim), (facts.kv_heads, facts.head_dim))
+        if "position_ids" not in kwargs or shapes != expect:
+            problem = (f"{type(module).__name__} calls its attention function without position_ids, which DeepSpeed's "
+                       "Ulysses needs" if "position_ids" not in kwargs else
+                       f"{type(module).__name__} hands its attention (heads, head_dim) q {shapes[0]}, k {shapes[1]}, "
+                       f"v {shapes[2]}, not the config's {expect[0]} / {expect[1]} (multi-head latent or "
+                       "differential attention, or another layout)")
+            raise ConfigError("long_context.attention.implementation", f"'ulysses': {problem}",
+                              "this model has no Ulysses path: try implementation 'untied_ulysses', or train at "
+                              "sequence_parallel_size 1 with implementation 'none'")
         # HF built the mask for the local shard: the core runs causal (+ the layer's window / soft-cap) over the
-        # gathered sequence instead
+        # gathered sequence instead. A mask that is neither our no-mask nor that causal mask (a model that builds
+        # its own, e.g. Doge's score bias) would be dropped: refused, before the all-to-all
+        if isinstance(attention_mask, torch.Tensor) and not is_no_mask(attention_mask):
+            idx = getattr(module, "layer_idx", None)
+            window = layers[idx].window if isinstance(idx, int) and 0 <= idx < len(layers) else None
+            check_mask(attention_mask, query.shape[2], window)
         return uattn(module, query, key, value, None, *args, **kwargs)
 
     # Same interception as DeepSpeed's register_with_transformers (the core key is overridden, which
