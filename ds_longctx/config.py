@@ -518,8 +518,10 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], 
     (models.windows.layer_attention). Refuse every model whose attention is something else: chunked
     attention and other layer types, bidirectional attention, and flex_attention under 'untied_ulysses'
     (its BlockMask is built for the local shard; 'ulysses' runs flex layers causal). Never advise dropping
-    a window: the pretrained model attends through it. ``layer_kinds`` False: only the model-wide refusals
-    (the installs, which check each layer's type at its forward, with the sequence length)."""
+    a window: the pretrained model attends through it. ``layer_kinds`` False: only what does not depend on the
+    length (the installs, which check chunked layers at their forward, with the sequence length); layers that are
+    not attention at all (linear attention, Mamba, convolutions: they would mix only their rank's shard) are
+    refused either way."""
     from .models import text_config
     from .models.windows import is_bidirectional, restricted_layers
 
@@ -536,9 +538,11 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], 
     if is_bidirectional(model_config):
         raise ConfigError(key, f"the {name} model attends bidirectionally (use_bidirectional_attention), and "
                           f"{impl!r} computes causal attention only", _NOT_YET_UNDER_SP)
-    for group in restricted_layers(model_config) if layer_kinds else ():
+    for group in restricted_layers(model_config):
         if group.kind == "sliding_attention" or group.exact_for(seq_len):
             continue  # windows are applied on the gathered sequence (a window covering it is full causal)
+        if not layer_kinds and group.span is not None:
+            continue  # chunked layers: the installs check them per forward, with the sequence length
         if group.span is None:
             raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
                               "computes causal attention (with sliding windows) over the gathered sequence",
