@@ -3,12 +3,11 @@ its message, MASTER_PORT honoured under mpirun, bad inputs rejected on every ran
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, _env, launch, mpirun_command, read_metrics, run_train
+from launch_utils import ROOT, TINY_CPU, _env, launch, mpirun_command, read_metrics, run_train, side_by_side
 
 pytestmark = pytest.mark.distributed
 
@@ -25,21 +24,13 @@ def test_repeated_launches_never_abort():
     # launch in twenty died with SIGABRT after training finished. Each round starts its two jobs side by
     # side (own ports): the same 10 launches, each one whole job; two at a time overlap the launchers'
     # single-process start-up phases on a 2-core box (and add load, which does not hide the race).
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(2) as pool:
-        for i in range(5):
-            ports = [free_port()]
-            while len(ports) < 2:
-                port = free_port()
-                ports += [port] if port != ports[0] else []
-            jobs = {launcher: pool.submit(launch, [SCRIPT, "ok"], launcher=launcher, timeout=300, port=port)
-                    for launcher, port in zip(("mpirun", "deepspeed"), ports)}
-            for launcher, job in jobs.items():
-                proc = job.result()
-                out = _out(proc)
-                assert proc.returncode == 0 and ABORT not in out, (launcher, i, out[-4000:])
-                assert "rank 0 done" in out and "rank 1 done" in out, out[-3000:]
+    for i in range(5):
+        procs = side_by_side(*[(launch, ([SCRIPT, "ok"],), {"launcher": launcher, "timeout": 300})
+                               for launcher in ("mpirun", "deepspeed")])
+        for launcher, proc in zip(("mpirun", "deepspeed"), procs):
+            out = _out(proc)
+            assert proc.returncode == 0 and ABORT not in out, (launcher, i, out[-4000:])
+            assert "rank 0 done" in out and "rank 1 done" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("launcher", ["mpirun", "slurm-env", "deepspeed"])

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from launch_utils import TINY_CPU, read_metrics, run_train
+from launch_utils import TINY_CPU, read_metrics, run_train, side_by_side
 
 pytestmark = pytest.mark.distributed  # every test here spawns processes
 
@@ -35,8 +35,9 @@ def test_loss_falls_and_metrics(tmp_path):
 def test_save_resume_gives_the_same_next_step(tmp_path):
     ckpt = tmp_path / "ckpt"
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    launch("--steps", "4", "--seq-len", "64", "--metrics", str(straight), "--eval-samples", "0")
-    launch("--steps", "3", "--seq-len", "64", "--save", str(ckpt), "--eval-samples", "0")
+    side_by_side((run_train, ("--steps", "4", "--seq-len", "64", "--metrics", str(straight), "--eval-samples", "0"),
+                  {}),  # the uninterrupted run and the saving run are independent jobs: started together
+                 (run_train, ("--steps", "3", "--seq-len", "64", "--save", str(ckpt), "--eval-samples", "0"), {}))
     launch("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--metrics", str(resumed), "--eval-samples", "0")
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [r["step"] for r in b] == [4]
