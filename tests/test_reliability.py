@@ -109,9 +109,10 @@ def test_bad_inputs_end_every_rank_with_their_error(tmp_path):
         (("--data", _jsonl(tmp_path, "big.jsonl", [{"text": words}]), "--tokenizer", _tokenizer(tmp_path, 100)),
          TINY_CPU, "has 100 tokens and produced id 99 from"),
     ]
-    for args, config, msg in cases:
-        proc = run_train("--steps", "1", "--seq-len", "64", "--eval-samples", "0", *args, config=config,
-                         launcher="mpirun", check=False, timeout=180)
+    procs = side_by_side(*[(run_train, ("--steps", "1", "--seq-len", "64", "--eval-samples", "0", *args),
+                            {"config": config, "launcher": "mpirun", "check": False, "timeout": 180})
+                           for args, config, _ in cases])  # independent jobs, started together
+    for (args, config, msg), proc in zip(cases, procs):
         out = _out(proc)
         assert proc.returncode != 0, (args, out[-3000:])
         assert msg in out, (args, msg, out[-3000:])
