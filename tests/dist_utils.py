@@ -77,3 +77,26 @@ def run_distributed(fn, world: int, *args, timeout: float = 600):
     if errors:
         raise RuntimeError("\n".join(errors))
     return [value for _, value in results]
+
+
+def run_distributed_side_by_side(*calls, timeout: float = 600, return_exceptions: bool = False):
+    """Independent ``run_distributed(fn, world, *args)`` calls at the same time (e.g. a one-process reference
+    next to the SP run it is compared with); ``calls``: (fn, world, *args) tuples. Returns each call's list of
+    results, in order; raises like run_distributed (``return_exceptions``: a failed call's exception takes its
+    place instead, for a module fixture whose tests each re-raise their own). Each call is its own spawn with
+    its own port; side by side they overlap the spawned processes' single-threaded start-up (imports) on a
+    2-core machine."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        jobs = [pool.submit(run_distributed, fn, world, *args, timeout=timeout) for fn, world, *args in calls]
+        if not return_exceptions:
+            return [job.result() for job in jobs]
+        return [job.exception() or job.result() for job in jobs]
+
+
+def result_or_raise(result):
+    """One entry of run_distributed_side_by_side(..., return_exceptions=True): re-raised if it failed."""
+    if isinstance(result, BaseException):
+        raise result
+    return result

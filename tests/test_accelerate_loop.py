@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed_side_by_side
 from eco_cases import delta_errors, deltas
 
 STEPS = 3
@@ -26,8 +26,8 @@ def _sp2(rank, world):
 
 @pytest.mark.distributed
 def test_accelerate_loop_sp2_equals_one_process():
-    ref = run_distributed(_one_process, 1)[0]
-    for got in run_distributed(_sp2, 2):
+    (ref,), sp2 = run_distributed_side_by_side((_one_process, 1), (_sp2, 2))
+    for got in sp2:
         assert len(got["losses"]) == len(ref["losses"]) == STEPS, (got["losses"], ref["losses"])
         for a, b in zip(got["losses"], ref["losses"]):
             assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], ref["losses"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from arch_cases import arch_config, isclose, max_delta_error
-from dist_utils import run_distributed
+from dist_utils import result_or_raise, run_distributed_side_by_side
 from eco_cases import config_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,9 +135,16 @@ def _engines(rank, world):
     return out
 
 
+@pytest.fixture(scope="module")
+def spawns():
+    """The two SP=2 spawns of this file (_engines, _trainers), independent, started side by side once; each test
+    re-raises its own spawn's failure."""
+    return dict(zip(('engines', 'trainers'), run_distributed_side_by_side((_engines, 2), (_trainers, 2), return_exceptions=True)))
+
+
 @pytest.mark.distributed
-def test_architectures_and_batch_faults_at_sp2():
-    res = run_distributed(_engines, 2)
+def test_architectures_and_batch_faults_at_sp2(spawns):
+    res = result_or_raise(spawns["engines"])
     for rank, r in enumerate(res):
         for (name, impl), (ref, loss, (delta, where), moved) in r["exact"].items():
             print(rank, name, impl, ref, loss, delta, where)
@@ -186,11 +193,11 @@ def _trainers(rank, world):
 
 
 @pytest.mark.distributed
-def test_trainer_evaluate_under_sp_equals_one_process():
+def test_trainer_evaluate_under_sp_equals_one_process(spawns):
     """The Trainer's evaluate() after one SP=2 training step equals the one-process eval loss of the same
     weights; every eval batch went through the sharded turns. Mixtral (head_dim None) and GPT-NeoX (no
     num_key_value_heads) also pass DeepSpeed's register_with_transformers, which Accelerate calls."""
-    res = run_distributed(_trainers, 2)
+    res = result_or_raise(spawns["trainers"])
     for r in res:
         for key, (got, ref, turns) in r.items():
             print(key, got, ref, turns)

@@ -21,7 +21,7 @@ from ds_longctx.batch import document_structure
 from ds_longctx.attention.kernels import get_backend, reference_attention
 from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch
-from dist_utils import run_distributed
+from dist_utils import result_or_raise, run_distributed_side_by_side
 from sp_cases import full_params
 from tiny_models import build, tiny_config
 
@@ -261,11 +261,19 @@ SP_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def sp_results():
+    """The three spawns (SP 1, 2, 4) started side by side, once; each test below checks its own."""
+    sps = sorted(SP_CASES)
+    runs = run_distributed_side_by_side(*[(_worker, sp, SP_CASES[sp]) for sp in sps], return_exceptions=True)
+    return dict(zip(sps, runs))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sp", [1, 2, 4])
-def test_packed_training_equals_hf_packed_reference(sp):
+def test_packed_training_equals_hf_packed_reference(sp, sp_results):
     cases = SP_CASES[sp]
-    results = run_distributed(_worker, sp, cases)
+    results = result_or_raise(sp_results[sp])
     _compare(results, cases)
 
 

@@ -81,16 +81,17 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
 
 @pytest.mark.distributed
 def test_train_py_packed_documents(tmp_path):
-    from launch_utils import read_metrics, run_train
+    from launch_utils import read_metrics, run_train, side_by_side
 
     make_tokenizer(tmp_path / "tok")
     write_docs(tmp_path / "docs.jsonl")
     losses = {}
-    for flag in ([], ["--concat-documents"]):
-        metrics = tmp_path / f"m{len(flag)}.jsonl"
-        run_train("--data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--steps", "2",
-                  "--seq-len", "32", "--metrics", str(metrics), "--eval-samples", "0", *flag)
-        recs = read_metrics(metrics)
+    flags = ([], ["--concat-documents"])
+    side_by_side(*[(run_train, ("--data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--steps",
+                                "2", "--seq-len", "32", "--metrics", str(tmp_path / f"m{len(flag)}.jsonl"),
+                                "--eval-samples", "0", *flag), {}) for flag in flags])  # two jobs, started together
+    for flag in flags:
+        recs = read_metrics(tmp_path / f"m{len(flag)}.jsonl")
         assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
         losses[len(flag)] = recs[0]["loss"]
     assert losses[0] != losses[1]  # document masking changes the function (same weights, same tokens)

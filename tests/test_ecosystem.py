@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import result_or_raise, run_distributed_side_by_side
 from eco_cases import ProcessState, config_error, delta_errors, deltas
 
 STEPS = 3
@@ -53,8 +53,17 @@ def _reference(rank, world):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_distributed(_reference, 1)[0]
+def spawns():
+    """The one-process reference and the two SP=2 runs (independent spawns, own output dirs) started side by
+    side, once; each test re-raises its own run's failure."""
+    ref, trainer, alst = run_distributed_side_by_side((_reference, 1), (_trainer_sp2, 2), (_alst_trl_mpu, 2),
+                                                      return_exceptions=True)
+    return {"reference": ref, "trainer_sp2": trainer, "alst_trl_mpu": alst}
+
+
+@pytest.fixture(scope="module")
+def reference(spawns):
+    return result_or_raise(spawns["reference"])[0]
 
 
 def _trainer_sp2(rank, world):
@@ -94,9 +103,9 @@ def _trainer_sp2(rank, world):
 
 
 @pytest.mark.distributed
-def test_trainer_with_parallelism_config_equals_single_process(reference):
+def test_trainer_with_parallelism_config_equals_single_process(reference, spawns):
     ref = reference["trainer"]
-    res = run_distributed(_trainer_sp2, 2)
+    res = result_or_raise(spawns["trainer_sp2"])
     failures = []
     for r in res:
         for key, what, tol in (("hf_alst", "HF's own ALST", TOL), ("ulysses_plain", "ulysses", TOL),
@@ -200,8 +209,8 @@ def _alst_trl_mpu(rank, world):
 
 
 @pytest.mark.distributed
-def test_alst_tutorial_swap_trl_and_mpu_errors(reference):
-    res = run_distributed(_alst_trl_mpu, 2)
+def test_alst_tutorial_swap_trl_and_mpu_errors(reference, spawns):
+    res = result_or_raise(spawns["alst_trl_mpu"])
     for r in res:
         ds = r["alst_deepspeed"]
         assert len(ds) == 4 and ds[0] != ds[1]  # 2 samples x 2 SP turns, trained in between

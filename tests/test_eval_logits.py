@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from arch_cases import build_arch, isclose, sample
-from dist_utils import run_distributed
+from dist_utils import run_distributed_side_by_side
 
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 TILED = {"tiled_loss": {"enabled": True, "shards": 2}}
@@ -128,8 +128,9 @@ def _trl_eval(sp, rank, use_ds_longctx=True):
     __import__("eco_cases")  # puts examples/ on sys.path
     import trl_sft
 
+    where = f"/tmp/ds_longctx_test_trl_eval{rank}{'' if use_ds_longctx else '_ref'}"  # the reference runs alongside
     out = trl_sft.train(sp=sp, use_ds_longctx=use_ds_longctx, packing=False, steps=1, eval_samples=4, seq_len=16,
-                        output_dir=f"/tmp/ds_longctx_test_trl_eval{rank}")["eval"]
+                        output_dir=where)["eval"]
     return {k: out[k] for k in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy")}
 
 
@@ -139,7 +140,7 @@ def _trl_eval_reference(rank, world):
 
 @pytest.mark.distributed
 def test_eval_outputs_under_sp_equal_one_process():
-    res = run_distributed(_sp2, 2)
+    res, (trl_ref,) = run_distributed_side_by_side((_sp2, 2), (_trl_eval_reference, 1))
     ref_model = build_arch("llama")
     for rank, r in enumerate(res):
         own = sample(16, seed=10 + rank)
@@ -163,7 +164,6 @@ def test_eval_outputs_under_sp_equal_one_process():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert "prediction_loss_only" in r["trainer_tiled"] and "tiled_loss.enabled=false" in r["trainer_tiled"]
     # TRL's SFTTrainer.evaluate() under SP=2 (fused LM head: loss, token accuracy, entropy) = one process
-    trl_ref = run_distributed(_trl_eval_reference, 1)[0]
     for r in res:
         for k, v in trl_ref.items():
             assert isclose(r["trl"][k], v), (k, r["trl"][k], v)

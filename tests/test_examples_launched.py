@@ -24,11 +24,15 @@ def _losses(stdout: str):
 @pytest.mark.distributed
 def test_hf_trainer_example_launched_equals_one_process():
     script = os.path.join(EXAMPLES, "hf_trainer.py")
-    one = subprocess.run([sys.executable, script, "--sp", "1", "--hf-alst"], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=300)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:  # the one-process run and the launched one are independent: together
+        one = pool.submit(subprocess.run, [sys.executable, script, "--sp", "1", "--hf-alst"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+        got = launch([script], nproc=2, launcher="deepspeed", timeout=300)  # untied attention + memory stack
+        one = one.result()
     assert one.returncode == 0, one.stderr[-3000:]
     ref = _losses(one.stdout)
-    got = launch([script], nproc=2, launcher="deepspeed", timeout=300)  # untied attention + memory stack
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-3000:]
     losses = _losses(got.stdout)
     assert len(losses) == len(ref) == 3 and losses[0] != losses[-1]

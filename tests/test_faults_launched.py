@@ -77,10 +77,18 @@ def test_sigterm_to_the_runner_ends_every_rank_and_full_drive_is_one_error(tmp_p
     assert os.listdir(small_tmpfs) == []
 
 
-def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path):
+@pytest.fixture(scope="module")
+def saved_step2(tmp_path_factory):
+    """One 2-step job saved at its end: the checkpoint the two tests below start from (each on its own copy)."""
+    ck = tmp_path_factory.mktemp("saved") / "ck"
+    run_train("--steps", "2", "--seq-len", "64", "--eval-samples", "0", "--save", str(ck), timeout=300)
+    return ck
+
+
+def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path, saved_step2):
     ck = tmp_path / "ck"
     args = ("--seq-len", "64", "--eval-samples", "0", "--save", str(ck))
-    run_train("--steps", "2", *args, timeout=300)
+    shutil.copytree(saved_step2, ck)  # what run_train("--steps", "2", *args) leaves
     rec = json.loads((ck / "step2" / train.LAYOUT_FILE).read_text())
     assert rec["model"] == {"model_type": "llama", "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
                             "hidden": 64, "vocab": 64}
@@ -98,23 +106,23 @@ def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path):
     assert train.find_resume_tag(str(ck))[0::2] == ("step3", None)
 
 
-def test_kill9_during_the_save_leaves_latest_on_a_complete_tag(tmp_path):
+def test_kill9_during_the_save_leaves_latest_on_a_complete_tag(tmp_path, saved_step2):
     """kill -9 of rank 1 between the two files DeepSpeed writes for it (train.py's test hook
     DS_LONGCTX_TEST_KILL_AT): the launcher ends rank 0 in the save's barrier, 'latest' stays on the previous
     tag, which --resume loads without a warning; the incomplete tag has no record. (Every point of the save,
     both ranks, both launchers, each with a launched --resume: bench/fault_rerun.py --group kill_save.)"""
     ck = tmp_path / "ck"
-    run_train("--steps", "1", "--seq-len", "64", "--eval-samples", "0", "--save", str(ck), timeout=300)
+    shutil.copytree(saved_step2, ck)  # a complete save at step 2; the killed save is step 3's
     port = free_port()
     env = dict(_env(), DS_LONGCTX_TEST_KILL_AT="1:after_file1")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), TRAIN,
-           "--deepspeed_config", TINY_CPU, "--no-progress", "--seq-len", "64", "--eval-samples", "0", "--steps", "2",
+           "--deepspeed_config", TINY_CPU, "--no-progress", "--seq-len", "64", "--eval-samples", "0", "--steps", "3",
            "--resume", str(ck), "--save", str(ck)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
-    files = sorted(os.listdir(ck / "step2"))
-    complete = sorted(os.listdir(ck / "step1"))
+    files = sorted(os.listdir(ck / "step3"))
+    complete = sorted(os.listdir(ck / "step2"))
     assert train.LAYOUT_FILE not in files and 0 < len(files) < len(complete) - 1, (files, complete)
-    assert (ck / "latest").read_text() == "step1"
-    assert train.find_resume_tag(str(ck))[0::2] == ("step1", None)
+    assert (ck / "latest").read_text() == "step2"
+    assert train.find_resume_tag(str(ck))[0::2] == ("step2", None)

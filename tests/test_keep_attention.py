@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_distributed
-from sp_cases import ds_config, full_params, reference_step, sample
+from dist_utils import result_or_raise, run_distributed_side_by_side
+from sp_cases import ds_config, full_params, sample
 from tiny_models import build, tiny_config
 
 from ds_longctx.config import ConfigError, parse
@@ -245,11 +245,19 @@ def _reference(shape, packed):
     return loss.item(), {n: -p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.fixture(scope="module")
+def sp_results():
+    """The SP 2 and SP 4 spawns started side by side, once; each test below checks its own."""
+    sps = sorted(CASES)
+    runs = run_distributed_side_by_side(*[(_sp_worker, sp, CASES[sp]) for sp in sps], return_exceptions=True)
+    return dict(zip(sps, runs))
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sp", [2, 4])
-def test_sp_engines_bit_equal_on_vs_off_and_equal_one_process(sp):
+def test_sp_engines_bit_equal_on_vs_off_and_equal_one_process(sp, sp_results):
     cases = CASES[sp]
-    results = run_distributed(_sp_worker, sp, cases)
+    results = result_or_raise(sp_results[sp])
     for case in cases:
         ref_loss, ref_deltas = _reference(case[0], case[4])
         for rank_out in results:

@@ -7,7 +7,7 @@ import pytest
 
 from ds_longctx.config import ConfigError
 from ds_longctx.launch import check_hostfile, main as launch_main
-from launch_utils import TINY_CPU, read_metrics, run_train
+from launch_utils import TINY_CPU, read_metrics, run_train, side_by_side
 
 ARGS = ("--steps", "3", "--seq-len", "64", "--eval-samples", "0")
 
@@ -18,11 +18,17 @@ def _losses(tmp_path, name, **kw):
     return [r["loss"] for r in read_metrics(path)]
 
 
+def _losses_side_by_side(tmp_path, **runs):
+    """``name=run_train kwargs`` for each run: the runs start together (independent jobs, own ports)."""
+    return side_by_side(*[(_losses, (tmp_path, name), kw) for name, kw in runs.items()])
+
+
 @pytest.mark.distributed
 def test_mpirun_and_slurm_env_match_deepspeed_launcher(tmp_path):
-    ref = _losses(tmp_path, "ds")
-    assert _losses(tmp_path, "mpi", launcher="mpirun") == ref
-    assert _losses(tmp_path, "slurm", launcher="slurm-env") == ref
+    ref, mpi, slurm = _losses_side_by_side(tmp_path, ds={}, mpi={"launcher": "mpirun"},
+                                           slurm={"launcher": "slurm-env"})
+    assert mpi == ref
+    assert slurm == ref
 
 
 def _config(tmp_path, micro):
@@ -38,8 +44,8 @@ def test_two_dp_replicas_of_sp2_equal_one_sp2_run(tmp_path):
     # replica r reads samples r, r+2, ...: at step k the two replicas see samples {2k, 2k+1}, the same
     # pair that one SP=2 group with micro batch 2 sees; every copy sample scores the same token count,
     # so the mean of replica means is the token mean
-    dp2 = _losses(tmp_path, "dp2", nproc=4, config=_config(tmp_path, 1))
-    sp2 = _losses(tmp_path, "sp2", nproc=2, config=_config(tmp_path, 2))
+    dp2, sp2 = _losses_side_by_side(tmp_path, dp2={"nproc": 4, "config": _config(tmp_path, 1)},
+                                    sp2={"nproc": 2, "config": _config(tmp_path, 2)})
     assert dp2 == pytest.approx(sp2, rel=1e-5)
     assert dp2[0] != dp2[2]
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import result_or_raise, run_distributed_side_by_side
 import pytest
 
 pytestmark = pytest.mark.distributed  # every test here spawns processes
@@ -65,8 +65,17 @@ def _switches_worker(rank, world):
     return out
 
 
-def test_each_switch_and_all_match_all_off_under_zero3_sp2():
-    results = run_distributed(_switches_worker, 2, timeout=400)
+@pytest.fixture(scope="module")
+def spawns():
+    """The two SP=2 spawns of this file (_switches_worker, _uneven_worker), independent, started side by side
+    once (400 s: the longer of the two limits they had); each test re-raises its own spawn's failure."""
+    runs = run_distributed_side_by_side((_switches_worker, 2), (_uneven_worker, 2), timeout=400,
+                                        return_exceptions=True)
+    return dict(zip(("switches", "uneven"), runs))
+
+
+def test_each_switch_and_all_match_all_off_under_zero3_sp2(spawns):
+    results = result_or_raise(spawns["switches"])
     for rank, out in enumerate(results):
         # tied embeddings: the tiled loss's lm_head gradient and the embedding's are reduced once, summed
         # (reduced after the last tile as well, ZeRO-3 asserted on the parameter twice in one bucket)
@@ -148,8 +157,8 @@ def _uneven_worker(rank, world):
     return out
 
 
-def test_shard_agreement_with_different_local_lengths_zero3():
-    results = run_distributed(_uneven_worker, 2, timeout=240)  # a disagreement would hang: the timeout fails it
+def test_shard_agreement_with_different_local_lengths_zero3(spawns):
+    results = result_or_raise(spawns["uneven"])  # a disagreement would hang: the spawns' timeout fails it
     assert [r["agree"] for r in results] == [7, 7]
     assert [r["agree_fixed"] for r in results] == [7, 7]
     for rank, r in enumerate(results):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import result_or_raise, run_distributed_side_by_side
 from sp_cases import reference_step, sample, sp_step
 
 pytestmark = pytest.mark.distributed  # every test here spawns processes
@@ -47,8 +47,15 @@ def _check(results, cases):
                                            msg=lambda m: f"{shape} zero{stage} {n}: {m}")
 
 
+@pytest.fixture(scope="module")
+def sp_results():
+    """The SP 2 and SP 4 spawns started side by side, once; each test below checks its own."""
+    runs = run_distributed_side_by_side(*[(_worker, sp, _cases(sp)) for sp in (2, 4)], return_exceptions=True)
+    return dict(zip((2, 4), runs))
+
+
 @pytest.mark.parametrize("sp", [2, 4])
-def test_ulysses_matches_single_process(sp):
+def test_ulysses_matches_single_process(sp, sp_results):
     cases = _cases(sp)
-    results = run_distributed(_worker, sp, cases)
+    results = result_or_raise(sp_results[sp])
     _check(results, cases)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from launch_utils import TINY_CPU, read_metrics, run_train
+from launch_utils import TINY_CPU, read_metrics, run_train, side_by_side
 
 pytestmark = pytest.mark.distributed  # every test here spawns processes
 
@@ -35,21 +35,25 @@ def test_loss_falls_and_metrics(tmp_path):
 def test_save_resume_gives_the_same_next_step(tmp_path):
     ckpt = tmp_path / "ckpt"
     straight, resumed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    launch("--steps", "4", "--seq-len", "64", "--metrics", str(straight), "--eval-samples", "0")
-    launch("--steps", "3", "--seq-len", "64", "--save", str(ckpt), "--eval-samples", "0")
-    launch("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--metrics", str(resumed), "--eval-samples", "0")
-    a, b = read_metrics(straight), read_metrics(resumed)
-    assert [r["step"] for r in b] == [4]
-    assert b[0]["loss"] == a[3]["loss"], (a[3]["loss"], b[0]["loss"])
-    assert a[3]["loss"] != a[2]["loss"]  # the step really trained
+    side_by_side((run_train, ("--steps", "4", "--seq-len", "64", "--metrics", str(straight), "--eval-samples", "0"),
+                  {}),  # the uninterrupted run and the saving run are independent jobs: started together
+                 (run_train, ("--steps", "3", "--seq-len", "64", "--save", str(ckpt), "--eval-samples", "0"), {}))
     # another layout (SP 2 -> 1, world 2 -> 1) would read other samples and other ZeRO partitions:
-    # refused before load_checkpoint, naming each difference
+    # refused before load_checkpoint, naming each difference. It and the resume only read the checkpoint
+    # (no --save): started together
     cfg = json.load(open(TINY_CPU))
     cfg.update(sequence_parallel_size=1, long_context={})
     sp1 = tmp_path / "sp1.json"
     sp1.write_text(json.dumps(cfg))
-    proc = run_train("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--eval-samples", "0", nproc=1,
-                     config=str(sp1), check=False, timeout=300)
+    _, proc = side_by_side(
+        (run_train, ("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--metrics", str(resumed),
+                     "--eval-samples", "0"), {}),
+        (run_train, ("--steps", "4", "--seq-len", "64", "--resume", str(ckpt), "--eval-samples", "0"),
+         {"nproc": 1, "config": str(sp1), "check": False, "timeout": 300}))
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in b] == [4]
+    assert b[0]["loss"] == a[3]["loss"], (a[3]["loss"], b[0]["loss"])
+    assert a[3]["loss"] != a[2]["loss"]  # the step really trained
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert (f"--resume: {ckpt} was saved with a different layout: world_size 2 in the checkpoint vs 1 now, "

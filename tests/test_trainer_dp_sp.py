@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed_side_by_side
 from eco_cases import delta_errors, deltas
 
 STEPS = 2
@@ -38,8 +38,7 @@ def _dp_sp(rank, world):
 
 @pytest.mark.distributed
 def test_trainer_sp2_dp2_equals_one_process_batch_of_two():
-    ref = run_distributed(_one_process, 1)[0]
-    res = run_distributed(_dp_sp, 4)
+    (ref,), res = run_distributed_side_by_side((_one_process, 1), (_dp_sp, 4))
     for rank, r in enumerate(res):
         got = r["trained"]
         # each DP replica logs its own sample's loss; their mean is the one-process batch's loss
