@@ -54,6 +54,7 @@ SP2_CASES = {  # at SP=2 (two processes, gloo): type -> (attention, final)
     "doge": ("ulysses", "refused"),         # its own attention table (was trained on local shards, silently)
     "deepseek_v2": ("untied", "refused"),   # multi-head latent attention (was a gloo size mismatch under untied)
     "ctrl": ("ulysses", "refused"),         # no position_ids in its attention call (was DeepSpeed's raw assertion)
+    "gpt2": ("ulysses", "exact"),           # reshapes the attention output by its last two dims (was a raw error)
 }
 
 

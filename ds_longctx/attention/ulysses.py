@@ -155,7 +155,10 @@ def install_ulysses(model, spec) -> registry.Installation:
             idx = getattr(module, "layer_idx", None)
             window = layers[idx].window if isinstance(idx, int) and 0 <= idx < len(layers) else None
             check_mask(attention_mask, query.shape[2], window)
-        return uattn(module, query, key, value, None, *args, **kwargs)
+        out, weights = uattn(module, query, key, value, None, *args, **kwargs)
+        # DeepSpeed returns [b, s_local, heads * head_dim]; transformers' attention functions return [b, s, heads,
+        # head_dim], which some modules rely on (GPT-2 reshapes by its last two dims, Beam and HRM gate per head)
+        return out.view(out.shape[0], out.shape[1], query.shape[1], value.shape[-1]), weights
 
     # Same interception as DeepSpeed's register_with_transformers (the core key is overridden, which
     # keeps every HF branch that tests `_attn_implementation == "flash_attention_2"` etc.), per module.
