@@ -123,4 +123,13 @@ def mask_padding_targets(shift_labels: torch.Tensor, n_real: List[int]) -> torch
     return out
 
 
-__all__ = ["BATCH_KEY", "LENS_KEY", "custom_mask_error", "document_structure", "mask_padding_targets"]
+def token_input(input_ids, position_ids, kwargs):
+    """The first [batch, tokens, ...] tensor of a forward's token inputs (input_ids, inputs_embeds,
+    position_ids), or None."""
+    for t in (input_ids, kwargs.get("inputs_embeds"), position_ids):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return t
+    return None
+
+
+__all__ = ["token_input", "BATCH_KEY", "LENS_KEY", "custom_mask_error", "document_structure", "mask_padding_targets"]

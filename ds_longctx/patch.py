@@ -244,7 +244,8 @@ def install_document_forward(model, group, own_attention: bool) -> None:
       full-length eval batch is sharded over the group in turns (``sp_batch.eval_in_turns``).
     """
     from .attention.documents import DOCS_KWARG, Documents, no_mask
-    from .batch import BATCH_KEY, LENS_KEY, custom_mask_error, document_structure, mask_padding_targets
+    from .batch import (BATCH_KEY, LENS_KEY, custom_mask_error, document_structure, mask_padding_targets,
+                        token_input)
     from .comm import sp_world_size
     from .loss import shift_labels_of
 
@@ -305,9 +306,9 @@ def install_document_forward(model, group, own_attention: bool) -> None:
         if no_hf_mask and (attention_mask is None or attention_mask.dim() == 2):  # 2-D: all ones by now
             # our attention applies causality, windows and documents itself: HF builds no [s, s] mask of its own
             # (a windowed layer's would be s_local^2 bytes per forward; a packed one from restarting position_ids)
-            shape = _batch_shape(input_ids, position_ids, kwargs)
-            if shape is not None:
-                attention_mask = no_mask(*shape)
+            t = token_input(input_ids, position_ids, kwargs)
+            if t is not None:
+                attention_mask = no_mask(t.shape[0], t.shape[1], t.device)
         elif own_attention and docs is not None and not docs.dense and input_ids is not None:
             attention_mask = torch.ones_like(input_ids)  # no packed mask from the restarting position_ids
         return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
@@ -324,14 +325,6 @@ def hands_hf_no_mask(model, own_attention: bool) -> bool:
     from .models import ARCHITECTURES, text_config
 
     return own_attention and text_config(model.config).model_type in ARCHITECTURES
-
-
-def _batch_shape(input_ids, position_ids, kwargs):
-    """(batch, local tokens, device) of a forward's inputs, None without token inputs."""
-    for t in (input_ids, kwargs.get("inputs_embeds"), position_ids):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2:
-            return t.shape[0], t.shape[1], t.device
-    return None
 
 
 __all__ = ["patch_model", "PatchHandle", "get_patch"]

@@ -80,19 +80,15 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
     return None
 
 
-def _shape_of(input_ids, position_ids, kwargs):
-    for t in (input_ids, kwargs.get("inputs_embeds"), position_ids):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2:
-            return t.shape[0], t.shape[1]
-    return 0, 0
-
-
 def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, input_ids, position_ids, attention_mask,
           cu, kwargs) -> None:
     """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank."""
     from .comm import all_gather_ints, control_plane
 
-    b, s = _shape_of(input_ids, position_ids, kwargs)
+    from .batch import token_input
+
+    t = token_input(input_ids, position_ids, kwargs)
+    b, s = (t.shape[0], t.shape[1]) if t is not None else (0, 0)
     # tiny: 5 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
     rows = all_gather_ints([int(fault is not None), b, s, int(cu is not None), int(full_eval)], group)
     if any(r[0] for r in rows):

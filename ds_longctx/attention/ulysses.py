@@ -101,7 +101,6 @@ def install_ulysses(model, spec) -> registry.Installation:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     from ..errors import ConfigError
-
     from ..models import text_config
     from ..models.windows import layer_attention
     from .kernels import KernelChoice
@@ -136,8 +135,7 @@ def install_ulysses(model, spec) -> registry.Installation:
                 setattr(uattn, name, torch.Size(shape))
         # what DeepSpeed's wrapper asserts (and the heads it splits), as our refusal on every rank, before the
         # all-to-all: a model whose attention call lacks them has no Ulysses path
-        shapes = (tuple(query.shape[1:2]) + tuple(query.shape[3:]), tuple(key.shape[1:2]) + tuple(key.shape[3:]),
-                  tuple(value.shape[1:2]) + tuple(value.shape[3:]))
+        shapes = tuple((t.shape[1], t.shape[-1]) for t in (query, key, value))  # (heads, head_dim), HF's layout
         expect = ((facts.heads, facts.head_dim), (facts.kv_heads, facts.head_dim), (facts.kv_heads, facts.head_dim))
         if "position_ids" not in kwargs or shapes != expect:
             problem = (f"{type(module).__name__} calls its attention function without position_ids, which DeepSpeed's "

@@ -258,6 +258,19 @@ def _ce_sum(lm_head, x, y, logit_fn=None):
     return F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def _row_tiles(hidden, labels, shards):
+    """(hidden rows, labels) of each of ``shards`` row tiles of the flattened [b * s] rows (hidden detached)."""
+    flat = hidden.detach().reshape(-1, hidden.shape[-1])
+    return zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(labels.reshape(-1), shards, 0))
+
+
+def _save_tiling(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, anchors):
+    """What the tiled lm_head Functions' backward (:func:`_backward_over_tiles`) reads from ``ctx``."""
+    ctx.lm_head, ctx.shards, ctx.params, ctx.shared, ctx.logit_fn = lm_head, shards, params, shared, logit_fn
+    ctx.n_anchors = len(anchors)
+    ctx.save_for_backward(hidden, labels)
+
+
 class TiledLMLossSum(torch.autograd.Function):
     """fp32 sum of CE(lm_head(hidden), labels) over ``shards`` row tiles, never holding more than one
     tile's logits. Backward recomputes each tile with the true upstream gradient; ``lm_head``'s
@@ -266,14 +279,10 @@ class TiledLMLossSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, *anchors):
-        ctx.lm_head, ctx.shards, ctx.params, ctx.shared, ctx.logit_fn = lm_head, shards, params, shared, logit_fn
-        ctx.n_anchors = len(anchors)
-        ctx.save_for_backward(hidden, labels)
-        flat = hidden.detach().reshape(-1, hidden.shape[-1])
-        y = labels.reshape(-1)
+        _save_tiling(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, anchors)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.no_grad():
-            for xp, yp in zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0)):
+            for xp, yp in _row_tiles(hidden, labels, shards):
                 total += _ce_sum(lm_head, xp, yp, logit_fn)
         return total
 
@@ -301,12 +310,10 @@ def _backward_over_tiles(ctx, tile):
     # reduced twice in one bucket), so it is marked ready only at the end and reduced once, with the sum
     own = [p for p in params if not any(p is q for q in ctx.shared)]
     need_x = ctx.needs_input_grad[0]
-    flat = hidden.detach().reshape(-1, hidden.shape[-1])
-    y = labels.reshape(-1)
-    x_grad = torch.zeros_like(flat) if need_x else None
+    x_grad = hidden.new_zeros(hidden.shape[:-1].numel(), hidden.shape[-1]) if need_x else None
     row = 0
     try:
-        for i, (xp, yp) in enumerate(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0))):
+        for i, (xp, yp) in enumerate(_row_tiles(hidden, labels, shards)):
             _mark_ready(params, False)
             _mark_ready(own, i == shards - 1)
             xp = xp.detach().requires_grad_(need_x)
@@ -329,15 +336,11 @@ class TiledTokenFields(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, *anchors):
-        ctx.lm_head, ctx.shards, ctx.params, ctx.shared, ctx.logit_fn = lm_head, shards, params, shared, logit_fn
-        ctx.n_anchors = len(anchors)
+        _save_tiling(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, anchors)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, labels)
-        flat = hidden.detach().reshape(-1, hidden.shape[-1])
-        y = labels.reshape(-1)
         parts = {"log_probs": [], "entropy": [], "is_top1": []}
         with torch.no_grad():
-            for xp, yp in zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(y, shards, 0)):
+            for xp, yp in _row_tiles(hidden, labels, shards):
                 f = fused_token_fields(lm_logits(lm_head, xp, logit_fn), yp)
                 for k, v in parts.items():
                     v.append(f[k])
@@ -361,15 +364,21 @@ class TiledTokenFields(torch.autograd.Function):
         return (x_out, None, None, None, None, None, None) + (None,) * ctx.n_anchors
 
 
-def _lm_head_inputs(hidden, lm_head):
-    """lm_head's trainable parameters, and the anchor that keeps a tiled Function's output requiring grad
-    when only lm_head trains: ZeRO-3 parameters cannot be inputs of the Function (their recorded shape is
-    the empty partition, and the recompute's gathered-weight gradient is then rejected)."""
+def _apply_tiled(function, name, hidden, lm_head, shift_labels, shards, logit_fn, shared):
+    """Check the shapes, resolve the shard count and apply a tiled lm_head Function: (its output, labels on
+    hidden's device). lm_head's trainable parameters are not inputs of the Function (ZeRO-3 parameters cannot
+    be: their recorded shape is the empty partition, and the recompute's gathered-weight gradient is then
+    rejected); when only lm_head trains, an empty leaf anchor keeps the output requiring grad."""
+    if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
+        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be [b, s, h] and "
+                         f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
+    labels = shift_labels.to(hidden.device)
+    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
     params = [p for p in lm_head.parameters() if p.requires_grad]
     anchor = ()
     if params and not hidden.requires_grad and torch.is_grad_enabled():
         anchor = (hidden.new_empty(0).requires_grad_(True),)
-    return params, anchor
+    return function.apply(hidden, labels, lm_head, n, params, tuple(shared), logit_fn, *anchor), labels
 
 
 def tiled_token_fields(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
@@ -377,13 +386,8 @@ def tiled_token_fields(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_lab
     """TRL's fused LM head fields ({log_probs, entropy, is_top1, label_mask}, each [b, s_local]) without
     [seq, vocab] logits: what ``loss.fused_token_fields`` gives from full logits, tile by tile. Arguments as
     :func:`tiled_causal_lm_loss_sum`."""
-    if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
-        raise ValueError(f"tiled_token_fields: hidden {tuple(hidden.shape)} must be [b, s, h] and "
-                         f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
-    labels = shift_labels.to(hidden.device)
-    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
-    params, anchor = _lm_head_inputs(hidden, lm_head)
-    lp, ent, top1 = TiledTokenFields.apply(hidden, labels, lm_head, n, params, tuple(shared), logit_fn, *anchor)
+    (lp, ent, top1), labels = _apply_tiled(TiledTokenFields, "tiled_token_fields", hidden, lm_head, shift_labels,
+                                           shards, logit_fn, shared)
     return {"log_probs": lp, "entropy": ent, "is_top1": top1, "label_mask": labels != IGNORE_INDEX}
 
 
@@ -398,12 +402,7 @@ def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shi
     ``logit_fn``: the model's own logit transform (``models.logits.logit_transform``), None = identity.
     ``shared``: lm_head parameters the model also uses elsewhere (tied embeddings).
     """
-    if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
-        raise ValueError(f"tiled_causal_lm_loss_sum: hidden {tuple(hidden.shape)} must be [b, s, h] and "
-                         f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
-    labels = shift_labels.to(hidden.device)
-    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
-    params, anchor = _lm_head_inputs(hidden, lm_head)
-    loss_sum = TiledLMLossSum.apply(hidden, labels, lm_head, n, params, tuple(shared), logit_fn, *anchor)
+    loss_sum, labels = _apply_tiled(TiledLMLossSum, "tiled_causal_lm_loss_sum", hidden, lm_head, shift_labels,
+                                    shards, logit_fn, shared)
     count = (labels != IGNORE_INDEX).sum()
     return loss_sum, count
