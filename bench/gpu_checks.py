@@ -21,6 +21,9 @@ killed by its limit loses only itself:
   keep       activation_checkpointing.keep_attention_output on vs off (issue 20): a 2-layer model of
              Llama-3-8B's layer shapes, untied fused attention + the memory stack, SP=1, bf16, forward +
              backward alternated round by round at ``--keep-seq``: step time, peaks, loss/grads equality
+  passes     the attention block's backward with its re-derived normed-input tiles shared by every GEMM that
+             can wait (one pass per projection) vs one pass per GEMM (the schedule before), bench/block_passes.py:
+             Llama-3.2-1B's attention shapes, u=1, bf16, alternated, at ``--passes-seq``; grads bit-equal
 
 ``--dry-run``: the same code on CPU at tiny sizes (no CUDA needed), to catch argument, import and shape
 errors before device time is spent.
@@ -555,8 +558,15 @@ def part_nvme(dev, dtype, args):
     return res
 
 
+def part_passes(dev, dtype, args):
+    from block_passes import compare
+
+    shape = {"hidden": 2048, "heads": 32, "kv_heads": 8, "head_dim": 64} if dev.type == "cuda" else dict(SHAPES)
+    return [compare(s, shape, 1, args.steps, dtype, dev) for s in args.passes_seq]
+
+
 PARTS = {"kernels": part_kernels, "attention": part_attention, "varlen": part_varlen, "block": part_block,
-         "arena": part_arena, "nvme": part_nvme, "keep": part_keep}
+         "arena": part_arena, "nvme": part_nvme, "keep": part_keep, "passes": part_passes}
 
 
 def main(argv=None):
@@ -577,6 +587,7 @@ def main(argv=None):
     p.add_argument("--keep-seq", type=int, nargs="+", default=[131072], help="keep: sequence lengths")
     p.add_argument("--keep-hpc", type=int, default=8, help="keep: heads_per_chunk")
     p.add_argument("--keep-intermediate", type=int, default=14336, help="keep: MLP width (Llama-3-8B: 14336)")
+    p.add_argument("--passes-seq", type=int, nargs="+", default=[131072], help="passes: sequence lengths")
     p.add_argument("--minimal", action="store_true", help="attention: tied (SDPA default) and untied [auto] only")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the script, not the GPU")
     args = p.parse_args(argv)
@@ -590,6 +601,7 @@ def main(argv=None):
         args.docs, args.kernel_seq, args.block_hidden, args.block_seq = 8, 32, 64, 64
         args.window_seq, args.windows = 96, [1, 7, 24]
         args.keep_seq, args.keep_hpc, args.keep_intermediate = [128], 2, 128
+        args.passes_seq = [96]
         dev, dtype = torch.device("cpu"), torch.float32
     else:
         if not torch.cuda.is_available():

@@ -4,9 +4,10 @@ against the planner in tests/test_planner.py (the untied_all case runs it inside
 import pytest
 import torch
 
+from ds_longctx.attention import block as block_mod
 from ds_longctx.attention.block import untied_attention_block
 from ds_longctx.attention.kernels import get_backend
-from ds_longctx.attention.untied import ProjectionSpec, untied_attention_fused
+from ds_longctx.attention.untied import ProjectionSpec, Schedule, untied_attention_fused
 from ds_longctx.memory import norm as norm_mod
 from ds_longctx.memory.norm import MemoryEfficientRMSNorm
 from ds_longctx.models import rms_norm, rope_bshd
@@ -73,3 +74,43 @@ def test_block_bf16_forward_bit_equal_and_grads_close():
     for k in g0:
         assert _rel(g1[k], g0[k]) <= 2e-2, (k, _rel(g1[k], g0[k]))
 
+
+
+@pytest.mark.parametrize("H,G,u,extras", [(4, 2, 1, False), (6, 3, 2, True), (4, 4, 1, True)])
+def test_backward_passes_shared_and_grads_bit_equal_to_one_pass_per_gemm(H, G, u, extras, monkeypatch):
+    """Backward re-derives the normed input once per projection (k and v together), the stage's weight-
+    gradient GEMMs riding along: chunks + stages + 1 passes over the tiles per layer. Gradients are bit-equal
+    to running every GEMM in a pass of its own (the schedule before the passes were shared)."""
+    monkeypatch.setattr(norm_mod, "_TILE_ELEMS", 24 * 7)
+    p, cos, sin = _inputs(H, G, 24, 37, extras)
+    gy = torch.randn(2, 37, 24, generator=torch.Generator().manual_seed(5))
+    passes = []
+    shared = block_mod._NormedProjSource
+
+    class Counted(shared):
+        def _pass(self, mms):
+            passes.append(len(mms))
+            super()._pass(mms)
+
+    class OnePassPerGemm(Counted):
+        def _x_mm(self, pairs):
+            for pair in pairs:
+                self._pass([pair])
+
+        def _x_grad_w(self, pairs):
+            for pair in pairs:
+                super()._x_grad_w([pair])
+                self._pass([])
+
+    monkeypatch.setattr(block_mod, "_NormedProjSource", Counted)
+    y1, g1 = _run(True, p, cos, sin, H, G, u, extras, gy)
+    sc = Schedule(H, G, 1, u)
+    assert len(passes) == sc.chunks + sc.stages + 1, passes
+    passes.clear()
+    monkeypatch.setattr(block_mod, "_NormedProjSource", OnePassPerGemm)
+    y0, g0 = _run(True, p, cos, sin, H, G, u, extras, gy)
+    # before: k, v, each stage's q projection, and each weight-gradient GEMM in a pass of its own
+    assert len(passes) == 2 * sc.chunks + sc.stages + 3 * sc.stages, passes
+    assert torch.equal(y1, y0)
+    for k in g0:
+        assert torch.equal(g1[k], g0[k]), k

@@ -86,6 +86,19 @@ def test_forward_tiles_bit_equal_and_bounded(monkeypatch, dtype):
     assert tr.peak <= n * x.element_size() + out_and_rstd + 4 * 16 * 64 * 4, (tr.peak, out_and_rstd)
 
 
+@pytest.mark.parametrize("dtype,wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                          (torch.float16, torch.float16), (torch.bfloat16, torch.float32)])
+def test_rederived_tile_bit_equal_to_forward_rows(dtype, wdtype):
+    """rms_norm_tile (the fused attention block's backward re-derives its input from it, per row tile, without
+    the fp32 copy of x) gives the forward's rows bit for bit."""
+    x = (torch.randn(301, 64, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    w = (1 + 0.3 * torch.randn(64, generator=torch.Generator().manual_seed(2))).to(wdtype)
+    out, rstd = norm_mod.rms_norm_rows(x, w, 1e-6)
+    for lo, hi in ((0, 301), (17, 160), (300, 301)):
+        tile = norm_mod.rms_norm_tile(x, rstd.reshape(-1, 1), w, lo, hi)
+        assert tile.dtype == out.dtype and torch.equal(tile, out[lo:hi]), (lo, hi)
+
+
 def test_fp32_weight_bf16_input_promotes_like_hf():
     ref, new = _pair(LlamaRMSNorm, 48, torch.float32)
     x = torch.randn(1, 20, 48).to(torch.bfloat16)

@@ -294,13 +294,22 @@ class _ProjSource:
             return [0], sc.kv_heads
         return [r * sc.kv_local + off for r in range(sc.sp)], n
 
-    def _proj(self, which, off, n, grad):
-        w, bias, nw = self.w[which]
-        d = self.d
+    def _gemms(self, which, off, n):
+        """A projection's output buffer [blocks, b*s, n*d] and its (weight rows, out) GEMMs, for :meth:`_x_mm`."""
+        w, d = self.w[which][0], self.d
         starts, n = self._rows(which, off, n)
-        N = self.x2.shape[0]
-        y = torch.empty(len(starts), N, n * d, dtype=self.x.dtype, device=self.x.device)
-        self._x_mm([(w[h0 * d:(h0 + n) * d], y[i]) for i, h0 in enumerate(starts)])
+        y = torch.empty(len(starts), self.x2.shape[0], n * d, dtype=self.x.dtype, device=self.x.device)
+        return (starts, n, y), [(w[h0 * d:(h0 + n) * d], y[i]) for i, h0 in enumerate(starts)]
+
+    def _proj(self, which, off, n, grad):
+        part, pairs = self._gemms(which, off, n)
+        self._x_mm(pairs)
+        return self._projected(which, *part, grad)
+
+    def _projected(self, which, starts, n, y, grad):
+        """The projection y [blocks, b*s, n*d] -> (post-processed [b, s, blocks, n, d], its gradient handle)."""
+        _, bias, nw = self.w[which]
+        d = self.d
         if bias is not None:
             for i, h0 in enumerate(starts):
                 y[i] += bias[h0 * d:(h0 + n) * d]
@@ -362,8 +371,13 @@ class _ProjSource:
         return self._proj("q", off, self.sc.heads_per_chunk, grad)
 
     def kv(self, off, grad=False):
-        k, hk = self._proj("k", off, self.sc.m, grad)
-        v, hv = self._proj("v", off, self.sc.m, grad)
+        # k's and v's GEMMs in one _x_mm: where x is re-derived per row tile, one pass serves both
+        (pk, gk), (pv, gv) = self._gemms("k", off, self.sc.m), self._gemms("v", off, self.sc.m)
+        self._x_mm(gk + gv)
+        del gk, gv
+        k, hk = self._projected("k", *pk, grad)
+        del pk
+        v, hv = self._projected("v", *pv, grad)
         return k, v, (hk, hv)
 
     def begin_backward(self):

@@ -68,7 +68,9 @@ def rms_norm_rows(x, weight, eps: float):
 def rms_norm_tile(x2, r2, weight, lo: int, hi: int):
     """Rows [lo, hi) of the norm's output, re-derived from the 2-D input and its saved 1/rms (bit-equal
     to the forward's rows)."""
-    return weight * (x2[lo:hi].to(torch.float32) * r2[lo:hi]).to(x2.dtype)
+    # x * r with x in bf16/fp16 and r fp32 computes in fp32 on x's exact upcast: the forward's
+    # x.float() * r without the fp32 copy of x (16 instead of 24 bytes moved per element)
+    return weight * (x2[lo:hi] * r2[lo:hi]).to(x2.dtype)
 
 
 def rms_norm_rows_backward(x, rstd, weight, grad_out, need_x: bool = True, need_w: bool = True, out=None):
