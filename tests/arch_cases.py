@@ -33,6 +33,20 @@ def arch_config(name: str):
         return tf.Gemma3TextConfig(**BASE, num_key_value_heads=2, head_dim=8, sliding_window=64)
     if name == "llama":
         return tf.LlamaConfig(**BASE, num_key_value_heads=2)
+    if name == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**BASE, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=24)
+    if name == "olmoe":
+        return tf.OlmoeConfig(**BASE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    # MLPs recognised by their source (LlamaMLP's forward): no entry in ds_longctx.models
+    if name == "gemma":
+        return tf.GemmaConfig(**BASE, num_key_value_heads=2, head_dim=8)
+    if name == "granite":
+        return tf.GraniteConfig(**BASE, num_key_value_heads=2)
+    if name == "cohere":
+        return tf.CohereConfig(**BASE, num_key_value_heads=2)
+    if name == "olmo":
+        return tf.OlmoConfig(**BASE, num_key_value_heads=2)
     raise KeyError(name)
 
 

@@ -209,7 +209,8 @@ def test_trainer_evaluate_under_sp_equals_one_process(spawns):
 # tiled MLP over more architectures (models/gemma.py, models/others.py)
 # ---------------------------------------------------------------------------------------------
 
-MLP_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox", "mixtral", "qwen2_moe")
+MLP_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+             "gemma", "granite", "cohere", "olmo")  # the last four: LlamaMLP's forward, recognised by its source
 
 
 @pytest.mark.parametrize("name", MLP_ARCHS)
@@ -270,3 +271,35 @@ def test_tiled_mlp_refuses_router_jitter():
     finally:
         handle.remove()
     assert e.startswith("long_context.tiled_mlp.enabled") and "jitter_noise=0.1" in e
+
+
+def test_llama_style_mlp_is_recognised_by_its_source_only():
+    """An MLP with Llama's attributes is tiled only when its forward is LlamaMLP's code and its activation
+    is one of transformers' elementwise ones; a model with any decoder-layer MLP tiled_mlp cannot tile is
+    refused as a whole (naming it), not tiled in part."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from arch_cases import build_arch, sample
+    from ds_longctx.config import parse
+    from ds_longctx.models import is_llama_style_mlp
+    from ds_longctx.patch import patch_model
+
+    class ShiftedMLP(LlamaMLP):  # same attributes, but mixes neighbouring tokens: tiling would be wrong
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x.roll(1, dims=-2)))
+
+    cfg = arch_config("llama")
+    assert is_llama_style_mlp(LlamaMLP(cfg)) and is_llama_style_mlp(build_arch("gemma").model.layers[0].mlp)
+    assert not is_llama_style_mlp(ShiftedMLP(cfg))
+    softmax = LlamaMLP(cfg)
+    softmax.act_fn = torch.nn.Softmax(dim=-1)  # not elementwise
+    assert not is_llama_style_mlp(softmax)
+
+    model = build_arch("llama")
+    model.model.layers[1].mlp = ShiftedMLP(cfg)
+    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
+                                                              "tiled_mlp": {"enabled": True, "shards": 2}}})
+    e = config_error(lambda: patch_model(model, lc))
+    assert e.startswith("long_context.tiled_mlp.enabled") and "layer 1's mlp (ShiftedMLP)" in e, e
+    assert "forward" not in model.model.layers[0].mlp.__dict__  # nothing left patched
+    assert model(**sample(16)).loss is not None

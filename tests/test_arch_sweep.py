@@ -12,8 +12,8 @@ import arch_sweep  # noqa: E402
 
 CASES = {  # type -> (full stack, after the fixes)
     "llama4_text": ("refused", "exact"),   # tiled MLP unknown (Llama4's MoE), then exact
-    "granite": ("refused", "exact"),       # logits_scaling kept
-    "cohere": ("refused", "exact"),        # logit_scale kept
+    "granite": ("exact", "exact"),         # logits_scaling kept; its MLP tiled (LlamaMLP's forward)
+    "cohere": ("exact", "exact"),          # logit_scale kept; its MLP tiled (LlamaMLP's forward)
     "ctrl": ("refused", "exact"),          # no GradientCheckpointingLayer: checkpointing off, then tiled MLP off
     "mixtral": ("exact", "exact"),
     "bart": ("refused", "refused"),        # its own loss_fct: refused clearly
@@ -55,18 +55,21 @@ SP2_CASES = {  # at SP=2 (two processes, gloo): type -> (attention, final)
     "deepseek_v2": ("untied", "refused"),   # multi-head latent attention (was a gloo size mismatch under untied)
     "ctrl": ("ulysses", "refused"),         # no position_ids in its attention call (was DeepSpeed's raw assertion)
     "gpt2": ("ulysses", "exact"),           # reshapes the attention output by its last two dims (was a raw error)
+    "qwen3_moe": ("untied", "exact"),       # whole stack: its MoE block tiled (per-token routing), HF's no-mask
 }
 
 
 @pytest.mark.distributed
 def test_architectures_at_sp2_are_exact_or_refused():
-    got = {}
+    rows = {}
     for attention in ("ulysses", "untied"):
         types = ",".join(t for t, (a, _) in SP2_CASES.items() if a == attention)
         results = arch_sweep.main(["--only", types, "--out", "", "--attention", attention,
                                    "--sp", "2"])
-        got.update({t: r["final"] for t, r in (results or {}).items()})
+        rows.update(results or {})
+    got = {t: r["final"] for t, r in rows.items()}
     assert got == {t: f for t, (_, f) in SP2_CASES.items()}, got
+    assert rows["qwen3_moe"]["full_stack"][0] == "exact", rows["qwen3_moe"]  # no memory feature switched off
 
 
 def test_patch_model_directly_refuses_non_attention_layers():

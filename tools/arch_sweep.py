@@ -192,7 +192,7 @@ def run_one(model_type: str, stack: dict, attention: str = "none", group=None):
     except Timeout:
         raise
     except ConfigError as e:
-        return "refused", str(e)[:400]
+        return "refused", str(e)  # whole: _fix_of reads the fix at its end
     except Exception as e:
         tb = traceback.format_exc().strip().splitlines()
         return "raw", f"{type(e).__name__}: {str(e)[:300]} | {' / '.join(tb[-4:])[:600]}"
@@ -292,8 +292,10 @@ def main(argv=None):
     if a.out:
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
         with open(a.out, "w") as f:
-            json.dump({"what": "tools/arch_sweep.py: every transformers causal-LM type through ds_longctx at SP=1 "
-                               "(implementation none, full memory stack) vs HF's own loss and gradients",
+            json.dump({"what": f"tools/arch_sweep.py: every transformers causal-LM type through ds_longctx at "
+                               f"SP={a.sp} (attention {a.attention}, full memory stack) vs HF's own loss and "
+                               "gradients (one process)", "command": "python " + " ".join(sys.argv),
+                       "machine": "2-core x86_64 CPU VM", "date": time.strftime("%Y-%m-%d"),
                        "summary": summary, "results": results}, f, indent=1, default=str)
     return results
 

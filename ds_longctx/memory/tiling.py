@@ -23,12 +23,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
-from ..models import mlp_class_names, mlp_facts
+from ..models import is_llama_style_mlp, layer_role, mlp_class_names, mlp_facts
 from .tiles import each_tile
 
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
-# tiling is exact (models/: one Architecture per model type)
+# tiling is exact (models/: one Architecture per model type), besides every MLP running LlamaMLP's own forward
+# (models.is_llama_style_mlp)
 SUPPORTED_MLPS = mlp_class_names()
+SUPPORTED_TEXT = f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is LlamaMLP's"
+
+
+def is_tileable_mlp(module) -> bool:
+    return type(module).__name__ in SUPPORTED_MLPS or is_llama_style_mlp(module)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,8 +191,8 @@ def tiled_mlp_forward(module, x, state: TilingState):
     shards = state.mlp_shards(x)
     if shards <= 1:  # every rank agreed on 1: the plain forward issues the same collectives everywhere
         return _class_forward(module, x)
-    arch = mlp_facts(type(module).__name__)
-    if arch.mlp_noise_attr and module.training and getattr(module, arch.mlp_noise_attr, 0):
+    arch = mlp_facts(type(module).__name__)  # None: a Llama-style MLP recognised by its source
+    if arch is not None and arch.mlp_noise_attr and module.training and getattr(module, arch.mlp_noise_attr, 0):
         # same verdict on every rank (one config): raised before the tile loop's first ZeRO-3 fetch
         raise TilingError(f"{type(module).__name__} adds random noise to its input in training "
                           f"({arch.mlp_noise_attr}={getattr(module, arch.mlp_noise_attr)}); a tile recomputed in "
@@ -194,7 +200,7 @@ def tiled_mlp_forward(module, x, state: TilingState):
                           "forward's", "(exact, untiled)", f"set the model config's {arch.mlp_noise_attr} (router "
                           "jitter) to 0 if you mean to train without that jitter (a different regularisation than "
                           "the model's config asks for)")
-    fn = _batched_class_forward if arch.mlp_batched else _class_forward
+    fn = _batched_class_forward if arch is not None and arch.mlp_batched else _class_forward
     params = [p for p in module.parameters() if p.requires_grad]
     return TiledRowsFunction.apply(x, fn, module, shards, params)
 
@@ -205,7 +211,7 @@ def find_mlps(model) -> List[torch.nn.Module]:
     found = []
 
     def walk(m):
-        if type(m).__name__ in SUPPORTED_MLPS:
+        if is_tileable_mlp(m):
             found.append(m)
             return
         for c in m.children():
@@ -213,6 +219,19 @@ def find_mlps(model) -> List[torch.nn.Module]:
 
     walk(model)
     return found
+
+
+def _untiled_layer_mlps(model, mlps) -> List[str]:
+    """'layers.i.name (Class)' for each decoder layer's MLP child (by HF's naming) that is not tiled."""
+    from .checkpointing import decoder_layers
+
+    tiled = {id(m) for m in mlps}
+    out = []
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, child in layer.named_children():
+            if layer_role(name) == "mlp" and id(child) not in tiled:
+                out.append(f"layer {i}'s {name} ({type(child).__name__})")
+    return out
 
 
 def install_tiled_mlp(model, shards: Union[int, str], group=None, refusals=contextlib.nullcontext):
@@ -224,8 +243,16 @@ def install_tiled_mlp(model, shards: Union[int, str], group=None, refusals=conte
     mlps = find_mlps(model)
     if not mlps:
         raise TilingError(f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
-                          f"(supported: {', '.join(SUPPORTED_MLPS)})", "for this model (its MLP then runs untiled: "
+                          f"(supported: {SUPPORTED_TEXT})", "for this model (its MLP then runs untiled: "
                           "exact, with the whole shard's MLP activations in memory)")
+    untiled = _untiled_layer_mlps(model, mlps)
+    if untiled:
+        # a partly tiled model (dense layers tiled, MoE blocks not) would hold the untiled layers' activations
+        # while the config says tiled: refuse rather than tile some
+        raise TilingError(f"{type(model).__name__} has decoder-layer MLPs that tiled_mlp does not know to be "
+                          f"pointwise over tokens: {', '.join(untiled)} (supported: {SUPPORTED_TEXT})",
+                          "for this model (its MLPs then run untiled: exact, with the whole shard's MLP activations "
+                          "in memory)")
     state = TilingState(shards, group)
 
     def tiled(mod):

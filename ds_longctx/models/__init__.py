@@ -11,16 +11,18 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
+from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, is_llama_style_mlp,
+                      is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
                       rotate_half, text_config)
 from .gemma import GEMMA2, GEMMA3
 from .llama import LLAMA, MISTRAL
-from .others import GPT_NEOX, MIXTRAL, OLMO2, PHI3, QWEN2_MOE
+from .others import GPT_NEOX, MIXTRAL, OLMO2, OLMOE, PHI3, QWEN2_MOE, QWEN3_MOE
 from .qwen import QWEN2, QWEN3
 
 # the registry: model_type -> Architecture
 ARCHITECTURES: Dict[str, Architecture] = {t: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3, PHI3, OLMO2,
-                                                         GPT_NEOX, MIXTRAL, QWEN2_MOE) for t in a.model_types}
+                                                         GPT_NEOX, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)
+                                         for t in a.model_types}
 
 FUSED_ARCHITECTURES: Dict[str, AttentionFacts] = {t: a.attention for t, a in ARCHITECTURES.items()
                                                   if a.attention is not None}
@@ -45,5 +47,5 @@ def supported_names() -> str:
 
 
 __all__ = ["mlp_facts", "Architecture", "ARCHITECTURES", "AttentionFacts", "AttentionShape", "attention_shape", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
-           "supported_names", "layer_role", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
+           "supported_names", "layer_role", "is_llama_style_mlp", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
            "text_config"]

@@ -166,6 +166,33 @@ def _reference_rmsnorm_source() -> str:
     return _src(LlamaRMSNorm.forward)
 
 
+def _reference_mlp_source() -> str:
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return _src(LlamaMLP.forward)
+
+
+def _elementwise_activation(act) -> bool:
+    from transformers.activations import ACT2CLS
+
+    classes = tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
+    return isinstance(act, classes)
+
+
+def is_llama_style_mlp(module) -> bool:
+    """gate_proj/up_proj/down_proj Linears, an activation from transformers' table (elementwise) and LlamaMLP's
+    forward source, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: pointwise over tokens whatever the
+    architecture calls it (Gemma, Granite, Cohere, OLMo, StableLM, ...: modular copies of Llama's), so tiling
+    the sequence is exact. The source check matters as for the norms: an MLP with the same attributes but
+    another forward (a token shift, a capacity-limited router) would be tiled wrongly."""
+    if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    if not _elementwise_activation(getattr(module, "act_fn", None)):
+        return False
+    ref = _reference_mlp_source()
+    return bool(ref) and _src(type(module).forward) == ref
+
+
 def is_llama_style_rmsnorm(module) -> bool:
     """Class name ends in RMSNorm, has weight/variance_epsilon, and its forward is Llama's source.
 

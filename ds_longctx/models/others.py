@@ -5,7 +5,10 @@ level for them (``fuse_projections: false``).
 Phi3: one fused gate_up_proj, chunked, SiLU-gated. OLMo2: Llama's SwiGLU (its q/k RMSNorm spans all heads).
 GPT-NeoX: dense_h_to_4h, GELU, dense_4h_to_h. Mixtral and Qwen2-MoE: the sparse MoE block; routing is per
 token (top-k of the token's own router logits, no capacity limit), so tiling the sequence is exact; Qwen2-MoE's
-shared expert and its sigmoid gate are per token too. Their blocks unpack [batch, seq, hidden]."""
+shared expert and its sigmoid gate are per token too. Qwen3-MoE and OLMoE: the same routing (their router and
+experts are Mixtral's code, no shared expert, no jitter). Their blocks unpack [batch, seq, hidden].
+Every other MLP whose forward is LlamaMLP's own code is recognised by its source (models.is_llama_style_mlp),
+without an entry here."""
 from ._common import Architecture
 
 PHI3 = Architecture(None, mlp_class="Phi3MLP", types=("phi3",))
@@ -14,3 +17,5 @@ GPT_NEOX = Architecture(None, mlp_class="GPTNeoXMLP", types=("gpt_neox",))
 MIXTRAL = Architecture(None, mlp_class="MixtralSparseMoeBlock", types=("mixtral",), mlp_batched=True,
                        mlp_noise_attr="jitter_noise")
 QWEN2_MOE = Architecture(None, mlp_class="Qwen2MoeSparseMoeBlock", types=("qwen2_moe",), mlp_batched=True)
+QWEN3_MOE = Architecture(None, mlp_class="Qwen3MoeSparseMoeBlock", types=("qwen3_moe",), mlp_batched=True)
+OLMOE = Architecture(None, mlp_class="OlmoeSparseMoeBlock", types=("olmoe",), mlp_batched=True)
