@@ -47,6 +47,15 @@ def arch_config(name: str):
         return tf.CohereConfig(**BASE, num_key_value_heads=2)
     if name == "olmo":
         return tf.OlmoConfig(**BASE, num_key_value_heads=2)
+    if name == "glm4":
+        return tf.Glm4Config(**BASE, num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1)
+    if name == "nemotron":
+        return tf.NemotronConfig(**BASE, num_key_value_heads=2, head_dim=8)
+    if name == "starcoder2":  # residual dropout 0 (tiling refuses a dropout in training)
+        return tf.Starcoder2Config(**BASE, num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0,
+                                   attention_dropout=0.0)
+    if name == "phi":
+        return tf.PhiConfig(**BASE, num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
     raise KeyError(name)
 
 

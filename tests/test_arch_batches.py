@@ -81,7 +81,8 @@ def _engines(rank, world):
     batch = sample(16)
     # Gemma3 (q/k-norm, query_pre_attn_scalar, sliding-window layers): exact when every sample fits the window,
     # which long_context.sequence_length declares (else refused: test_sp_attention_refusals.py)
-    for name, seq in [(n, None) for n in ARCHS] + [("gemma3", 16)]:
+    # + Qwen3-MoE's block and Gemma's MLP (LlamaMLP's forward, recognised by its source) tiled under ZeRO-3
+    for name, seq in [(n, None) for n in ARCHS + ("qwen3_moe", "gemma")] + [("gemma3", 16)]:
         ref = reference(name, batch)
         for impl, lc in (("ulysses", ULYSSES), ("untied", UNTIED), ("untied+stack", {**UNTIED, **STACK})):
             loss, deltas = sp_step(name, dict(lc, sequence_length=seq) if seq else lc, batch, rank)
@@ -210,7 +211,9 @@ def test_trainer_evaluate_under_sp_equals_one_process(spawns):
 # ---------------------------------------------------------------------------------------------
 
 MLP_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-             "gemma", "granite", "cohere", "olmo")  # the last four: LlamaMLP's forward, recognised by its source
+             # recognised by their MLP's source (models.pointwise_mlp_form): LlamaMLP's, Phi3MLP's, NemotronMLP's,
+             # PhiMLP's forward
+             "gemma", "granite", "cohere", "olmo", "glm4", "nemotron", "phi", "starcoder2")
 
 
 @pytest.mark.parametrize("name", MLP_ARCHS)
@@ -273,15 +276,15 @@ def test_tiled_mlp_refuses_router_jitter():
     assert e.startswith("long_context.tiled_mlp.enabled") and "jitter_noise=0.1" in e
 
 
-def test_llama_style_mlp_is_recognised_by_its_source_only():
-    """An MLP with Llama's attributes is tiled only when its forward is LlamaMLP's code and its activation
-    is one of transformers' elementwise ones; a model with any decoder-layer MLP tiled_mlp cannot tile is
-    refused as a whole (naming it), not tiled in part."""
+def test_pointwise_mlp_is_recognised_by_its_source_only():
+    """An MLP with Llama's attributes is tiled only when its forward is LlamaMLP's code (or another reference
+    form's) and its activation is one of transformers' elementwise ones; a model with any decoder-layer MLP
+    tiled_mlp cannot tile is refused as a whole (naming it), not tiled in part."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     from arch_cases import build_arch, sample
     from ds_longctx.config import parse
-    from ds_longctx.models import is_llama_style_mlp
+    from ds_longctx.models import pointwise_mlp_form
     from ds_longctx.patch import patch_model
 
     class ShiftedMLP(LlamaMLP):  # same attributes, but mixes neighbouring tokens: tiling would be wrong
@@ -289,11 +292,19 @@ def test_llama_style_mlp_is_recognised_by_its_source_only():
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x.roll(1, dims=-2)))
 
     cfg = arch_config("llama")
-    assert is_llama_style_mlp(LlamaMLP(cfg)) and is_llama_style_mlp(build_arch("gemma").model.layers[0].mlp)
-    assert not is_llama_style_mlp(ShiftedMLP(cfg))
+    def form(m):
+        f = pointwise_mlp_form(m)
+        return f and f.reference
+
+    assert form(LlamaMLP(cfg)) == "LlamaMLP" and form(build_arch("gemma").model.layers[0].mlp) == "LlamaMLP"
+    assert form(build_arch("glm4").model.layers[0].mlp) == "Phi3MLP"
+    assert form(build_arch("nemotron").model.layers[0].mlp) == "NemotronMLP"
+    assert form(build_arch("phi").model.layers[0].mlp) == "PhiMLP"
+    assert form(build_arch("starcoder2").model.layers[0].mlp) == "Starcoder2MLP"
+    assert pointwise_mlp_form(ShiftedMLP(cfg)) is None
     softmax = LlamaMLP(cfg)
     softmax.act_fn = torch.nn.Softmax(dim=-1)  # not elementwise
-    assert not is_llama_style_mlp(softmax)
+    assert pointwise_mlp_form(softmax) is None
 
     model = build_arch("llama")
     model.model.layers[1].mlp = ShiftedMLP(cfg)
@@ -303,3 +314,25 @@ def test_llama_style_mlp_is_recognised_by_its_source_only():
     assert e.startswith("long_context.tiled_mlp.enabled") and "layer 1's mlp (ShiftedMLP)" in e, e
     assert "forward" not in model.model.layers[0].mlp.__dict__  # nothing left patched
     assert model(**sample(16)).loss is not None
+
+
+def test_tiled_mlp_refuses_dropout_in_its_mlp():
+    """Starcoder2's MLP applies residual dropout in training: a tile recomputed in backward would draw another
+    mask. Refused with the fix while it is on; tiled and exact at 0 (test_tiled_mlp_is_exact_per_architecture)."""
+    from transformers import AutoModelForCausalLM
+
+    from arch_cases import arch_config, sample
+    from ds_longctx.config import parse
+    from ds_longctx.patch import patch_model
+
+    cfg = arch_config("starcoder2")
+    cfg.residual_dropout = 0.1
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
+                                                              "tiled_mlp": {"enabled": True, "shards": 2}}})
+    handle = patch_model(model, lc)
+    try:
+        e = config_error(lambda: model(**sample(16)))
+    finally:
+        handle.remove()
+    assert e.startswith("long_context.tiled_mlp.enabled") and "residual_dropout=0.1" in e and "dropout" in e, e

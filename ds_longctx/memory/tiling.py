@@ -23,18 +23,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
-from ..models import is_llama_style_mlp, layer_role, mlp_class_names, mlp_facts
+from ..models import layer_role, mlp_class_names, mlp_facts, pointwise_mlp_form
 from .tiles import each_tile
 
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
-# tiling is exact (models/: one Architecture per model type), besides every MLP running LlamaMLP's own forward
-# (models.is_llama_style_mlp)
+# tiling is exact (models/: one Architecture per model type), besides every MLP running one of the reference
+# forwards verbatim (models.pointwise_mlp_form: LlamaMLP's, Phi3MLP's, NemotronMLP's, PhiMLP's, SeedOssMLP's,
+# Starcoder2MLP's)
 SUPPORTED_MLPS = mlp_class_names()
-SUPPORTED_TEXT = f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is LlamaMLP's"
+SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is LlamaMLP's, Phi3MLP's, NemotronMLP's, "
+                  "PhiMLP's, SeedOssMLP's or Starcoder2MLP's own code")
 
 
 def is_tileable_mlp(module) -> bool:
-    return type(module).__name__ in SUPPORTED_MLPS or is_llama_style_mlp(module)
+    return type(module).__name__ in SUPPORTED_MLPS or pointwise_mlp_form(module) is not None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,20 +189,30 @@ class TilingError(ValueError):
         return (type(self), (self.problem, self.untiled, self.other))
 
 
-def tiled_mlp_forward(module, x, state: TilingState):
+def _mlp_facts(module):
+    """(batched, randomness) of a tileable MLP: whether its forward unpacks [batch, seq, hidden] (MoE blocks),
+    and (attribute, what) of the random numbers it draws in training (Mixtral's router jitter, a form's
+    dropout) or None. Read once, at install."""
+    arch = mlp_facts(type(module).__name__)
+    if arch is not None:
+        return arch.mlp_batched, ((arch.mlp_noise_attr, "router jitter") if arch.mlp_noise_attr else None)
+    form = pointwise_mlp_form(module)
+    return False, ((form.dropout, "dropout") if form is not None and form.dropout else None)
+
+
+def tiled_mlp_forward(module, x, state: TilingState, batched: bool = False, randomness=None):
     shards = state.mlp_shards(x)
     if shards <= 1:  # every rank agreed on 1: the plain forward issues the same collectives everywhere
         return _class_forward(module, x)
-    arch = mlp_facts(type(module).__name__)  # None: a Llama-style MLP recognised by its source
-    if arch is not None and arch.mlp_noise_attr and module.training and getattr(module, arch.mlp_noise_attr, 0):
+    if randomness is not None and module.training and getattr(module, randomness[0], 0):
         # same verdict on every rank (one config): raised before the tile loop's first ZeRO-3 fetch
-        raise TilingError(f"{type(module).__name__} adds random noise to its input in training "
-                          f"({arch.mlp_noise_attr}={getattr(module, arch.mlp_noise_attr)}); a tile recomputed in "
-                          "backward would draw other noise than its forward, so the gradient would not be this "
-                          "forward's", "(exact, untiled)", f"set the model config's {arch.mlp_noise_attr} (router "
-                          "jitter) to 0 if you mean to train without that jitter (a different regularisation than "
-                          "the model's config asks for)")
-    fn = _batched_class_forward if arch is not None and arch.mlp_batched else _class_forward
+        attr, what = randomness
+        raise TilingError(f"{type(module).__name__} draws random numbers in training ({attr}="
+                          f"{getattr(module, attr)}, its {what}); a tile recomputed in backward would draw others "
+                          "than its forward, so the gradient would not be this forward's", "(exact, untiled)",
+                          f"set the model config's {attr} to 0 if you mean to train without that {what} (a "
+                          "different regularisation than the model's config asks for)")
+    fn = _batched_class_forward if batched else _class_forward
     params = [p for p in module.parameters() if p.requires_grad]
     return TiledRowsFunction.apply(x, fn, module, shards, params)
 
@@ -256,9 +268,11 @@ def install_tiled_mlp(model, shards: Union[int, str], group=None, refusals=conte
     state = TilingState(shards, group)
 
     def tiled(mod):
+        batched, randomness = _mlp_facts(mod)
+
         def forward(x):
             with refusals():
-                return tiled_mlp_forward(mod, x, state)
+                return tiled_mlp_forward(mod, x, state, batched, randomness)
         return forward
 
     for m in mlps:

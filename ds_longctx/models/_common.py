@@ -1,6 +1,7 @@
 """Pieces shared by the Llama-family architectures (rotate-half RoPE, RMS q/k-norm)."""
 from __future__ import annotations
 
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -166,10 +167,37 @@ def _reference_rmsnorm_source() -> str:
     return _src(LlamaRMSNorm.forward)
 
 
-def _reference_mlp_source() -> str:
-    from transformers.models.llama.modeling_llama import LlamaMLP
+@dataclass(frozen=True)
+class MlpForm:
+    """An MLP forward that is pointwise over tokens, as transformers writes it in ``reference`` (a class of
+    ``transformers.models.<model_type>``); modular transformers copies these forwards verbatim into many
+    architectures (Gemma, Granite, Cohere, OLMo, GLM-4, Arcee, ...)."""
+    model_type: str
+    reference: str                 # the class whose forward is the reference source
+    linears: Tuple[str, ...]       # its nn.Linear attributes
+    activation: str                # its activation attribute (one of transformers' table: elementwise)
+    dropout: Optional[str] = None  # the attribute of a dropout probability it applies in training
 
-    return _src(LlamaMLP.forward)
+
+_MLP_FORMS = (
+    MlpForm("llama", "LlamaMLP", ("gate_proj", "up_proj", "down_proj"), "act_fn"),   # down(act(gate(x)) * up(x))
+    MlpForm("phi3", "Phi3MLP", ("gate_up_proj", "down_proj"), "activation_fn"),       # fused gate/up, chunked
+    MlpForm("nemotron", "NemotronMLP", ("up_proj", "down_proj"), "act_fn"),           # down(act(up(x)))
+    MlpForm("phi", "PhiMLP", ("fc1", "fc2"), "activation_fn"),                        # fc2(act(fc1(x)))
+    MlpForm("seed_oss", "SeedOssMLP", ("gate_proj", "up_proj", "down_proj"), "act_fn", "residual_dropout"),
+    MlpForm("starcoder2", "Starcoder2MLP", ("c_fc", "c_proj"), "act", "residual_dropout"),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_form_sources():
+    import importlib
+
+    out = []
+    for form in _MLP_FORMS:
+        mod = importlib.import_module(f"transformers.models.{form.model_type}.modeling_{form.model_type}")
+        out.append((form, _src(getattr(mod, form.reference).forward)))
+    return out
 
 
 def _elementwise_activation(act) -> bool:
@@ -179,18 +207,22 @@ def _elementwise_activation(act) -> bool:
     return isinstance(act, classes)
 
 
-def is_llama_style_mlp(module) -> bool:
-    """gate_proj/up_proj/down_proj Linears, an activation from transformers' table (elementwise) and LlamaMLP's
-    forward source, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: pointwise over tokens whatever the
-    architecture calls it (Gemma, Granite, Cohere, OLMo, StableLM, ...: modular copies of Llama's), so tiling
-    the sequence is exact. The source check matters as for the norms: an MLP with the same attributes but
-    another forward (a token shift, a capacity-limited router) would be tiled wrongly."""
-    if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
-        return False
-    if not _elementwise_activation(getattr(module, "act_fn", None)):
-        return False
-    ref = _reference_mlp_source()
-    return bool(ref) and _src(type(module).forward) == ref
+def pointwise_mlp_form(module) -> Optional[MlpForm]:
+    """The form whose reference forward ``module`` runs verbatim, with its Linear attributes nn.Linear and its
+    activation one of transformers' table (elementwise); None otherwise. Such an MLP is pointwise over tokens
+    whatever the architecture calls it, so tiling the sequence is exact (a form's dropout aside: see
+    ``MlpForm.dropout``). The source check matters as for the norms: an MLP with the same attributes but another
+    forward (a token shift, a capacity-limited router) would be tiled wrongly."""
+    src = None
+    for form, ref in _mlp_form_sources():
+        if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in form.linears):
+            continue
+        if not _elementwise_activation(getattr(module, form.activation, None)):
+            continue
+        src = _src(type(module).forward) if src is None else src
+        if ref and src == ref:
+            return form
+    return None
 
 
 def is_llama_style_rmsnorm(module) -> bool:

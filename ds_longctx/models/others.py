@@ -7,7 +7,8 @@ GPT-NeoX: dense_h_to_4h, GELU, dense_4h_to_h. Mixtral and Qwen2-MoE: the sparse 
 token (top-k of the token's own router logits, no capacity limit), so tiling the sequence is exact; Qwen2-MoE's
 shared expert and its sigmoid gate are per token too. Qwen3-MoE and OLMoE: the same routing (their router and
 experts are Mixtral's code, no shared expert, no jitter). Their blocks unpack [batch, seq, hidden].
-Every other MLP whose forward is LlamaMLP's own code is recognised by its source (models.is_llama_style_mlp),
+Every other MLP running one of the reference forwards of ``_common._MLP_FORMS`` verbatim (LlamaMLP's, Phi3MLP's,
+NemotronMLP's, PhiMLP's, SeedOssMLP's, Starcoder2MLP's) is recognised by its source (models.pointwise_mlp_form),
 without an entry here."""
 from ._common import Architecture
 
