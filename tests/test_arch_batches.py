@@ -305,6 +305,11 @@ def test_pointwise_mlp_is_recognised_by_its_source_only():
     softmax = LlamaMLP(cfg)
     softmax.act_fn = torch.nn.Softmax(dim=-1)  # not elementwise
     assert pointwise_mlp_form(softmax) is None
+    from ds_longctx.memory.tiling import is_tileable_mlp
+
+    patched = LlamaMLP(cfg)
+    patched.forward = lambda x: x  # another library's instance forward: not the code the check read
+    assert is_tileable_mlp(LlamaMLP(cfg)) and not is_tileable_mlp(patched)
 
     model = build_arch("llama")
     model.model.layers[1].mlp = ShiftedMLP(cfg)

@@ -36,6 +36,9 @@ SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is Ll
 
 
 def is_tileable_mlp(module) -> bool:
+    # an instance forward set by someone else (another patching library) is not the code checked here
+    if "forward" in module.__dict__:
+        return False
     return type(module).__name__ in SUPPORTED_MLPS or pointwise_mlp_form(module) is not None
 
 
