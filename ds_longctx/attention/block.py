@@ -35,8 +35,9 @@ class _NormedProjSource(_ProjSource):
     16 bytes per element at 2.9 TB/s against 128 FLOP per element of a [rows, 2048] x [2048, 64] GEMM at
     the 151 TFLOP/s measured for that shape), so each pass over the tiles serves every GEMM that can wait:
     a stage's weight-gradient GEMMs (``g^T @ xn``, nothing reads them before the end) are queued and run in
-    the next pass, the next projection's (k and v together). Per layer backward: chunks + stages + 1 passes instead of 2 x chunks + 4 x stages. Each
-    weight-gradient row block still sums the same tiles of the same stages in the same order (bit-equal).
+    the next pass, the next projection's (k and v together). Per layer backward: chunks + stages + 1 passes
+    instead of 2 x chunks + 4 x stages. Each weight-gradient row block still sums the same tiles of the same
+    stages in the same order (bit-equal).
     """
 
     def __init__(self, x_in, rstd, norm_w, *args):

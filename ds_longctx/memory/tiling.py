@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
-from ..models import layer_role, mlp_class_names, mlp_facts, pointwise_mlp_form
+from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
 from .tiles import each_tile
 
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
@@ -31,8 +31,8 @@ from .tiles import each_tile
 # forwards verbatim (models.pointwise_mlp_form: LlamaMLP's, Phi3MLP's, NemotronMLP's, PhiMLP's, SeedOssMLP's,
 # Starcoder2MLP's)
 SUPPORTED_MLPS = mlp_class_names()
-SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is LlamaMLP's, Phi3MLP's, NemotronMLP's, "
-                  "PhiMLP's, SeedOssMLP's or Starcoder2MLP's own code")
+SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is the code of one of "
+                  f"{', '.join(mlp_form_names())}")
 
 
 def is_tileable_mlp(module) -> bool:
@@ -237,7 +237,7 @@ def find_mlps(model) -> List[torch.nn.Module]:
 
 
 def _untiled_layer_mlps(model, mlps) -> List[str]:
-    """'layers.i.name (Class)' for each decoder layer's MLP child (by HF's naming) that is not tiled."""
+    """"layer i's name (Class)" for each decoder layer's MLP child (by HF's naming) that is not tiled."""
     from .checkpointing import decoder_layers
 
     tiled = {id(m) for m in mlps}

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, pointwise_mlp_form,
-                      is_llama_style_rmsnorm, layer_role, rms_norm, rope_bshd,
+from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, is_llama_style_rmsnorm,
+                      mlp_form_names, pointwise_mlp_form, layer_role, rms_norm, rope_bshd,
                       rotate_half, text_config)
 from .gemma import GEMMA2, GEMMA3
 from .llama import LLAMA, MISTRAL
@@ -47,5 +47,5 @@ def supported_names() -> str:
 
 
 __all__ = ["mlp_facts", "Architecture", "ARCHITECTURES", "AttentionFacts", "AttentionShape", "attention_shape", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
-           "supported_names", "layer_role", "pointwise_mlp_form", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
+           "supported_names", "layer_role", "mlp_form_names", "pointwise_mlp_form", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
            "text_config"]

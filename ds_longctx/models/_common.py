@@ -189,6 +189,11 @@ _MLP_FORMS = (
 )
 
 
+def mlp_form_names() -> Tuple[str, ...]:
+    """The reference classes of the recognised MLP forms (for messages)."""
+    return tuple(f.reference for f in _MLP_FORMS)
+
+
 @functools.lru_cache(maxsize=None)
 def _mlp_form_sources():
     import importlib
