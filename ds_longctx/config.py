@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .attention.kernels import (KernelError, available_backends, backend_for, is_available, is_known,
                                 kernel_names)
 from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
+from .memory.keep import kept_attention_layers
 
 SECTION = "long_context"
 # the key whose value names the attention kernel: the kernels' own refusals (attention.kernels.KernelError)
@@ -84,14 +85,15 @@ class ActivationCheckpointingConfig(_Strict):
     use_reentrant: bool = Field(default=False, description="torch.utils.checkpoint's use_reentrant.")
     prefetch: bool = Field(default=True, description="Bring the next layer's input back while the current "
                            "layer's backward runs.")
-    keep_attention_output: Union[bool, Literal["auto"]] = Field(
+    keep_attention_output: Union[bool, NonNegativeInt, Literal["auto"]] = Field(
         default=False, description="Untied attention: keep each layer's attention output and LSE from the first "
         "forward (where its input goes: device, host or NVMe) so the recompute skips q/k/v and the attention "
-        "forward; costs one more [seq/SP, heads x head_dim] + fp32 [heads/SP, seq] per layer. 'auto' (needs "
-        "sequence_length): ds_longctx.initialize turns it on where the planner predicts a faster step that fits "
-        "this device's memory and this machine's host memory per local rank (DS_LONGCTX_HOST_MEM overrides the "
-        "host budget per node), on rank 0, logged and the same on every rank.",
-        json_schema_extra=_fix("use true, false or 'auto'"))
+        "forward; costs one more [seq/SP, heads x head_dim] + fp32 [heads/SP, seq] per layer. true: every "
+        "layer; a number N: the first N decoder layers (the others recompute: part of the gain for part of the "
+        "memory). 'auto' (needs sequence_length): ds_longctx.initialize keeps the most layers for which the "
+        "planner predicts a faster step that fits this device's memory and this machine's host memory per "
+        "local rank (DS_LONGCTX_HOST_MEM overrides the host budget per node), on rank 0, logged and the same on "
+        "every rank.", json_schema_extra=_fix("use true, false, a number of layers or 'auto'"))
 
 
 class TiledConfig(_Strict):
@@ -305,7 +307,8 @@ def parse(ds_config: dict) -> LongContextConfig:
                           "a sequence length, and long_context.sequence_length is not set",
                           "set long_context.sequence_length, or give a positive integer (1 saves the most memory)")
     ac = cfg.activation_checkpointing
-    for key, fix in (("keep_attention_output", "give true or false"), ("keep_on_device", "give a number of layers")):
+    for key, fix in (("keep_attention_output", "give true, false or a number of layers"),
+                     ("keep_on_device", "give a number of layers")):
         if getattr(ac, key) == "auto" and cfg.sequence_length is None:
             raise ConfigError(f"{SECTION}.activation_checkpointing.{key}", "'auto' is resolved by the memory "
                               "planner for a sequence length, and long_context.sequence_length is not set",
@@ -314,7 +317,8 @@ def parse(ds_config: dict) -> LongContextConfig:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
                           f"offload {ac.offload!r} needs checkpointing", "also set activation_checkpointing.enabled=true")
     _check_nvme_keys(ac)
-    if ac.keep_attention_output is True:  # "auto" resolves to False where these do not hold (planner/search.py)
+    # "auto" resolves to 0 where these do not hold (planner/search.py)
+    if ac.keep_attention_output != "auto" and kept_attention_layers(ac.keep_attention_output, 1):
         key = f"{SECTION}.activation_checkpointing.keep_attention_output"
         if not ac.enabled:
             raise ConfigError(key, "keeps what a checkpointed layer's recompute would rebuild, and checkpointing "

@@ -155,8 +155,45 @@ def test_arena_bytes_equal_the_planners_host_figure_with_kept_attention():
     assert r.offload["layer_input_bytes"] == per_layer, r.offload
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_first_layers_keep_the_rest_recompute(fuse, monkeypatch):
+    """keep_attention_output N: the first N layers keep (their recompute skips attention), the others recompute;
+    bit-equal to off; the arena holds the kept outputs of those N only, as the planner says (full depth)."""
+    from ds_longctx.patch import patch_model
+    from ds_longctx.planner import Planner
+
+    count = _CountForwards(monkeypatch)
+    cfg = tiny_config(**SHAPE)
+    runs = {}
+    for keep in (False, 1, 2):
+        model = build(cfg, seed=0)
+        handle = patch_model(model, _lc(fuse, keep, offload="cpu", keep_on_device=1))
+        try:
+            count.n = 0
+            runs[keep] = _train_step(model, _batch()) + (count.n, handle.memory.stats()["arena_bytes"])
+        finally:
+            handle.remove()
+    layer = B * S * cfg.hidden_size * 4
+    kept = B * S * cfg.num_attention_heads * cfg.head_dim * 4 + B * cfg.num_attention_heads * S * 4
+    for keep in (1, 2):
+        assert torch.equal(runs[keep][0], runs[False][0])
+        assert all(torch.equal(runs[keep][1][n], g) for n, g in runs[False][1].items())
+        assert runs[keep][2] == 2 * LAYERS - keep, (keep, runs[keep][2])  # the first `keep` skip the recompute
+        # 2 offloaded layers (keep_on_device 1): the kept outputs of the first `keep` go with them
+        assert runs[keep][3] == 2 * layer + keep * kept, (keep, runs[keep][3])
+        lc = {"attention": {"implementation": "untied_ulysses", "fuse_projections": fuse},
+              "activation_checkpointing": {"enabled": True, "offload": "cpu", "keep_on_device": 1,
+                                           "keep_attention_output": keep}}
+        ds = {"train_micro_batch_size_per_gpu": B, "zero_optimization": {"stage": 0}, "long_context": lc}
+        r = Planner(ds, cfg, 1, "1GiB", reserve="0", device="cpu", full_depth=True).run(S)
+        assert r.host["offloaded activations"] == runs[keep][3], (keep, r.host)
+    assert runs[False][2] == 2 * LAYERS
+
+
 @pytest.mark.parametrize("lc,match", [
     ({"activation_checkpointing": {"enabled": False, "keep_attention_output": True},
+      "attention": {"implementation": "untied_ulysses"}}, "checkpointing is off"),
+    ({"activation_checkpointing": {"enabled": False, "keep_attention_output": 2},
       "attention": {"implementation": "untied_ulysses"}}, "checkpointing is off"),
     ({"activation_checkpointing": {"enabled": True, "keep_attention_output": True},
       "attention": {"implementation": "ulysses"}}, "needs attention.implementation 'untied_ulysses'"),

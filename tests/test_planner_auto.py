@@ -37,11 +37,18 @@ def test_auto_keeps_attention_output_when_host_memory_allows_and_not_when_it_doe
     cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem="2TiB", reserve="2GiB", log=logs.append)
     assert _ac(cfg)["keep_attention_output"] is True, logs
     assert any("keep_attention_output=True: predicted step" in m for m in logs), logs
-    # room for the layer inputs but not for the kept outputs as well
+    # room for the layer inputs and half of the kept outputs: the first layers that fit keep theirs
     logs = []
     cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=str((off + on) // 2), reserve="2GiB", log=logs.append)
+    n = _ac(cfg)["keep_attention_output"]
+    assert not isinstance(n, bool) and n == SMALL["num_hidden_layers"] // 2, logs
+    assert any("it does not fit" in m and "host memory" in m and f"the first {n} of 16" in m for m in logs), logs
+    r = Planner(cfg, load_model_config(SMALL), 8, GPU, str((off + on) // 2), "2GiB").run(SEQ)
+    assert r.fits and off < r.host_bytes_per_node <= (off + on) // 2, (r.host_bytes_per_node, off, on)
+    # room for the layer inputs only
+    logs = []
+    cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=str(off + (on - off) // 32), reserve="2GiB", log=logs.append)
     assert _ac(cfg)["keep_attention_output"] is False, logs
-    assert any("it does not fit" in m and "host memory" in m for m in logs), logs
     # no host budget given: not reinvested blind
     logs = []
     cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=None, reserve="2GiB", log=logs.append)
@@ -67,7 +74,8 @@ def test_initialize_resolves_keep_attention_output_auto_with_this_machines_host_
     """ds_longctx.initialize's resolution (initialize._resolve_auto: rank 0 of no process group here) of a
     config that says "auto": the host budget is DS_LONGCTX_HOST_MEM (else this machine's RAM) shared by the
     local ranks, the device budget this device's; where the host budget holds the kept outputs too it is
-    turned on, where it holds only the layer inputs it is not, and each choice is logged with its reason."""
+    turned on, where it holds part of them the first layers that fit keep theirs, where it holds only the layer
+    inputs it is off, and each choice is logged with its reason."""
     import logging
 
     from tiny_models import tiny_config
@@ -94,16 +102,18 @@ def test_initialize_resolves_keep_attention_output_auto_with_this_machines_host_
     off, on = host_node(False), host_node(True)
     assert on > off > 0
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    for budget, want in ((str(4 * on), True), (str((off + on) // 2), False)):
+    # room for every kept output, for one layer's of two, for none
+    for budget, want in ((str(4 * on), True), (str((off + on) // 2), 1), (str(off + (on - off) // 8), False)):
         monkeypatch.setenv(init.HOST_MEM_ENV, budget)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="ds_longctx"):
             out = init._resolve_auto(cfg, mc, 1)
         msgs = [r.getMessage() for r in caplog.records]
-        assert _ac(out)["keep_attention_output"] is want, msgs
+        got = _ac(out)["keep_attention_output"]
+        assert got == want and isinstance(got, bool) == isinstance(want, bool), msgs
         assert any(f"{init.HOST_MEM_ENV}={budget}" in m and "1 local rank" in m for m in msgs), msgs
         assert any(f"keep_attention_output={want}:" in m for m in msgs), msgs
-        if not want:
+        if want is not True:
             assert any("it does not fit" in m and "host memory" in m for m in msgs), msgs
     monkeypatch.setenv(init.HOST_MEM_ENV, "lots")
     with pytest.raises(Exception, match="DS_LONGCTX_HOST_MEM.*not a size"):

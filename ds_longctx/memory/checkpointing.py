@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..models import layer_role, supported_names
-from .keep import KeptAttention
+from .keep import KeptAttention, kept_attention_layers
 from .offload import CheckpointInputOffloader
 
 
@@ -82,15 +82,16 @@ def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffl
         raise ValueError(f"activation checkpointing: {type(model).__name__} has no transformers "
                          f"GradientCheckpointingLayer blocks to checkpoint; use a transformers decoder model (e.g. "
                          f"{supported_names()}) or turn activation checkpointing off")
-    keep_attn = bool(getattr(ac_cfg, "keep_attention_output", False))
-    fn = _checkpoint_fn(ac_cfg.use_reentrant, offloader, keep_attn)
-    # the last `keep` layers' inputs stay on the device: backward needs them first
+    # the first n layers keep their attention output (memory/keep.py); the last `keep` layers' inputs stay on
+    # the device (backward needs them first)
+    n_attn = kept_attention_layers(getattr(ac_cfg, "keep_attention_output", False), len(layers))
     keep = min(len(layers), getattr(ac_cfg, "keep_on_device", 0)) if offloader is not None else 0
-    plain = _checkpoint_fn(ac_cfg.use_reentrant, None, keep_attn)
+    fns = {(off, k): _checkpoint_fn(ac_cfg.use_reentrant, offloader if off else None, k)
+           for off in (True, False) for k in (True, False)}
     for i, layer in enumerate(layers):
         _PREVIOUS.setdefault(layer, (layer.__dict__.get("gradient_checkpointing", _ABSENT),
                                      layer.__dict__.get("_gradient_checkpointing_func", _ABSENT)))
-        layer._gradient_checkpointing_func = plain if i >= len(layers) - keep else fn
+        layer._gradient_checkpointing_func = fns[i < len(layers) - keep, i < n_attn]
         layer.gradient_checkpointing = True
     hooks = []
     if (ac_cfg.use_reentrant and hasattr(model, "enable_input_require_grads")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from ..config import ConfigError, check_against, load_ds_config, parse
+from ..memory.keep import kept_attention_layers
 from . import model_states as ms
 from . import host as host_plan
 from ..models import text_config
@@ -141,7 +142,15 @@ def _micro_batch(ds_config: dict) -> int:
     return 1 if mb in (None, "auto") else int(mb)
 
 
+def _with_keep(lc, keep):
+    one = lc.model_copy(deep=True)
+    one.activation_checkpointing.keep_attention_output = keep
+    one.sequence_parallel_size = lc.sequence_parallel_size
+    return one
+
+
 def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
+    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work)."""
     L = text_config(model_config).num_hidden_layers
     bs = _micro_batch(ds_config)
     # keep_on_device=k: the last k layers differ from the rest, so extrapolate from k+2 and k+3 layers
@@ -150,8 +159,28 @@ def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple
     if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
         return r.breakdown, r.peak_host, [L], False, r.seconds, r.work
-    a = simulate_step(model_config, ds_config, lc, world, seq, lo, device=device, batch_size=bs)
-    b = simulate_step(model_config, ds_config, lc, world, seq, hi, device=device, batch_size=bs)
+    n = kept_attention_layers(lc.activation_checkpointing.keep_attention_output, L)
+    off = L - shift  # the offloaded layers: the first ones
+    if 0 < n < L:
+        # the first n layers keep their attention output: not affine in depth from two shallow models. Blend per
+        # layer between none keeping and, for n <= off, every offloaded layer keeping (at depth d the first d -
+        # shift: the device-kept last layers do not), else every layer; the device peak is that second step's
+        none = _affine(model_config, ds_config, lambda d: _with_keep(lc, False), world, seq, device, bs, lo, hi, L)
+        most = L if n > off else off  # the layers whose recompute the "full" step skips
+        full = _affine(model_config, ds_config, lambda d: _with_keep(lc, d - shift if n <= off else True), world,
+                       seq, device, bs, lo, hi, L)
+        f = n / most
+        work = {k: tuple(y + f * (x - y) for x, y in zip(full[5].get(k, (0.0,) * 3), none[5].get(k, (0.0,) * 3)))
+                for k in set(full[5]) | set(none[5])}
+        host = none[1] + min(1.0, n / off) * (full[1] - none[1]) if off > 0 else none[1]
+        return full[0], host, full[2], True, full[4] + none[4], work
+    return _affine(model_config, ds_config, lambda d: lc, world, seq, device, bs, lo, hi, L)
+
+
+def _affine(model_config, ds_config, lc_at, world, seq, device, bs, lo, hi, L) -> tuple:
+    """The step at ``lo`` and ``hi`` layers (``lc_at(depth)``), extrapolated per category to ``L`` layers."""
+    a = simulate_step(model_config, ds_config, lc_at(lo), world, seq, lo, device=device, batch_size=bs)
+    b = simulate_step(model_config, ds_config, lc_at(hi), world, seq, hi, device=device, batch_size=bs)
     k = L - lo
     br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
     host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))

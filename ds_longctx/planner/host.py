@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 from ..errors import ConfigError
+from ..memory.keep import kept_attention_layers
 from ..memory.nvme import CHUNK_BYTES
 from .units import fmt_bytes
 
@@ -83,11 +84,15 @@ def kept_attention_bytes(model_config, lc, seq_len: int, micro_batch: int, dtype
 
 def offloaded_bytes_per_layer(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
     """What one checkpointed layer sends to its offload target: its input, plus its attention output and LSE
-    with keep_attention_output."""
+    with keep_attention_output (a count of layers: their share, averaged over the layers)."""
+    from ..memory.keep import kept_attention_layers
+    from ..models import text_config
     from .model_states import _DTYPE_BYTES, model_dtype
 
-    return (layer_input_bytes(model_config, ds_config, lc, seq_len, micro_batch)
-            + kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)]))
+    L = text_config(model_config).num_hidden_layers
+    n = kept_attention_layers(lc.activation_checkpointing.keep_attention_output, L)
+    kept = kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)])
+    return layer_input_bytes(model_config, ds_config, lc, seq_len, micro_batch) + kept * n // max(1, L)
 
 
 @dataclass
@@ -175,7 +180,8 @@ def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_la
                "host_bytes_per_node": sum(conf_host.values()) * gpus_per_node,
                "nvme_bytes_per_node": sum(conf_nvme.values()) * gpus_per_node,
                "layer_input_bytes": per_layer, "offloaded_layers": n_off,
-               "kept_attention_output": bool(getattr(ac, "keep_attention_output", False)),
+               "kept_attention_output": kept_attention_layers(getattr(ac, "keep_attention_output", False),
+                                                              num_layers),
                "options": [asdict(o) for o in ranked],
                "recommended": None if best is None else dict(asdict(best), keys=best.keys())}
     return HostSide(conf_host, conf_nvme, 0, offload)
@@ -196,7 +202,10 @@ def check_host_budget(states, host_budget: Optional[int], gpus_per_node: int) ->
 
 def describe(offload: dict) -> List[str]:
     """Lines for the plan's text report."""
-    kept = " (each with its kept attention output and LSE)" if offload.get("kept_attention_output") else ""
+    n = offload.get("kept_attention_output") or 0
+    kept = "" if not n else (" (each with its kept attention output and LSE)" if n >= offload.get("offloaded_layers", 0)
+                             + offload.get("keep_on_device", 0) else f" (the first {n} with their kept attention "
+                             "output and LSE: the per-layer figure is the average)")
     lines = [f"layer inputs{kept}: {offload['offloaded_layers']} x {fmt_bytes(offload['layer_input_bytes'])} per rank "
              f"offloaded to {offload['target']}" + (f", last {offload['keep_on_device']} kept on the device"
                                                     if offload['keep_on_device'] else "")]

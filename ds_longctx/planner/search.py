@@ -186,7 +186,8 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
         log(f"ds_longctx auto: {SECTION}.{knob.key}={value}: {why} at {seq_len} tokens on {world_size} ranks "
             f"(predicted step {_seconds(best):.4g} s; candidates in speed order: {list(knob.values)})")
     if "keep_attention_output" in reinvest:
-        value, best = _keep_attention_output(run, section, ac, chosen, best, log)
+        value, best = _keep_attention_output(run, section, ac, chosen, best, log,
+                                             text_config(model_config).num_hidden_layers)
         chosen = {**chosen, "activation_checkpointing.keep_attention_output": value}
     if "keep_on_device" in reinvest:
         value, best = _keep_on_device(run, ac, chosen, best, log)
@@ -218,8 +219,9 @@ def _choose(knob: Knob, chosen: Mapping[str, object], best, run):
     return pick, best, why
 
 
-def _keep_attention_output(run, section, ac, chosen, best, log):
-    """(keep_attention_output, the PlanResult to beat next): True where it fits and is predicted faster."""
+def _keep_attention_output(run, section, ac, chosen, best, log, num_layers: int):
+    """(keep_attention_output, the PlanResult to beat next): True where it fits and is predicted faster; where
+    only part fits the host budget, the most first layers that do (a count), checked by one more simulation."""
     key = f"{SECTION}.activation_checkpointing.keep_attention_output"
     att = section.get("attention") or {}
     if not ac.get("enabled") or att.get("implementation") != "untied_ulysses":
@@ -234,10 +236,33 @@ def _keep_attention_output(run, section, ac, chosen, best, log):
         log(f"ds_longctx auto: {key}=True: predicted step {_seconds(trial):.4g} s against {_seconds(best):.4g} s, "
             f"and it fits ({trial.binding_detail})")
         return True, trial
-    log(f"ds_longctx auto: {key}=False: " + (f"on, it does not fit ({trial.binding_detail})" if not trial.fits else
-                                            f"not predicted faster ({_seconds(trial):.4g} s against "
-                                            f"{_seconds(best):.4g} s)"))
+    why = (f"on, it does not fit ({trial.binding_detail})" if not trial.fits else
+           f"not predicted faster ({_seconds(trial):.4g} s against {_seconds(best):.4g} s)")
+    n = _kept_layers_that_fit(ac, chosen, best, trial, num_layers) if not trial.fits else 0
+    if n > 0:
+        part = run({**chosen, "activation_checkpointing.keep_attention_output": n})
+        if part.fits and _seconds(part) < _seconds(best) * (1 - TIE):
+            log(f"ds_longctx auto: {key}={n}: every layer {why}; the first {n} of {num_layers}: predicted step "
+                f"{_seconds(part):.4g} s against {_seconds(best):.4g} s, and it fits ({part.binding_detail})")
+            return n, part
+        why += f"; the first {n} layers: " + (f"do not fit ({part.binding_detail})" if not part.fits else
+                                               "not predicted faster")
+    log(f"ds_longctx auto: {key}=False: {why}")
     return False, best
+
+
+def _kept_layers_that_fit(ac, chosen, none, every, num_layers: int) -> int:
+    """The most first layers whose kept outputs fit the host budget, by the per-layer host bytes between the
+    plans with none and with every layer keeping (only the offloaded layers' outputs go to host)."""
+    budget = none.host_budget_bytes
+    if budget is None or ac.get("offload", "none") == "none":
+        return 0
+    kod = chosen.get("activation_checkpointing.keep_on_device", ac.get("keep_on_device", 0))
+    off = num_layers - (kod if isinstance(kod, int) else 0)
+    per_layer = (every.host_bytes_per_node - none.host_bytes_per_node) / max(1, off)
+    if per_layer <= 0 or off <= 1:
+        return 0
+    return max(0, min(off, num_layers - 1, int((budget - none.host_bytes_per_node) // per_layer)))
 
 
 def _keep_on_device(run, ac, chosen, best, log):
