@@ -85,7 +85,6 @@ def kept_attention_bytes(model_config, lc, seq_len: int, micro_batch: int, dtype
 def offloaded_bytes_per_layer(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
     """What one checkpointed layer sends to its offload target: its input, plus its attention output and LSE
     with keep_attention_output (a count of layers: their share, averaged over the layers)."""
-    from ..memory.keep import kept_attention_layers
     from ..models import text_config
     from .model_states import _DTYPE_BYTES, model_dtype
 
