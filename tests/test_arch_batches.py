@@ -252,16 +252,20 @@ def test_tiled_mlp_is_exact_per_architecture(name):
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
-def test_tiled_mlp_refuses_router_jitter():
-    """Mixtral's router jitter draws noise in training: a tile recomputed in backward would see other noise."""
+@pytest.mark.parametrize("name,attr,what", [("mixtral", "router_jitter_noise", "jitter_noise=0.1"),
+                                             ("starcoder2", "residual_dropout", "residual_dropout=0.1")])
+def test_tiled_mlp_refuses_randomness_in_training(name, attr, what):
+    """Mixtral's router jitter and Starcoder2's MLP residual dropout draw random numbers in training: a tile
+    recomputed in backward would draw others. Refused with the fix while on; tiled in eval, and exact at 0
+    (test_tiled_mlp_is_exact_per_architecture)."""
     from transformers import AutoModelForCausalLM
 
     from arch_cases import arch_config, sample
     from ds_longctx.config import parse
     from ds_longctx.patch import patch_model
 
-    cfg = arch_config("mixtral")
-    cfg.router_jitter_noise = 0.1
+    cfg = arch_config(name)
+    setattr(cfg, attr, 0.1)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
                                                               "tiled_mlp": {"enabled": True, "shards": 2}}})
@@ -270,10 +274,10 @@ def test_tiled_mlp_refuses_router_jitter():
         e = config_error(lambda: model(**sample(16)))
         model.eval()
         with torch.no_grad():
-            assert model(**sample(16)).loss is not None  # no noise in eval: tiled
+            assert model(**sample(16)).loss is not None  # no randomness in eval: tiled
     finally:
         handle.remove()
-    assert e.startswith("long_context.tiled_mlp.enabled") and "jitter_noise=0.1" in e
+    assert e.startswith("long_context.tiled_mlp.enabled") and what in e, e
 
 
 def test_pointwise_mlp_is_recognised_by_its_source_only():
@@ -320,24 +324,3 @@ def test_pointwise_mlp_is_recognised_by_its_source_only():
     assert "forward" not in model.model.layers[0].mlp.__dict__  # nothing left patched
     assert model(**sample(16)).loss is not None
 
-
-def test_tiled_mlp_refuses_dropout_in_its_mlp():
-    """Starcoder2's MLP applies residual dropout in training: a tile recomputed in backward would draw another
-    mask. Refused with the fix while it is on; tiled and exact at 0 (test_tiled_mlp_is_exact_per_architecture)."""
-    from transformers import AutoModelForCausalLM
-
-    from arch_cases import arch_config, sample
-    from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
-
-    cfg = arch_config("starcoder2")
-    cfg.residual_dropout = 0.1
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
-                                                              "tiled_mlp": {"enabled": True, "shards": 2}}})
-    handle = patch_model(model, lc)
-    try:
-        e = config_error(lambda: model(**sample(16)))
-    finally:
-        handle.remove()
-    assert e.startswith("long_context.tiled_mlp.enabled") and "residual_dropout=0.1" in e and "dropout" in e, e

@@ -43,12 +43,7 @@ def test_auto_keeps_attention_output_when_host_memory_allows_and_not_when_it_doe
     n = _ac(cfg)["keep_attention_output"]
     assert not isinstance(n, bool) and n == SMALL["num_hidden_layers"] // 2, logs
     assert any("it does not fit" in m and "host memory" in m and f"the first {n} of 16" in m for m in logs), logs
-    r = Planner(cfg, load_model_config(SMALL), 8, GPU, str((off + on) // 2), "2GiB").run(SEQ)
-    assert r.fits and off < r.host_bytes_per_node <= (off + on) // 2, (r.host_bytes_per_node, off, on)
-    # room for the layer inputs only
-    logs = []
-    cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=str(off + (on - off) // 32), reserve="2GiB", log=logs.append)
-    assert _ac(cfg)["keep_attention_output"] is False, logs
+    # (room for the layer inputs only: off, tests/test_planner_auto.py's initialize case, on a tiny model)
     # no host budget given: not reinvested blind
     logs = []
     cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=None, reserve="2GiB", log=logs.append)
