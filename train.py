@@ -500,23 +500,30 @@ def build_dataset(args, model_config, seq_len):
                             tokenizer_name=name)
 
 
-def _reserve_nvme(engine, model_config, lc, seq_len, micro, ds_config):
-    """offload='nvme': reserve every rank's layer-input bytes on its drive before step 1, agreed over the
-    job (a full drive is one clear error on every rank, not a failed write at step 1)."""
+def _reserve_nvme(engine, model_config, seq_len, micro, ds_config):
+    """offload='nvme': reserve every rank's bytes on its drive before step 1 (its offloaded layer inputs, and the
+    attention outputs and LSEs keep_attention_output sends with them), agreed over the job (a full drive is one
+    clear error on every rank, not a failed write at step 1). The byte counts are the planner's."""
     from ds_longctx.memory import get_memory_handle, naming_nvme_keys
-    from ds_longctx.memory.nvme import NVMeTarget, _align, reserve_on_every_rank
-    from ds_longctx.models import text_config
+    from ds_longctx.memory.keep import kept_attention_layers
+    from ds_longctx.memory.nvme import ALIGN, NVMeTarget, _align, reserve_on_every_rank
+    from ds_longctx.planner.host import kept_attention_bytes, layer_input_bytes
+    from ds_longctx.planner.model_states import _DTYPE_BYTES, model_dtype
 
     handle = get_memory_handle(engine)
     target = getattr(getattr(handle, "offloader", None), "target", None)
     if not isinstance(target, NVMeTarget):
         return
+    lc = engine.long_context  # its "auto" values resolved by initialize
     ac = lc.activation_checkpointing
-    offloaded = max(0, len(handle.checkpointed_layers) - ac.keep_on_device)
-    half = (ds_config.get("bf16") or {}).get("enabled") or (ds_config.get("fp16") or {}).get("enabled")
-    per_layer = micro * (seq_len // lc.sequence_parallel_size) * text_config(model_config).hidden_size * (2 if half else 4)
+    layers = len(handle.checkpointed_layers)
+    offloaded = max(0, layers - ac.keep_on_device)
+    kept = min(kept_attention_layers(ac.keep_attention_output, layers), offloaded)  # the first layers keep theirs
+    per_input = _align(layer_input_bytes(model_config, ds_config, lc, seq_len, micro))
+    # output and LSE, each in its own aligned slot
+    per_kept = kept_attention_bytes(model_config, lc, seq_len, micro, _DTYPE_BYTES[model_dtype(ds_config)]) + 2 * ALIGN
     with naming_nvme_keys():  # the same ConfigError on every rank, naming nvme_path
-        reserve_on_every_rank(target, offloaded * _align(per_layer))
+        reserve_on_every_rank(target, offloaded * per_input + kept * per_kept)
 
 
 @torch.no_grad()
@@ -637,7 +644,7 @@ def main(argv=None):
             raise _config_error("--steps", f"{args.steps} is not past the checkpoint's step {start}",
                                 f"give --steps > {start}")
     batches = micro_batches(loader, start * gas)
-    _reserve_nvme(engine, model.config, lc, seq_len, micro, ds_config)
+    _reserve_nvme(engine, model.config, seq_len, micro, ds_config)
 
     metrics = open(args.metrics, "a" if args.resume else "w") if args.metrics and rank == 0 else None
     bar = None

@@ -22,9 +22,9 @@ import train  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def _nvme_config(tmp_path, nvme_path):
+def _nvme_config(tmp_path, nvme_path, **ac):
     cfg = json.load(open(TINY_CPU))
-    cfg["long_context"]["activation_checkpointing"].update(offload="nvme", nvme_path=nvme_path)
+    cfg["long_context"]["activation_checkpointing"].update(offload="nvme", nvme_path=nvme_path, **ac)
     path = tmp_path / "nvme.json"
     path.write_text(json.dumps(cfg))
     return str(path)
@@ -65,12 +65,16 @@ def test_sigterm_to_the_runner_ends_every_rank_and_full_drive_is_one_error(tmp_p
     assert gone_s < 10, (gone_s, out[-3000:])
     assert "ds_longctx: the launcher process" in out, out[-3000:]
     assert os.listdir(nvme) == [], out[-3000:]  # every rank removed its files on the way out
-    # a 4 MiB drive for 2 ranks x 2 layers x 1 MiB: refused before step 1 on every rank, nothing left
+    # a 4 MiB drive for 2 ranks x (2 layer inputs of 1 MiB + the first layer's kept attention output and LSE, each
+    # in a 4 KiB-aligned slot): refused before step 1 on every rank, nothing left
     proc = run_train("--seq-len", "2048", "--steps", "1", "--eval-samples", "0", launcher="mpirun",
-                     config=_nvme_config(tmp_path, small_tmpfs), check=False, timeout=240)
+                     config=_nvme_config(tmp_path, small_tmpfs, keep_attention_output=1), check=False, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert "is too full for this rank's layer inputs: 2097152 bytes (2.0 MiB) needed in" in out, out[-3000:]
+    # micro 4 x 1024 tokens per rank, fp32: input 4 x 1024 x 64 x 4; output 4 x 1024 x (4 x 16) x 4; LSE 4 x 2 x 2048 x 4
+    need = 2 * 4 * 1024 * 64 * 4 + 4 * 1024 * 64 * 4 + 4 * 2 * 2048 * 4 + 2 * 4096
+    assert f"is too full for this rank's layer inputs: {need} bytes ({need / 2**20:.1f} MiB) needed in" in out, \
+        out[-3000:]
     assert any(f"[rank {r}] ds_longctx: error: long_context.activation_checkpointing.nvme_path: rank " in out
                for r in (0, 1)), out[-3000:]
     assert "Traceback" not in out and "Assertion" not in out, out[-3000:]
