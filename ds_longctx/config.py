@@ -505,15 +505,13 @@ def check_kernel(name: str) -> str:
 
 def get_backend(name: str, device):
     """The kernel backend for the config value ``name`` on ``device``: :func:`check_kernel`, then
-    ``attention.kernels.backend_for``, whose ValueError (no such kernel for the device) becomes a ConfigError
+    ``attention.kernels.backend_for``, whose KernelError (no such kernel for the device) becomes a ConfigError
     naming the key. For direct callers; installs hold the spec's ``KernelChoice``."""
+    from .errors import naming
+
     check_kernel(name)
-    try:
+    with naming(KERNEL_KEY, KernelError):
         return backend_for(name, device)
-    except KernelError as e:
-        raise ConfigError(KERNEL_KEY, e.problem, e.fix) from None
-    except ValueError as e:
-        raise ConfigError(KERNEL_KEY, str(e), "set it to 'auto' or run on a device the kernel supports") from None
 
 
 def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], layer_kinds: bool = True) -> None:

@@ -901,14 +901,15 @@ def is_available(name: str) -> bool:
 
 
 def backend_for(name: str, device) -> Backend:
-    """The backend for ``name`` ('auto' | 'sdpa' | a backend's name) on ``device``; ValueError when there is
+    """The backend for ``name`` ('auto' | 'sdpa' | a backend's name) on ``device``; KernelError when there is
     none (config.get_backend checks a config value first and names the key)."""
     dev = torch.device(device).type
     if dev in _OVERRIDES:
         return _instance(_OVERRIDES[dev])
     if not is_available(name):
-        raise ValueError(f"attention kernel {name!r} is " + ("unknown" if not is_known(name) else
-                         f"not available on this machine (found: {available_backends()})"))
+        raise KernelError(f"attention kernel {name!r} is " + ("unknown" if not is_known(name) else
+                          f"not available on this machine (found: {available_backends()})"),
+                          "use kernel 'auto' or 'sdpa'")
     return _resolve(name, dev)
 
 

@@ -205,11 +205,15 @@ def _mlp_form_sources():
     return out
 
 
-def _elementwise_activation(act) -> bool:
+@functools.lru_cache(maxsize=None)
+def _activation_classes() -> tuple:
     from transformers.activations import ACT2CLS
 
-    classes = tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
-    return isinstance(act, classes)
+    return tuple({v[0] if isinstance(v, tuple) else v for v in ACT2CLS.values()})
+
+
+def _elementwise_activation(act) -> bool:
+    return isinstance(act, _activation_classes())
 
 
 def pointwise_mlp_form(module) -> Optional[MlpForm]:

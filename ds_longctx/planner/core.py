@@ -142,13 +142,6 @@ def _micro_batch(ds_config: dict) -> int:
     return 1 if mb in (None, "auto") else int(mb)
 
 
-def _with_keep(lc, keep):
-    one = lc.model_copy(deep=True)
-    one.activation_checkpointing.keep_attention_output = keep
-    one.sequence_parallel_size = lc.sequence_parallel_size
-    return one
-
-
 def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
     """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work)."""
     L = text_config(model_config).num_hidden_layers
@@ -165,10 +158,13 @@ def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple
         # the first n layers keep their attention output: not affine in depth from two shallow models. Blend per
         # layer between none keeping and, for n <= off, every offloaded layer keeping (at depth d the first d -
         # shift: the device-kept last layers do not), else every layer; the device peak is that second step's
-        none = _affine(model_config, ds_config, lambda d: _with_keep(lc, False), world, seq, device, bs, lo, hi, L)
+        def keeping(value):
+            return lambda d: host_plan.with_checkpointing(lc, keep_attention_output=value(d))
+
+        none = _affine(model_config, ds_config, keeping(lambda d: False), world, seq, device, bs, lo, hi, L)
         most = L if n > off else off  # the layers whose recompute the "full" step skips
-        full = _affine(model_config, ds_config, lambda d: _with_keep(lc, d - shift if n <= off else True), world,
-                       seq, device, bs, lo, hi, L)
+        full = _affine(model_config, ds_config, keeping(lambda d: d - shift if n <= off else True), world, seq,
+                       device, bs, lo, hi, L)
         f = n / most
         work = {k: tuple(y + f * (x - y) for x, y in zip(full[5].get(k, (0.0,) * 3), none[5].get(k, (0.0,) * 3)))
                 for k in set(full[5]) | set(none[5])}

@@ -41,14 +41,19 @@ def _aligned(n: int) -> int:
 def simulation_lc(lc):
     """The config the step is simulated with: offloaded inputs to host memory (no files are touched by
     the planner; the NVMe figures are derived from it), ``keep_on_device`` as configured."""
-    ac = lc.activation_checkpointing
-    if ac.offload != "nvme":
+    if lc.activation_checkpointing.offload != "nvme":
         return lc
-    sim = lc.model_copy(deep=True)
-    sim.activation_checkpointing.nvme_path = None
-    sim.activation_checkpointing.offload = "cpu"
-    sim.sequence_parallel_size = lc.sequence_parallel_size
-    return sim
+    return with_checkpointing(lc, nvme_path=None, offload="cpu")
+
+
+def with_checkpointing(lc, **values):
+    """A copy of ``lc`` with these activation_checkpointing values (``sequence_parallel_size`` kept: it is set
+    on the parsed config, not a field)."""
+    out = lc.model_copy(deep=True)
+    for key, value in values.items():
+        setattr(out.activation_checkpointing, key, value)
+    out.sequence_parallel_size = lc.sequence_parallel_size
+    return out
 
 
 def extrapolation_shift(lc) -> int:
