@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -98,6 +98,61 @@ class SPDataLoader:
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
         for batch in self.loader:
             yield shard_batch(batch, self.sp_rank, self.sp_size)
+
+
+class SampleStream:
+    """The job's samples as one endless, resumable stream, the same for every layout: global position ``p``
+    is sample ``order(p // N)[p % N]`` of an N-sample dataset (``order(e)`` is the identity, or with
+    ``shuffle`` the permutation ``torch.randperm(N)`` seeded ``seed + e``, DistributedSampler's), and
+    data-parallel replica ``r`` of ``dp`` reads positions ``start + r, start + r + dp, ...`` in micro batches
+    of ``micro_batch``; every rank of an SP group reads the same samples and keeps its sequence shard.
+
+    An optimizer step of ``gas`` micro batches consumes ``micro_batch * gas * dp`` positions: the global
+    batch of step k is positions [k B, (k+1) B) whatever the layout, so a run resumed on another world size,
+    SP or DP degree continues at ``start`` = the samples consumed (:attr:`position` after the last step)
+    with none repeated and none skipped. With ``start = 0`` and one epoch this is :class:`SPDataLoader`'s
+    order (DistributedSampler's); epochs run on without dropping the last ``N % dp`` samples.
+
+    Written instead of a ``DistributedSampler`` with an offset: its epoch length depends on the DP degree
+    (``N - N % dp``), so a position saved under one layout means another sample under the next.
+    """
+
+    def __init__(self, dataset, micro_batch: int, sp_rank: int = 0, sp_size: int = 1, dp_rank: int = 0,
+                 dp_size: int = 1, start: int = 0, shuffle: bool = False, seed: int = 0,
+                 collate_fn: Optional[Callable] = None):
+        n = len(dataset)
+        if n < 1:
+            raise ConfigError("data", "the dataset is empty", "give a dataset with at least one sample")
+        if start < 0:
+            raise ConfigError("start", f"must be >= 0, got {start}", "give the number of samples consumed")
+        self.dataset, self.n, self.micro = dataset, n, micro_batch
+        self.sp_rank, self.sp_size, self.dp_rank, self.dp = sp_rank, sp_size, dp_rank, dp_size
+        self.shuffle, self.seed = shuffle, seed
+        self.collate = collate_fn or torch.utils.data.default_collate
+        self.position = start  # the next global position of this replica's group (the job's samples consumed)
+        self._order_epoch, self._order = None, None
+
+    def _index(self, p: int) -> int:
+        epoch, i = divmod(p, self.n)
+        if not self.shuffle:
+            return i
+        if self._order_epoch != epoch:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            self._order, self._order_epoch = torch.randperm(self.n, generator=g).tolist(), epoch
+        return self._order[i]
+
+    def indices(self, position: int) -> List[int]:
+        """This replica's sample indices of the micro batch that starts at global ``position``."""
+        return [self._index(position + self.dp_rank + j * self.dp) for j in range(self.micro)]
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        batch = self.collate([self.dataset[i] for i in self.indices(self.position)])
+        self.position += self.micro * self.dp
+        return shard_batch(batch, self.sp_rank, self.sp_size)
 
 
 # ---------------------------------------------------------------------------------------------

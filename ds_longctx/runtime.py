@@ -183,6 +183,88 @@ def _on_signal(signum, frame):
     _terminate(128 + signum, f"received {name}: ending this rank (exit {128 + signum})")
 
 
+# ---------------------------------------------------------------------------------------------
+# a graceful stop: the preemption signal lets the training loop finish its step and save
+# ---------------------------------------------------------------------------------------------
+
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class _Stop:
+    """What :func:`graceful_stop` installed: the signal that asked for the stop (None while none did), the
+    handlers it replaced, and whether the wakeup thread dispatches (then the Python-level handler must not
+    count the same delivery twice)."""
+
+    def __init__(self):
+        self.signal: Optional[str] = None
+        self.previous: Dict[int, Any] = {}
+        self.lock = threading.Lock()
+
+
+_stop: Optional[_Stop] = None
+
+
+def _on_stop_signal(signum, frame):
+    """First SIGTERM/SIGUSR1: remember it (the loop saves at the end of the step and exits 0). A second
+    SIGTERM, or SIGUSR1 then SIGTERM: end this rank now, as without a graceful stop."""
+    stop = _stop
+    if stop is None:  # uninstalled meanwhile
+        return _on_signal(signum, frame)
+    name = signal.Signals(signum).name
+    with stop.lock:
+        first = stop.signal is None
+        if first:
+            stop.signal = name
+    if first:
+        try:
+            _flush()
+            os.write(2, f"{_prefix()}ds_longctx: received {name}: finishing this step, saving a checkpoint, then "
+                     "exiting (send SIGTERM again to end now, without the save)\n".encode(errors="replace"))
+        except OSError:
+            pass
+    elif name == "SIGTERM":
+        _on_signal(signum, frame)
+
+
+def _python_stop_handler(signum, frame):
+    # with the wakeup thread running, the thread already dispatched this delivery (the C-level handler
+    # writes the signal number to the wakeup fd, then CPython calls this in the main thread)
+    if _wakeup_thread is None:
+        _on_stop_signal(signum, frame)
+
+
+@contextlib.contextmanager
+def graceful_stop():
+    """While inside: the first SIGTERM or SIGUSR1 (SLURM's ``--signal=USR1@T`` before the time limit, a
+    preemption notice) does not end the rank; it is recorded, and :func:`stop_requested` says so. The
+    training loop checks it at the end of every step on every rank (``stop_requested_anywhere``), saves and
+    exits 0. A second SIGTERM ends the rank at once with its cleanups (a stuck save cannot hold the job).
+    SIGINT (Ctrl-C) still ends the rank at once. Outside: the handlers it replaced are back."""
+    global _stop
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("graceful_stop() must be entered in the main thread (signal handlers)")
+    install_signal_handlers()  # the wakeup thread, so that a second signal ends a rank stuck in native code
+    stop = _Stop()
+    for name in STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            stop.previous[int(sig)] = signal.getsignal(sig)
+            signal.signal(sig, _python_stop_handler)
+    _stop = stop
+    try:
+        yield stop
+    finally:
+        _stop = None
+        for sig, handler in stop.previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def stop_requested() -> Optional[str]:
+    """The name of the signal that asked this rank to stop gracefully, or None."""
+    stop = _stop
+    return stop.signal if stop is not None else None
+
+
 _wakeup_thread: Optional[threading.Thread] = None
 
 
@@ -201,7 +283,10 @@ def _watch_wakeup_fd(fd: int) -> None:
         if not data:
             return
         for signum in data:
-            if signum in names and signal.getsignal(signum) is _on_signal:
+            handler = signal.getsignal(signum)
+            if handler is _python_stop_handler:
+                _on_stop_signal(signum, None)
+            elif signum in names and handler is _on_signal:
                 _on_signal(signum, None)
 
 

@@ -107,12 +107,12 @@ def test_5m_config_is_the_design_card_alias():
 
 
 def test_train_refuses_an_8b_config_with_the_tiny_preset():
-    import train
+    from ds_longctx import train
 
     with pytest.raises(ConfigError, match=r"--model .*--model-config") as e:
         train.main(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "5m.json")])
     assert "max_position_embeddings" in str(e.value) and "tiny default preset" in str(e.value)
-    cfg = train.load_model_config(train.DEFAULT_MODEL_CONFIG)
+    cfg = train.load_model_config(train.default_model_config())
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))), cfg, 512)
     big = train.load_model_config(os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json"))
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))), big,

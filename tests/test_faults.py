@@ -14,8 +14,7 @@ from ds_longctx.config import ConfigError, check_against, check_train_batch_size
 from launch_utils import ROOT, TINY_CPU
 from tiny_models import tiny_config
 
-sys.path.insert(0, ROOT)
-import train  # noqa: E402
+from ds_longctx import checkpoint, train  # noqa: E402
 
 
 def _tiny(**changes):
@@ -190,8 +189,8 @@ def _fake_checkpoint(root, tag, step, facts=None, latest=True):
     d.mkdir(parents=True)
     torch.save({"w": torch.ones(4)}, d / "mp_rank_00_model_states.pt")
     torch.save({"m": torch.zeros(64)}, d / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    rec = {"step": step, "model": facts or {}, "files": train._tag_files(str(d))}
-    (d / train.LAYOUT_FILE).write_text(json.dumps(rec))
+    rec = {"step": step, "model": facts or {}, "files": checkpoint.tag_files(str(d))}
+    (d / checkpoint.RECORD_FILE).write_text(json.dumps(rec))
     if latest:
         (root / "latest").write_text(tag)
     return d
@@ -199,22 +198,22 @@ def _fake_checkpoint(root, tag, step, facts=None, latest=True):
 
 def test_resume_uses_the_newest_complete_tag_and_names_each_problem(tmp_path):
     _fake_checkpoint(tmp_path, "step2", 2)
-    assert train.find_resume_tag(str(tmp_path))[0::2] == ("step2", None)
+    assert checkpoint.find_resume_tag(str(tmp_path))[0::2] == ("step2", None)
     new = _fake_checkpoint(tmp_path, "step4", 4)
     model = new / "mp_rank_00_model_states.pt"
     good = model.read_bytes()
     cases = [
         (lambda: model.write_bytes(good[:100]), f"{str(model)!r} has 100 bytes, {len(good)} were saved (truncated"),
         (lambda: model.write_bytes(os.urandom(len(good))), f"{str(model)!r} is not a readable torch checkpoint file"),
-        (lambda: (new / train.LAYOUT_FILE).write_text("{not json"),
-         f"{str(new / train.LAYOUT_FILE)!r} is not a valid layout record (Expecting property name"),
-        (lambda: (new / train.LAYOUT_FILE).unlink(), f"{str(new / train.LAYOUT_FILE)!r} is missing (the save did not"),
+        (lambda: (new / checkpoint.RECORD_FILE).write_text("{not json"),
+         f"{str(new / checkpoint.RECORD_FILE)!r} is not a valid layout record (Expecting property name"),
+        (lambda: (new / checkpoint.RECORD_FILE).unlink(), f"{str(new / checkpoint.RECORD_FILE)!r} is missing (the save did not"),
         (lambda: (tmp_path / "latest").write_text("step9"), f"tag directory {str(tmp_path / 'step9')!r} does not exist"),
         (lambda: (tmp_path / "latest").unlink(), "there is no 'latest' file"),
     ]
     for damage, problem in cases:
         damage()
-        tag, record, note = train.find_resume_tag(str(tmp_path))
+        tag, record, note = checkpoint.find_resume_tag(str(tmp_path))
         assert tag == "step2" and record["step"] == 2, problem
         assert note.startswith("--resume: ") and problem in note, (problem, note)
         assert note.endswith(f"resuming from {str(tmp_path / 'step2')!r} (step 2), the newest complete checkpoint")
@@ -222,16 +221,7 @@ def test_resume_uses_the_newest_complete_tag_and_names_each_problem(tmp_path):
     (tmp_path / "latest").write_text("step2")
     with pytest.raises(ConfigError, match=r"--resume: checkpoint 'step2' in .*: .*optim_states.pt' has 0 bytes, .* "
                        "and no other complete checkpoint is there"):
-        train.find_resume_tag(str(tmp_path))
-
-
-def test_resume_refuses_another_model_before_loading():
-    facts = train.model_facts(tiny_config(heads=4, kv_heads=2))
-    train.check_resume_model({"model": facts}, dict(facts), "ck/step2")
-    other = train.model_facts(tiny_config(heads=2, kv_heads=2, head_dim=16))  # same hidden, same tensor shapes
-    with pytest.raises(ConfigError, match=r"--resume: ck/step2 holds a different model: heads 4 in the checkpoint vs "
-                       r"2 now, head_dim 8 in the checkpoint vs 16 now"):
-        train.check_resume_model({"model": facts}, other, "ck/step2")
+        checkpoint.find_resume_tag(str(tmp_path))
 
 
 # -------------------------------------------------------------- inputs ----------------------------------------------
@@ -322,8 +312,7 @@ def test_hub_ids_offline_name_the_id_and_the_fix(tmp_path):
     data.write_text("hello world\n")
     script = f"""
 import sys, types
-sys.path.insert(0, {ROOT!r})
-import train
+from ds_longctx import train
 from ds_longctx.errors import ConfigError
 for argv in (["--model", "meta-llama/Llama-3.1-8B"], ["--model", "no-such-org/no-such-model"]):
     try:
@@ -333,7 +322,7 @@ for argv in (["--model", "meta-llama/Llama-3.1-8B"], ["--model", "no-such-org/no
 args = types.SimpleNamespace(data={str(data)!r}, tokenizer="no-such-org/no-such-tokenizer", model=None,
                              concat_documents=False, seed=0)
 try:
-    train.build_dataset(args, types.SimpleNamespace(vocab_size=64), 8)
+    train.build_dataset(args, types.SimpleNamespace(vocab_size=64), 8, train.load_tokenizer(args))
 except ConfigError as e:
     print("ERR", e)
 """
@@ -369,8 +358,7 @@ def test_train_batch_size_inconsistent_is_refused_before_the_model(tmp_path):
     path.write_text(json.dumps(cfg))
     script = f"""
 import sys
-sys.path.insert(0, {ROOT!r})
-import train
+from ds_longctx import train
 from ds_longctx.errors import ConfigError
 try:
     train.main(["--deepspeed_config", {str(path)!r}, "--steps", "1"])

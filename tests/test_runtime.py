@@ -1,5 +1,5 @@
 """Units behind the reliability fixes: shutdown()/main_guard() in a subprocess, near-miss keys, batch
-sizes, MASTER_PORT, train.py's CLI validation, data iteration without retention, resume layout check."""
+sizes, MASTER_PORT, train.py's CLI validation, data iteration (one order for every layout, no retention)."""
 import gc
 import json
 import os
@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from ds_longctx.config import ConfigError, parse
-from ds_longctx.data import SPDataLoader, LongRangeCopy, TokenFileDataset, shard_batch
+from ds_longctx.data import LongRangeCopy, TokenFileDataset, shard_batch
 from ds_longctx.launch import master_port
 from launch_utils import ROOT, TINY_CPU
 
-sys.path.insert(0, ROOT)
-import train  # noqa: E402
+from ds_longctx import train  # noqa: E402
 
 
 def _py(code, **env):
@@ -145,33 +144,39 @@ def test_shards_own_only_their_bytes():
             assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), (bsz, sp, k)
 
 
-def test_data_iteration_keeps_no_batch_and_resumes_at_its_position():
-    loader = SPDataLoader(LongRangeCopy(16, 64, num_samples=12), batch_size=2, sp_rank=0, sp_size=2)
-    assert len(loader) == 6
-    it = train.micro_batches(loader, 0)
+def test_sample_stream_is_one_order_for_every_layout_and_keeps_no_batch():
+    """train.py's data: global position p is sample p % N (epochs run on); replica r of dp reads positions
+    start + r, start + r + dp, ...; so the samples of step k are the same for every layout, and a run resumed on
+    another layout at the samples consumed continues with none repeated and none skipped."""
+    from ds_longctx.data import SampleStream
+
+    ds = LongRangeCopy(16, 64, num_samples=7)
+    one = SampleStream(ds, 2)  # one replica, micro batch 2
     refs, seen = [], []
-    for _ in range(14):  # past two epoch ends
-        b = next(it)
+    for _ in range(6):  # past an epoch end (7 samples)
+        b = next(one)
         refs.append(weakref.ref(b["input_ids"]))
         seen.append(b["input_ids"].clone())
         del b
     gc.collect()
-    assert all(r() is None for r in refs)  # itertools.cycle kept every batch alive
-    assert torch.equal(seen[0], seen[6]) and torch.equal(seen[1], seen[13])  # epochs repeat (no shuffle)
-    resumed = train.micro_batches(loader, 9)
-    for k in range(9, 14):
-        assert torch.equal(next(resumed)["input_ids"], seen[k])
+    assert all(r() is None for r in refs)  # no batch is kept alive
+    assert one.position == 12
+    order = torch.cat(seen)  # positions 0..11 = samples 0..6, 0..4
+    assert torch.equal(order[7], order[0]) and torch.equal(order[11], order[4])
+    # DP 2 (micro 1) from position 4 of the same order: replica r reads 4 + r, 6 + r, ...
+    for r in (0, 1):
+        s = SampleStream(ds, 1, dp_rank=r, dp_size=2, start=4)
+        got = torch.cat([next(s)["input_ids"] for _ in range(3)])
+        assert torch.equal(got, order[[4 + r, 6 + r, 8 + r]]), r
+        assert s.position == 10
+    # SP 2: each rank keeps its half of the same samples
+    halves = [next(SampleStream(ds, 2, sp_rank=r, sp_size=2))["input_ids"] for r in (0, 1)]
+    assert torch.equal(torch.cat(halves, dim=1), order[:2])
+    # with shuffle: DistributedSampler's permutation per epoch
+    from torch.utils.data import DistributedSampler
+
+    sh = SampleStream(ds, 7, shuffle=True, seed=3)
+    ids = torch.stack([ds[i]["input_ids"] for i in DistributedSampler(ds, 1, 0, shuffle=True, seed=3)])
+    assert torch.equal(next(sh)["input_ids"], ids)
 
 
-def test_resume_layout_mismatch_names_every_difference():
-    layout = {"world_size": 2, "sequence_parallel_size": 2, "data_parallel_size": 1, "seq_len": 64,
-              "micro_batch": 4, "gradient_accumulation_steps": 1, "seed": 0, "data": "copy",
-              "batches_per_epoch": 25000}
-    train.check_resume_layout(dict(layout, step=3), layout, "ck")
-    now = dict(layout, world_size=4, data_parallel_size=2, seed=1)
-    with pytest.raises(ConfigError) as e:
-        train.check_resume_layout(layout, now, "ck")
-    msg = str(e.value)
-    assert msg.startswith("--resume: ck was saved with a different layout: world_size 2 in the checkpoint vs 4 now, "
-                          "data_parallel_size 1 in the checkpoint vs 2 now, seed 0 in the checkpoint vs 1 now")
-    assert "Fix: resume with the number of processes = 2, world / sequence_parallel_size = 1, --seed = 0" in msg

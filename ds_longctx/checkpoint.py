@@ -1,0 +1,1079 @@
+"""Checkpoints for runs of days: saved during the run, resumed on any layout, exported as a Hugging Face model.
+
+The formats are DeepSpeed's and transformers'. A tag is DeepSpeed's own checkpoint (``engine.save_checkpoint``)
+plus ds_longctx's record (:data:`RECORD_FILE`: the run's layout, its data position and data identity, the
+model's shape facts and HF config, the optimizer and scheduler sections, each file's size). A resume on another
+world size, SP or DP degree goes through DeepSpeed's universal checkpoint (``ds_to_universal``, then
+``checkpoint.load_universal``). An export gathers the weights with DeepSpeed's own means (ZeRO-3's consolidated
+16-bit state dict for a live engine, ``zero_to_fp32`` for a saved tag) and writes them with transformers'
+``save_pretrained``: safetensors shards, config, generation config, tokenizer.
+
+What a save guarantees (every rank calls it):
+
+* A tag is written under a temporary name (``.tmp-<tag>``) and renamed once every rank's files, fsynced, and
+  the record are there; ``latest`` moves after the rename. A save killed at any moment (SIGKILL, power) leaves
+  the previous complete tag and ``latest`` as they were; the next run on the directory removes the partial one.
+* A failed write (disk full, I/O error) does not raise inside DeepSpeed's save (the other ranks would wait in
+  its barrier until the process-group timeout): it is recorded, every rank learns of it, the partial tag is
+  removed, and every rank raises one ConfigError naming the path, the bytes and the free space.
+* Free space is checked before every save against the bytes it will write (the previous save's, or before the
+  first one the model states' estimate :func:`estimate_bytes`), per filesystem (a shared one holds every
+  rank's files, a node-local one its node's).
+* One run per save directory: :class:`SaveDir` holds a lock on it for the run; a second run is refused naming
+  the holder (host, pid, start). The lock is an ``flock``: the kernel drops it when the holder dies.
+
+Resume (:func:`plan_resume` before ``initialize``, :meth:`ResumePlan.load` after): the tag ``latest`` names when
+it is complete, else the newest complete tag (said). Another world / SP / DP degree: converted once to
+``<tag>.universal`` beside it (rank 0; ``ds-longctx convert`` does it offline) and loaded with DeepSpeed's
+universal loader. Refused before any tensor is read, naming the difference: another model, other data, another
+sequence length, another ZeRO stage (DeepSpeed's loaders cannot cross stages), another optimizer type. A changed
+learning rate or schedule takes effect and is reported.
+
+Checkpoints are unpickled by DeepSpeed (``torch.load(weights_only=False)``): resume only directories you trust.
+"""
+from __future__ import annotations
+
+import copy
+import errno
+import itertools
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import ConfigError
+
+RECORD_FILE = "ds_longctx_layout.json"   # ds_longctx's record in every tag (the name older runs used)
+HF_CONFIG_DIR = "hf"                      # the model's HF config (+ tokenizer, generation config) in every tag
+UNIVERSAL_SUFFIX = ".universal"           # DeepSpeed's universal checkpoint of tag T: <dir>/T.universal
+UNIVERSAL_RECORD = "ds_longctx_universal.json"
+LOCK_FILE = ".ds_longctx.lock"
+TMP_PREFIX, OLD_PREFIX = ".tmp-", ".old-"
+
+# what must match the checkpoint for a plain (non-universal) DeepSpeed load: ZeRO partitions follow them
+PARTITION_KEYS = ("world_size", "sequence_parallel_size", "data_parallel_size")
+MODEL_KEYS = ("model_type", "layers", "heads", "kv_heads", "head_dim", "hidden", "vocab")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step}"
+
+
+def _step_of(tag: str) -> Optional[int]:
+    return int(tag[4:]) if tag.startswith("step") and tag[4:].isdigit() else None
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _fmt(n: float) -> str:
+    from .planner.units import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directory entries in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where the kernel,
+    libc or filesystem cannot (then the caller renames in two steps)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD = -100
+    return fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def tag_files(tag_dir: str) -> Dict[str, int]:
+    """{relative path: size} of every file of a saved tag (the record and the HF config excepted)."""
+    out = {}
+    for root, _, names in os.walk(tag_dir):
+        for n in names:
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, tag_dir)
+            if rel != RECORD_FILE and not rel.startswith(HF_CONFIG_DIR + os.sep):
+                out[rel] = os.path.getsize(full)
+    return out
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_world() -> Tuple[int, int]:
+    dist = _dist()
+    return (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+
+
+def _all_gather(obj) -> list:
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj):
+    """Rank 0's ``obj`` on every rank."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _raise_everywhere(outcome) -> None:
+    """``outcome`` (the same on every rank) is None, or a ConfigError's (key, problem, fix)."""
+    if outcome is not None:
+        raise ConfigError(*outcome)
+
+
+# Test hooks (tests and bench/fault_rerun.py only), for faults at a repeatable moment of a save (points:
+# SAVE_POINTS; fileN counts the files DeepSpeed writes on that rank): DS_LONGCTX_TEST_KILL_AT="RANK:POINT" makes
+# that rank SIGKILL itself there; DS_LONGCTX_TEST_FILL_AT="RANK:POINT" makes it fill the save directory's
+# filesystem there (a real full disk: a file of zeros until ENOSPC). Unset (always, outside tests), nothing changes.
+TEST_KILL_ENV = "DS_LONGCTX_TEST_KILL_AT"
+TEST_FILL_ENV = "DS_LONGCTX_TEST_FILL_AT"
+TEST_FILLER = ".ds_longctx-test-filler"
+SAVE_POINTS = ("before_fileN", "after_fileN", "after_files", "before_record", "after_record", "after_rename",
+               "after_latest", "done")
+_saving_into: Optional[str] = None
+
+
+def _kill_point(rank: int, point: str) -> None:
+    if _saving_into and os.environ.get(TEST_FILL_ENV) == f"{rank}:{point}":
+        try:
+            with open(os.path.join(_saving_into, TEST_FILLER), "ab") as f:
+                block = b"\0" * (1 << 16)
+                while True:
+                    f.write(block)
+                    f.flush()
+        except OSError:
+            pass
+    if os.environ.get(TEST_KILL_ENV) == f"{rank}:{point}":
+        import signal
+
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os.write(2, f"[rank {rank}] ds_longctx test hook: SIGKILL at {point}\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading what is saved
+# ---------------------------------------------------------------------------------------------
+
+
+def check_tag(path: str, tag: str) -> Tuple[Optional[dict], Optional[str]]:
+    """(record, None) for a complete, readable tag, else (None, the problem naming its file)."""
+    tag_dir = os.path.join(path, tag)
+    if not os.path.isdir(tag_dir):
+        return None, f"tag directory {tag_dir!r} does not exist"
+    rec_path = os.path.join(tag_dir, RECORD_FILE)
+    if not os.path.isfile(rec_path):
+        return None, (f"{rec_path!r} is missing (the save did not finish, or the checkpoint was not saved by "
+                      "ds_longctx)")
+    try:
+        with open(rec_path) as f:
+            record = json.load(f)
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{rec_path!r} is not a valid layout record ({e})"
+    files = record.get("files")
+    if isinstance(files, dict):
+        for rel, size in sorted(files.items()):
+            full = os.path.join(tag_dir, rel)
+            if not os.path.isfile(full):
+                return None, f"{full!r} is missing"
+            if os.path.getsize(full) != size:
+                return None, f"{full!r} has {os.path.getsize(full)} bytes, {size} were saved (truncated or replaced)"
+    for rel in sorted(files if isinstance(files, dict) else tag_files(tag_dir)):
+        full = os.path.join(tag_dir, rel)
+        if rel.endswith((".pt", ".bin")):
+            try:  # torch.save's zip archive: reading its directory catches truncation and foreign bytes cheaply
+                zipfile.ZipFile(full).close()
+            except (zipfile.BadZipFile, OSError) as e:
+                return None, f"{full!r} is not a readable torch checkpoint file ({e})"
+    return record, None
+
+
+def find_resume_tag(path: str, name: str = "--resume") -> Tuple[str, dict, Optional[str]]:
+    """(tag, record, note) of the checkpoint a resume loads from ``path``: the tag in ``latest`` when it is
+    complete and readable, else the newest complete tag (``note`` says why and which); a ConfigError when
+    there is none."""
+    if not os.path.isdir(path):
+        raise ConfigError(name, f"{path!r} holds no checkpoint (no such directory)", "give the directory passed to "
+                          "--save")
+    latest = os.path.join(path, "latest")
+    problem = tag = None
+    if os.path.isfile(latest):
+        try:
+            with open(latest) as f:
+                tag = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            problem = f"{latest!r} cannot be read ({e})"
+        if tag is not None:
+            if not tag or os.sep in tag:
+                problem = f"{latest!r} does not name a tag (holds {tag!r})"
+            else:
+                record, problem = check_tag(path, tag)
+                if problem is None:
+                    return tag, record, None
+                parked = OLD_PREFIX + tag  # a replace of T killed between its two renames: T is complete there
+                if not os.path.exists(os.path.join(path, tag)) and check_tag(path, parked)[0] is not None:
+                    return parked, check_tag(path, parked)[0], (f"{name}: {os.path.join(path, tag)!r} was being "
+                                                                f"replaced when its run ended; resuming from its "
+                                                                f"complete copy {os.path.join(path, parked)!r}")
+    candidates = []
+    for entry in os.listdir(path):
+        if entry == tag or entry.startswith((TMP_PREFIX, OLD_PREFIX)) or entry.endswith(UNIVERSAL_SUFFIX) or \
+                not os.path.isdir(os.path.join(path, entry)):
+            continue
+        record, _ = check_tag(path, entry)
+        if record is not None:
+            candidates.append((int(record.get("step", -1)), entry, record))
+    if not candidates:
+        if problem is None:
+            raise ConfigError(name, f"{path!r} holds no checkpoint (no 'latest' file)",
+                              "give the directory passed to --save")
+        raise ConfigError(name, f"checkpoint {tag!r} in {path!r}: {problem}, and no other complete checkpoint is "
+                          "there", "resume a complete checkpoint saved by ds_longctx, or start a new run")
+    step, best, record = max(candidates)
+    why = problem or "there is no 'latest' file"
+    note = f"{name}: {why}; resuming from {os.path.join(path, best)!r} (step {step}), the newest complete checkpoint"
+    return best, record, note
+
+
+def model_facts(model_config) -> dict:
+    """The shape facts a checkpoint must share with the model it is loaded into."""
+    from .models import text_config
+
+    tc = text_config(model_config)
+    heads = getattr(tc, "num_attention_heads", None)
+    hidden = getattr(tc, "hidden_size", None)
+    head_dim = getattr(tc, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    return {"model_type": getattr(tc, "model_type", None), "layers": getattr(tc, "num_hidden_layers", None),
+            "heads": heads, "kv_heads": getattr(tc, "num_key_value_heads", None) or heads, "head_dim": head_dim,
+            "hidden": hidden, "vocab": getattr(tc, "vocab_size", None)}
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes a save writes
+# ---------------------------------------------------------------------------------------------
+
+# optimizer state tensors per parameter (each the size of the fp32 partition) of the optimizers DeepSpeed
+# builds from a ds_config (lower-cased "optimizer.type"); unknown types are estimated as Adam's (and said)
+_STATES_PER_PARAM = {"adam": 2, "adamw": 2, "fusedadam": 2, "cpuadam": 2, "deepspeedcpuadam": 2, "lamb": 2,
+                     "onebitadam": 2, "zerooneadam": 2, "onebitlamb": 2, "adagrad": 1, "lion": 1, "muon": 1,
+                     "sgd": 1}
+_RECORD_SLACK = 64 << 10  # the record, the HF config, zero_to_fp32.py, torch's archive overhead per file
+
+
+def estimate_bytes(engine) -> int:
+    """Bytes this rank writes for one checkpoint, from its model states: the fp32 master partition plus the
+    optimizer's state tensors of the same size (ZeRO-1/2/3; Adam: 2), plus the 16-bit module on the ranks that
+    save it (no ZeRO-3), plus a small allowance. Measured against real saves in tests/test_checkpoint.py."""
+    opt_type = str(((engine.config or {}).get("optimizer") or {}).get("type", "adam")).lower()
+    states = _STATES_PER_PARAM.get(opt_type, 2)
+    stage = engine.zero_optimization_stage()
+    opt = engine.optimizer
+    if stage == 3:
+        numel = sum(t.numel() for t in getattr(opt, "fp32_partitioned_groups_flat", []))
+    elif stage in (1, 2):
+        numel = sum(t.numel() for t in getattr(opt, "single_partition_of_fp32_groups", []))
+    else:
+        numel = sum(p.numel() for p in engine.module.parameters()) if engine.global_rank == 0 else 0
+    total = numel * 4 * (1 + states)
+    if stage != 3 and engine.global_rank == 0:  # the module's own (16-bit or fp32) weights in the model states
+        total += sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    # (ZeRO-3's model states hold the parameter shapes and empty tensors: in the allowance)
+    return int(total + _RECORD_SLACK)
+
+
+# ---------------------------------------------------------------------------------------------
+# the save directory of a run: lock, checks before step 1, saves
+# ---------------------------------------------------------------------------------------------
+
+
+def _holder_text(lock_path: str) -> str:
+    try:
+        with open(lock_path) as f:
+            h = json.load(f)
+        return (f"host {h.get('host')!r}, pid {h.get('pid')}, started {h.get('started')}"
+                + (f", command {h.get('command')!r}" if h.get("command") else ""))
+    except (OSError, ValueError):
+        return "a process whose details could not be read"
+
+
+@dataclass
+class SaveDir:
+    """The ``--save`` directory of one run (every rank holds one; rank 0 holds the lock).
+
+    ``SaveDir.open(engine, path, keep_last=K)`` runs the checks of :meth:`preflight` before step 1;
+    :meth:`save` writes a tag; :meth:`close` releases the lock."""
+
+    path: str
+    name: str = "--save"
+    keep_last: Optional[int] = None
+    per_rank_bytes: int = 0                     # what this rank's save writes (estimate, then the last save's)
+    groups: List[List[int]] = field(default_factory=list)  # ranks sharing one filesystem for the save
+    _lock_fd: Optional[int] = None
+    last_save_s: Optional[float] = None
+
+    @classmethod
+    def open(cls, engine, path: str, keep_last: Optional[int] = None, name: str = "--save",
+             log=print) -> "SaveDir":
+        sd = cls(path=os.path.abspath(path), name=name, keep_last=keep_last)
+        sd.preflight(engine, log=log)
+        return sd
+
+    # ---- before step 1 ------------------------------------------------------------------------
+    def preflight(self, engine, log=print) -> None:
+        """Every rank, before step 1: the directory exists (created) and is writable on every rank, this run
+        holds its lock (a second run is refused naming the holder), partial tags of killed runs are removed,
+        and each filesystem holding it has room for one checkpoint of every rank writing there."""
+        rank, world = _rank_world()
+        token = uuid.uuid4().hex
+        outcome = None
+        if rank == 0:
+            outcome = self._lock_and_clean(token)
+        outcome, token = _broadcast((outcome, token))
+        _raise_everywhere(outcome)
+        sees_marker = os.path.exists(os.path.join(self.path, f".ds_longctx.fs-{token}"))
+        problem = None
+        try:
+            os.makedirs(self.path, exist_ok=True)  # a node-local directory on another node
+            probe = os.path.join(self.path, f".ds_longctx.write-test-{rank}-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.remove(probe)
+            free = _free_bytes(self.path)
+        except OSError as e:
+            problem, free = f"{self.path!r} is not writable on rank {rank} ({socket.gethostname()}): {e.strerror}", 0
+        self.per_rank_bytes = estimate_bytes(engine)
+        facts = _all_gather({"host": socket.gethostname(), "shared": sees_marker, "free": free,
+                             "bytes": self.per_rank_bytes, "problem": problem})
+        if rank == 0:
+            try:
+                os.remove(os.path.join(self.path, f".ds_longctx.fs-{token}"))
+            except OSError:
+                pass
+        problems = [f["problem"] for f in facts if f["problem"]]
+        if problems:
+            raise ConfigError(self.name, problems[0] + (f" (and {len(problems) - 1} more ranks)" if len(problems) > 1
+                                                        else ""), "give a directory every rank can write")
+        # ranks that see rank 0's marker share its filesystem; the others are grouped by host (node-local)
+        shared = [r for r, f in enumerate(facts) if f["shared"]]
+        local: Dict[str, List[int]] = {}
+        for r, f in enumerate(facts):
+            if not f["shared"]:
+                local.setdefault(f["host"], []).append(r)
+        self.groups = [shared] + list(local.values())
+        self._check_space(facts, "one checkpoint")
+        if rank == 0:
+            total = sum(f["bytes"] for f in facts)
+            where = ("one filesystem shared by every rank" if len(self.groups) == 1
+                     else f"{len(self.groups)} filesystems (node-local directories)")
+            log(f"checkpoints: {self.path} ({where}): about {_fmt(total)} per save ({_fmt(self.per_rank_bytes)} "
+                f"on rank 0, from the model states), {_fmt(min(f['free'] for f in facts))} free"
+                + (f"; keeping the last {self.keep_last}" if self.keep_last else ""))
+
+    def _lock_and_clean(self, token: str):
+        """Rank 0: create the directory, take the run's lock, drop a marker other ranks look for, remove partial
+        tags. Returns None or a ConfigError's parts (broadcast: the same verdict on every rank)."""
+        import fcntl
+
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            return (self.name, f"cannot create {self.path!r} ({e.strerror})", "give a directory this user can create")
+        lock_path = os.path.join(self.path, LOCK_FILE)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            return (self.name, f"{self.path!r} is not writable ({e.strerror})", "give a directory this user can write")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return (self.name, f"{self.path!r} is in use by another run ({_holder_text(lock_path)})",
+                        "give this run its own --save directory, or stop the other run first (the lock goes with "
+                        "its process)")
+            return (self.name, f"cannot lock {lock_path!r} ({e.strerror})", "use a filesystem with flock support")
+        self._lock_fd = fd
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": " ".join(sys.argv)[:300]}
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(holder).encode())
+            os.fsync(fd)
+            with open(os.path.join(self.path, f".ds_longctx.fs-{token}"), "w") as f:
+                f.write("marker")
+        except OSError as e:
+            return (self.name, f"{self.path!r} is not writable ({e.strerror})", "give a directory with free space "
+                    "this user can write")
+        removed = []
+        for entry in sorted(os.listdir(self.path)):
+            if entry.startswith((TMP_PREFIX, OLD_PREFIX)) and os.path.isdir(os.path.join(self.path, entry)):
+                # a complete tag parked as .old-T during a replace that was killed: put it back if T is missing
+                orig = entry[len(OLD_PREFIX):]
+                if entry.startswith(OLD_PREFIX) and not os.path.exists(os.path.join(self.path, orig)) and \
+                        check_tag(self.path, entry)[0] is not None:
+                    os.replace(os.path.join(self.path, entry), os.path.join(self.path, orig))
+                    continue
+                shutil.rmtree(os.path.join(self.path, entry), ignore_errors=True)
+                removed.append(entry)
+        if removed:
+            print(f"[ds_longctx] {self.name}: removed partial checkpoint(s) an earlier run left: {', '.join(removed)}",
+                  file=sys.stderr, flush=True)
+        return None
+
+    def _check_space(self, facts: List[dict], what: str) -> None:
+        """Every filesystem group has room for ``what``: the same verdict on every rank (facts are gathered)."""
+        for group in self.groups:
+            if not group:
+                continue
+            need = sum(facts[r]["bytes"] for r in group)
+            free = min(facts[r]["free"] for r in group)
+            if need > free:
+                hosts = sorted({facts[r]["host"] for r in group})
+                raise ConfigError(self.name, f"{self.path!r} has {_fmt(free)} free on {', '.join(hosts)}; {what} of "
+                                  f"ranks {_ranks(group)} needs {_fmt(need)} ({need} bytes)",
+                                  "free space there, save to a larger filesystem, or keep fewer checkpoints "
+                                  "(--keep-last)")
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            try:
+                os.close(self._lock_fd)  # releases the flock
+            except OSError:
+                pass
+            self._lock_fd = None
+
+    # ---- one save -----------------------------------------------------------------------------
+    def save(self, engine, step: int, record: dict, client_state: Optional[dict] = None, hf_config=None,
+             tokenizer=None) -> str:
+        """Save ``step`` as tag ``step<step>`` (every rank). ``record``: the run's layout and data position (JSON);
+        ``hf_config``/``tokenizer``: saved into the tag so that ``ds-longctx export`` needs nothing else."""
+        global _saving_into
+        _saving_into = self.path  # for the test hooks only
+        try:
+            return self._save(engine, step, record, client_state, hf_config, tokenizer)
+        finally:
+            _saving_into = None
+
+    def _save(self, engine, step, record, client_state, hf_config, tokenizer) -> str:
+        rank, _ = _rank_world()
+        tag = tag_for(step)
+        tmp = TMP_PREFIX + tag
+        t0 = time.monotonic()
+        # room for it, on every filesystem, before a byte is written
+        facts = _all_gather({"free": _free_bytes(self.path) if os.path.isdir(self.path) else 0,
+                             "bytes": self.per_rank_bytes, "host": socket.gethostname()})
+        self._check_space(facts, f"the checkpoint of step {step}")
+        if rank == 0 and os.path.exists(os.path.join(self.path, tmp)):
+            shutil.rmtree(os.path.join(self.path, tmp), ignore_errors=True)
+        written, errors = _save_files(engine, self.path, tmp, dict(client_state or {}, step=step,
+                                                                   ds_longctx_layout=record), rank)
+        _kill_point(rank, "after_files")
+        for path in written:  # durable before the rename makes the tag visible
+            try:
+                _fsync_file(path)
+            except OSError as e:
+                errors.append(f"{path}: fsync failed ({e.strerror})")
+        gathered = _all_gather({"errors": errors, "bytes": sum(os.path.getsize(p) for p in written
+                                                              if os.path.exists(p)), "free": facts[rank]["free"]})
+        failed = [(r, g["errors"][0]) for r, g in enumerate(gathered) if g["errors"]]
+        outcome = None
+        if rank == 0:
+            if failed:
+                shutil.rmtree(os.path.join(self.path, tmp), ignore_errors=True)
+                outcome = self._failure(step, failed, gathered)
+            else:
+                outcome = self._publish(tag, tmp, dict(record, step=step), hf_config, tokenizer, rank)
+        outcome = _broadcast(outcome)
+        _raise_everywhere(outcome)
+        self.per_rank_bytes = max(gathered[rank]["bytes"], 1)  # the next save writes what this one wrote
+        self.last_save_s = time.monotonic() - t0
+        _kill_point(rank, "done")
+        return tag
+
+    def _failure(self, step: int, failed, gathered):
+        r, first = failed[0]
+        latest = os.path.join(self.path, "latest")
+        prev = open(latest).read().strip() if os.path.isfile(latest) else None
+        keep = (f"the previous checkpoint {prev!r} and 'latest' are intact: --resume {self.path} continues from it"
+                if prev else "no earlier checkpoint exists in this directory")
+        need = sum(g["bytes"] for g in gathered)
+        return (self.name, f"saving step {step} to {self.path!r} failed on rank {r}: {first}"
+                + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
+                + f"; {_fmt(gathered[r]['free'])} was free there before the save, which needed about "
+                  f"{_fmt(need if need else self.per_rank_bytes)}; {keep}",
+                "free space on that filesystem (or save elsewhere), then resume")
+
+    def _publish(self, tag: str, tmp: str, record: dict, hf_config, tokenizer, rank: int):
+        """Rank 0, after every rank's files are durable: record, rename, latest, prune."""
+        tmp_dir, tag_dir = os.path.join(self.path, tmp), os.path.join(self.path, tag)
+        try:
+            if hf_config is not None or tokenizer is not None:
+                _save_hf_side_files(os.path.join(tmp_dir, HF_CONFIG_DIR), hf_config, tokenizer)
+            _kill_point(rank, "before_record")
+            _atomic_write(os.path.join(tmp_dir, RECORD_FILE),
+                          json.dumps(dict(record, files=tag_files(tmp_dir)), indent=1, default=str))
+            _kill_point(rank, "after_record")
+            old = None
+            if os.path.exists(tag_dir):  # the same step saved again: never write in place of a complete tag
+                if _exchange(tmp_dir, tag_dir):  # one atomic swap: the new tag in, the old one out at tmp
+                    old = tmp_dir
+                else:  # two renames; a kill between them leaves .old-<tag>, which resume and the next run use
+                    old = os.path.join(self.path, OLD_PREFIX + tag)
+                    shutil.rmtree(old, ignore_errors=True)
+                    os.replace(tag_dir, old)
+                    os.replace(tmp_dir, tag_dir)
+            else:
+                os.replace(tmp_dir, tag_dir)
+            _fsync_dir(self.path)
+            _kill_point(rank, "after_rename")
+            _atomic_write(os.path.join(self.path, "latest"), tag)
+            _fsync_dir(self.path)
+            _kill_point(rank, "after_latest")
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+            self._prune(keep=tag)
+        except OSError as e:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            return (self.name, f"saving {tag} to {self.path!r} failed on rank 0 while writing its record ("
+                    f"{e.strerror}: {e.filename}); 'latest' and the earlier tags are intact",
+                    "free space on that filesystem (or save elsewhere), then resume")
+        return None
+
+    def _prune(self, keep: str) -> None:
+        if not self.keep_last:
+            return
+        tags = []
+        for entry in os.listdir(self.path):
+            step = _step_of(entry)
+            if step is not None and os.path.isfile(os.path.join(self.path, entry, RECORD_FILE)):
+                tags.append((step, entry))
+        for _, entry in sorted(tags)[:-self.keep_last]:
+            if entry == keep:
+                continue
+            shutil.rmtree(os.path.join(self.path, entry), ignore_errors=True)
+            shutil.rmtree(os.path.join(self.path, entry + UNIVERSAL_SUFFIX), ignore_errors=True)
+
+
+def _ranks(group: List[int]) -> str:
+    return f"{group[0]}-{group[-1]}" if group == list(range(group[0], group[-1] + 1)) and len(group) > 2 else \
+        ",".join(map(str, group))
+
+
+def _save_files(engine, path: str, tag: str, client_state: dict, rank: int) -> Tuple[List[str], List[str]]:
+    """DeepSpeed's ``save_checkpoint`` of ``tag`` (no ``latest``), with its file writes recorded: (files this
+    rank wrote, errors). A failed write is recorded, its partial file removed, and not raised, so that this
+    rank still reaches the barriers inside DeepSpeed's save. (DeepSpeed's own checkpoint engine would raise
+    from inside the save; no engine option records instead.)"""
+    ce = engine.checkpoint_engine
+    counter = itertools.count(1)
+    written: List[str] = []
+    errors: List[str] = []
+    own_save = "save" in vars(ce)
+    original_save = ce.save
+    own_copy = "_copy_recovery_script" in vars(engine)
+    original_copy = engine._copy_recovery_script
+
+    def save(*a, **k):  # DeepSpeed calls it positionally and as save(state_dict=..., path=...)
+        path_ = k["path"] if "path" in k else a[1]
+        n = next(counter)
+        _kill_point(rank, f"before_file{n}")
+        if errors:  # one failure is enough: write nothing more this save
+            return None
+        try:
+            out = original_save(*a, **k)
+        except Exception as e:  # OSError, or torch's zip writer: "unexpected pos ..." on a full disk
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+            errors.append(f"writing {path_!r}: {str(reason)[:300]}")
+            try:
+                os.remove(path_)
+            except OSError:
+                pass
+            return None
+        written.append(path_)
+        _kill_point(rank, f"after_file{n}")
+        return out
+
+    def copy_recovery_script(save_path):
+        try:
+            original_copy(save_path)
+        except OSError as e:
+            errors.append(f"copying DeepSpeed's zero_to_fp32.py into {save_path!r}: {e.strerror}")
+
+    ce.save = save
+    engine._copy_recovery_script = copy_recovery_script
+    try:
+        engine.save_checkpoint(path, tag=tag, client_state=client_state, save_latest=False)
+    finally:
+        if own_save:
+            ce.save = original_save
+        else:
+            del ce.save
+        if own_copy:
+            engine._copy_recovery_script = original_copy
+        else:
+            del engine._copy_recovery_script
+    return written, errors
+
+
+def _save_hf_side_files(out_dir: str, hf_config, tokenizer) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    if hf_config is not None:
+        hf_config.save_pretrained(out_dir)
+        try:
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(hf_config).save_pretrained(out_dir)
+        except Exception:  # a config transformers cannot derive a generation config from: export says so
+            pass
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# resume
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ResumePlan:
+    """What a resume loads (decided on every rank from the same files, before ``initialize``)."""
+
+    path: str
+    tag: str
+    record: dict
+    note: Optional[str]
+    universal: bool
+    changes: List[str]              # layout or hyper-parameter changes, reported at load
+    name: str = "--resume"
+
+    @property
+    def load_tag(self) -> str:
+        return self.tag + UNIVERSAL_SUFFIX if self.universal else self.tag
+
+    @property
+    def step(self) -> int:
+        return int(self.record["step"])
+
+    @property
+    def samples_consumed(self) -> int:
+        """Global samples the checkpointed run consumed (the next one is the first to train)."""
+        if "samples_consumed" in self.record:
+            return int(self.record["samples_consumed"])
+        r = self.record  # records of older runs: micro batches per rank x micro batch x DP degree
+        return int(r.get("micro_batches_consumed", 0)) * int(r.get("micro_batch", 1)) * \
+            int(r.get("data_parallel_size", 1))
+
+    def ds_config(self, ds_config: dict) -> dict:
+        """``ds_config`` with DeepSpeed's universal loading switched on when this resume needs it."""
+        if not self.universal:
+            return ds_config
+        cfg = copy.deepcopy(ds_config)
+        cfg.setdefault("checkpoint", {})["load_universal"] = True
+        return cfg
+
+    def load(self, engine, log=print) -> dict:
+        """Load into ``engine`` (every rank); returns the client state saved with it (``step``, ...)."""
+        try:
+            path, client = engine.load_checkpoint(self.path, tag=self.load_tag)
+        except Exception as e:  # DeepSpeed's and torch's load errors name no file
+            raise ConfigError(self.name, f"loading {os.path.join(self.path, self.load_tag)!r} failed "
+                              f"({type(e).__name__}: {str(e)[:500]})", "resume another tag or start a new run"
+                              ) from None
+        if client is None:
+            raise ConfigError(self.name, f"DeepSpeed found no checkpoint in {os.path.join(self.path, self.load_tag)!r}",
+                              "give the directory passed to --save")
+        _apply_optimizer_config(engine)
+        rank, _ = _rank_world()
+        if rank == 0:
+            if self.note:
+                log(f"warning: {self.note}")
+            how = " through DeepSpeed's universal checkpoint" if self.universal else ""
+            log(f"resumed from {os.path.join(self.path, self.tag)} (step {self.step}, {self.samples_consumed} "
+                f"samples consumed){how}" + "".join(f"\n  {c}" for c in self.changes))
+        return client
+
+
+def _apply_optimizer_config(engine) -> None:
+    """The ds_config's optimizer hyper-parameters (lr, betas, eps, weight_decay, ...) take effect after a load
+    (DeepSpeed restores the checkpoint's param_groups, so a changed learning rate would silently not apply);
+    a scheduler sets lr from its own config at each step."""
+    params = ((engine.config or {}).get("optimizer") or {}).get("params") or {}
+    for g in getattr(engine.optimizer, "param_groups", None) or []:
+        for k, v in params.items():
+            if k in g and k != "params":
+                g[k] = tuple(v) if isinstance(g[k], tuple) else v
+
+
+def _diff(a, b, prefix="") -> List[Tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if a == b else [(prefix, a, b)]
+
+
+def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> ResumePlan:
+    """Decide what resuming from ``path`` means for this run (every rank, same files, same verdict; before
+    ``initialize``). ``current``: this run's record as :func:`run_record` builds it. Refuses, naming the
+    difference, another model, other data, another sequence length, another ZeRO stage or optimizer type;
+    another world size, SP or DP degree is a universal resume (convert with :func:`ensure_universal`)."""
+    tag, saved, note = find_resume_tag(path, name)
+    where = os.path.join(path, tag)
+    saved_model, now_model = saved.get("model"), current.get("model")
+    if isinstance(saved_model, dict) and isinstance(now_model, dict):
+        diffs = [k for k in MODEL_KEYS if saved_model.get(k) != now_model.get(k)]
+        if diffs:
+            what = ", ".join(f"{k} {saved_model.get(k)!r} in the checkpoint vs {now_model.get(k)!r} now" for k in diffs)
+            raise ConfigError(name, f"{where} holds a different model: {what}",
+                              "resume with the model (--model / --model-config) the checkpoint was saved with")
+    refusals = []
+    sd, cd = saved.get("data"), current.get("data")
+    if isinstance(sd, dict) and isinstance(cd, dict):
+        keys = [k for k in sorted(set(sd) | set(cd)) if k != "path" and sd.get(k) != cd.get(k)]
+        if keys:
+            refusals.append(("the data differ: " + ", ".join(f"{k} {sd.get(k)!r} in the checkpoint vs {cd.get(k)!r} "
+                                                             "now" for k in keys),
+                             "resume with the data the run trained on (a path may move; its content may not), or "
+                             "start a new run from the weights (ds-longctx export, then --model)"))
+    elif sd is not None and cd is not None and sd != cd:
+        refusals.append((f"the data differ: {sd!r} in the checkpoint vs {cd!r} now",
+                         "resume with the --data the run trained on"))
+    for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed"), ("concat_documents", "--concat-documents")):
+        if key in saved and key in current and saved[key] != current[key]:
+            refusals.append((f"{key} {saved[key]!r} in the checkpoint vs {current[key]!r} now (the samples and their "
+                             "order depend on it)", f"resume with {flag} {saved[key]!r}, or start a new run from the "
+                             "weights (ds-longctx export, then --model)"))
+    if "zero_stage" in saved and saved["zero_stage"] != current.get("zero_stage"):
+        refusals.append((f"ZeRO stage {saved['zero_stage']} in the checkpoint vs {current.get('zero_stage')} now "
+                         "(DeepSpeed's loaders, universal included, read only the stage a checkpoint was saved with)",
+                         f"resume with zero_optimization.stage {saved['zero_stage']}, or start a new run from the "
+                         "weights (ds-longctx export, then --model)"))
+    s_opt = (saved.get("optimizer") or {}).get("type")
+    c_opt = (current.get("optimizer") or {}).get("type")
+    if s_opt is not None and c_opt is not None and str(s_opt).lower() != str(c_opt).lower():
+        refusals.append((f"optimizer.type {s_opt!r} in the checkpoint vs {c_opt!r} now (its state cannot carry over)",
+                         f"resume with optimizer.type {s_opt!r}, or start a new run from the weights"))
+    if refusals:
+        problem, fix = refusals[0]
+        more = f" (and {len(refusals) - 1} more difference(s): " + "; ".join(p for p, _ in refusals[1:]) + ")" \
+            if len(refusals) > 1 else ""
+        raise ConfigError(name, f"{where} cannot continue this run: {problem}{more}", fix)
+    universal = any(saved.get(k) != current.get(k) for k in PARTITION_KEYS if k in saved)
+    changes = []
+    layout = [(k, saved.get(k), current.get(k)) for k in PARTITION_KEYS + ("micro_batch", "gradient_accumulation_steps")
+              if k in saved and saved.get(k) != current.get(k)]
+    if layout:
+        changes.append("layout: " + ", ".join(f"{k} {a} -> {b}" for k, a, b in layout))
+        gb = lambda r: r.get("micro_batch", 1) * r.get("gradient_accumulation_steps", 1) * r.get("data_parallel_size", 1)  # noqa: E731
+        if gb(saved) != gb(current):
+            changes.append(f"the global batch changes from {gb(saved)} to {gb(current)} samples per step (the "
+                           "learning-rate schedule goes on by steps)")
+    for section in ("optimizer", "scheduler", "gradient_clipping"):
+        for key, a, b in _diff(saved.get(section), current.get(section), section):
+            if key != "optimizer.type":
+                changes.append(f"{key}: {a!r} in the checkpoint, {b!r} now: the ds_config's value takes effect")
+    return ResumePlan(path=path, tag=tag, record=saved, note=note, universal=universal, changes=changes, name=name)
+
+
+def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> str:
+    """DeepSpeed's ``ds_to_universal`` of ``path/tag`` into ``path/tag.universal`` (written under a temporary
+    name, renamed when complete; reused when already there). Returns the universal tag. One process."""
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    out_tag = tag + UNIVERSAL_SUFFIX
+    out = os.path.join(path, out_tag)
+    src = os.path.join(path, tag)
+    marker = os.path.join(out, UNIVERSAL_RECORD)
+    record, problem = check_tag(path, tag)
+    if problem:
+        raise ConfigError("checkpoint", problem, "convert a complete checkpoint")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            if json.load(f).get("source_files") == record.get("files"):
+                return out_tag
+        shutil.rmtree(out)
+    tmp = os.path.join(path, f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.monotonic()
+    args = type("Args", (), dict(input_folder=src, output_folder=tmp, num_extract_workers=workers,
+                                 num_merge_workers=max(1, workers // 2), keep_temp_folder=False, strict=True,
+                                 inject_missing_state=False))()
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):  # its progress bars and prints: kept for the error message
+            ds_to_universal(args)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError("checkpoint", f"DeepSpeed's ds_to_universal failed on {src!r} ({type(e).__name__}: "
+                          f"{str(e)[:400]})", "resume with the layout the checkpoint was saved with") from None
+    finally:
+        try:  # it writes <parent>/latest_universal naming its output folder (the temporary name): we load by tag
+            os.remove(os.path.join(path, "latest_universal"))
+        except OSError:
+            pass
+    with open(os.path.join(tmp, UNIVERSAL_RECORD), "w") as f:
+        json.dump({"source_tag": tag, "source_files": record.get("files"), "seconds": time.monotonic() - t0}, f)
+    try:
+        os.rename(tmp, out)
+    except OSError as e:  # another job converted the same tag meanwhile: theirs is complete (renamed last)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isfile(marker):
+            raise
+    _fsync_dir(path)
+    log(f"converted {src} to DeepSpeed's universal checkpoint {out} in {time.monotonic() - t0:.1f} s")
+    return out_tag
+
+
+def ensure_universal(plan: ResumePlan, log=print) -> None:
+    """Rank 0 converts (once), every rank waits for its verdict and checks it sees the result (a resume on
+    another layout needs a directory every rank reads)."""
+    if not plan.universal:
+        return
+    rank, _ = _rank_world()
+    outcome = None
+    if rank == 0:
+        try:
+            convert_to_universal(plan.path, plan.tag, log=log)
+        except ConfigError as e:
+            outcome = (plan.name, e.problem, e.fix)
+        except OSError as e:
+            outcome = (plan.name, f"converting {os.path.join(plan.path, plan.tag)!r} to a universal checkpoint "
+                       f"failed ({e.strerror}: {e.filename})", f"make {plan.path!r} writable, or convert it "
+                       "elsewhere with `ds-longctx convert SRC DST` and resume from DST")
+    _raise_everywhere(_broadcast(outcome))
+    seen = os.path.isfile(os.path.join(plan.path, plan.load_tag, UNIVERSAL_RECORD))
+    blind = [r for r, s in enumerate(_all_gather(seen)) if not s]
+    if blind:
+        raise ConfigError(plan.name, f"ranks {_ranks(blind)} do not see {os.path.join(plan.path, plan.load_tag)!r}, "
+                          "written by rank 0 (a resume on another layout reads every rank's files)",
+                          "put the checkpoint on a filesystem every node mounts")
+
+
+def run_record(*, world_size: int, sp: int, dp: int, zero_stage: int, micro_batch: int, gas: int, seq_len: int,
+               seed: int, data, concat_documents: bool, model_config, ds_config: dict) -> dict:
+    """The record of a run: what a resume compares (layout, data, model, optimizer) and what it needs."""
+    return {"world_size": world_size, "sequence_parallel_size": sp, "data_parallel_size": dp,
+            "zero_stage": zero_stage, "micro_batch": micro_batch, "gradient_accumulation_steps": gas,
+            "seq_len": seq_len, "seed": seed, "data": data, "concat_documents": concat_documents,
+            "model": model_facts(model_config), "optimizer": ds_config.get("optimizer"),
+            "scheduler": ds_config.get("scheduler"), "gradient_clipping": ds_config.get("gradient_clipping"),
+            "dtype": _train_dtype(ds_config), "ds_longctx_version": _version()}
+
+
+def _train_dtype(ds_config: dict) -> str:
+    for key, name in (("bf16", "bf16"), ("fp16", "fp16")):
+        if (ds_config.get(key) or {}).get("enabled"):
+            return name
+    return "fp32"
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+# ---------------------------------------------------------------------------------------------
+# export to a Hugging Face directory
+# ---------------------------------------------------------------------------------------------
+
+
+def _clean_config(hf_config):
+    cfg = copy.deepcopy(hf_config)
+    for attr in ("_name_or_path",):
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, "")
+    return cfg
+
+
+def _write_hf(out_dir: str, state_dict: dict, hf_config, tokenizer=None, dtype=None, generation_config=None,
+              max_shard_size: str = "5GB") -> None:
+    """transformers' ``save_pretrained`` of ``state_dict`` on an empty (meta) model of ``hf_config``: the
+    model class's own key names, tied weights and sharding (safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    cfg = _clean_config(hf_config)
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        cfg.torch_dtype = dtype  # what from_pretrained(dtype="auto") picks
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state_dict))
+    tied = {k for k in missing if getattr(cfg, "tie_word_embeddings", False) and "lm_head" in k}
+    if set(missing) - tied:
+        raise ConfigError("export", f"the weights lack {sorted(set(missing) - tied)[:5]} of {type(model).__name__}",
+                          "export a checkpoint of this model")
+    unknown = sorted(set(state_dict) - expected)
+    if unknown:
+        raise ConfigError("export", f"the weights have names {type(model).__name__} does not know: {unknown[:5]}",
+                          "report this: a ds_longctx patch renamed a parameter")
+    os.makedirs(out_dir, exist_ok=True)
+    # (save_pretrained empties the dict it is given as it writes the shards: a copy of the mapping)
+    model.save_pretrained(out_dir, state_dict=dict(state_dict), safe_serialization=True, max_shard_size=max_shard_size)
+    gen = generation_config
+    if gen is None:
+        try:
+            gen = GenerationConfig.from_model_config(cfg)
+        except Exception:
+            gen = None
+    if gen is not None:
+        gen.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def export_hf(engine, out_dir: str, tokenizer=None, dtype=None, max_shard_size: str = "5GB", log=print) -> None:
+    """Write the engine's current weights as a Hugging Face model directory (every rank calls it; rank 0 writes).
+
+    Weights are gathered by DeepSpeed: ZeRO-3's consolidated 16-bit state dict (what HF Trainer's save_model and
+    ``engine.save_16bit_model`` use), the module's own state dict otherwise. ds_longctx's patches leave parameter
+    names and the config untouched (checked: the names must be the model class's). ``from_pretrained(out_dir)``
+    needs no ds_longctx."""
+    rank, _ = _rank_world()
+    t0 = time.monotonic()
+    if engine.zero_optimization_partition_weights():
+        sd = engine._zero3_consolidated_16bit_state_dict()  # DeepSpeed's gather; the full dict on rank 0
+    else:
+        sd = engine.module.state_dict() if rank == 0 else None
+    outcome = None
+    if rank == 0:
+        try:
+            sd = {k: v.detach().to("cpu") for k, v in sd.items()}
+            _write_hf(out_dir, sd, engine.module.config, tokenizer=tokenizer, dtype=dtype,
+                      generation_config=getattr(engine.module, "generation_config", None),
+                      max_shard_size=max_shard_size)
+        except ConfigError as e:
+            outcome = (e.key, e.problem, e.fix)
+        except OSError as e:
+            outcome = ("--save-hf", f"writing {out_dir!r} failed ({e.strerror}: {e.filename})",
+                       "give a writable directory with free space")
+    _raise_everywhere(_broadcast(outcome))
+    if rank == 0:
+        log(f"exported the model to {out_dir} (safetensors; from_pretrained loads it) in "
+            f"{time.monotonic() - t0:.1f} s")
+
+
+def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype: Optional[str] = "auto",
+                      model_config=None, tokenizer=None, log=print) -> str:
+    """Export a saved tag (no GPU, one process): DeepSpeed's ``zero_to_fp32`` gathers the fp32 master weights,
+    cast to ``dtype`` ("auto": the dtype the run trained in; "fp32"/"bf16"/"fp16"), written with the HF config
+    and tokenizer saved in the tag (or ``model_config``/``tokenizer`` given). Returns the tag exported."""
+    import torch
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if tag is None:
+        tag, record, note = find_resume_tag(path, name="checkpoint")
+        if note:
+            log(f"warning: {note}")
+    else:
+        record, problem = check_tag(path, tag)
+        if problem:
+            raise ConfigError("--tag", problem, "export a complete tag (ds-longctx export DIR picks the newest)")
+    side = os.path.join(path, tag, HF_CONFIG_DIR)
+    if model_config is None:
+        if not os.path.isfile(os.path.join(side, "config.json")):
+            raise ConfigError("--model-config", f"{os.path.join(path, tag)!r} holds no HF config (saved before ds_longctx "
+                              "kept one)", "pass --model-config (the config.json the run trained)")
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(side)
+    if tokenizer is None and os.path.isfile(os.path.join(side, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(side)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if dtype == "auto":
+        target = dtypes.get(record.get("dtype")) if record.get("dtype") else None
+    elif dtype in dtypes:
+        target = dtypes[dtype]
+    elif dtype is None:
+        target = None
+    else:
+        raise ConfigError("--dtype", f"unknown dtype {dtype!r}", "use auto, fp32, bf16 or fp16")
+    t0 = time.monotonic()
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        sd = get_fp32_state_dict_from_zero_checkpoint(path, tag=tag)
+    generation_config = None
+    if os.path.isfile(os.path.join(side, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        generation_config = GenerationConfig.from_pretrained(side)
+    _write_hf(out_dir, dict(sd), model_config, tokenizer=tokenizer, dtype=target, generation_config=generation_config)
+    log(f"exported {os.path.join(path, tag)} to {out_dir} in {time.monotonic() - t0:.1f} s")
+    return tag
+
+
+__all__ = ["SaveDir", "ResumePlan", "plan_resume", "ensure_universal", "convert_to_universal", "export_hf",
+           "export_checkpoint", "find_resume_tag", "check_tag", "estimate_bytes", "run_record", "model_facts",
+           "RECORD_FILE", "tag_for"]

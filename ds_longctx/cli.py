@@ -1,0 +1,103 @@
+"""``ds-longctx``: the command line.
+
+    ds-longctx plan    --deepspeed_config CFG --model-config CONFIG.json ...   the memory planner (planner/cli.py)
+    ds-longctx export  CKPT_DIR OUT_DIR [--tag T] [--dtype auto|bf16|fp16|fp32]  a saved checkpoint -> a HF model
+    ds-longctx convert CKPT_DIR [--tag T] [--workers N]    DeepSpeed's universal checkpoint of a tag, beside it
+    ds-longctx configs                                     the shipped ds_configs and where they are
+
+Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input (one line naming it and the fix).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+_COMMANDS = ("plan", "export", "convert", "configs")
+
+
+def _export(argv) -> int:
+    p = argparse.ArgumentParser(prog="ds-longctx export", description="Write a saved checkpoint as a Hugging Face "
+                                "model directory (safetensors, config, generation config, tokenizer): DeepSpeed's "
+                                "zero_to_fp32 gathers the weights; one process, no GPU.")
+    p.add_argument("checkpoint", help="the --save directory (its newest complete tag unless --tag)")
+    p.add_argument("out", help="output directory (new or empty)")
+    p.add_argument("--tag", help="the tag to export (default: 'latest' when complete, else the newest complete)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="weights' dtype (auto: the dtype the run trained in)")
+    p.add_argument("--model-config", help="the run's HF config.json, for a checkpoint that holds none")
+    p.add_argument("--tokenizer", help="a tokenizer to save with the model (default: the one saved in the tag)")
+    a = p.parse_args(argv)
+    from .checkpoint import export_checkpoint
+    from .errors import ConfigError
+
+    if os.path.isdir(a.out) and os.listdir(a.out):
+        raise ConfigError("OUT", f"{a.out!r} is not empty", "give a new or empty directory")
+    model_config = tokenizer = None
+    if a.model_config:
+        from .models.loading import load_model_config
+
+        model_config = load_model_config(a.model_config)
+    if a.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+    export_checkpoint(a.checkpoint, a.out, tag=a.tag, dtype=a.dtype, model_config=model_config, tokenizer=tokenizer)
+    return 0
+
+
+def _convert(argv) -> int:
+    p = argparse.ArgumentParser(prog="ds-longctx convert", description="Convert a saved tag to DeepSpeed's universal "
+                                "checkpoint (ds_to_universal) beside it, as <tag>.universal: what a resume on "
+                                "another world size, SP or DP degree loads (train.py converts by itself when needed; "
+                                "run this ahead of a large job's restart to take it off the restart).")
+    p.add_argument("checkpoint", help="the --save directory")
+    p.add_argument("--tag", help="the tag (default: 'latest' when complete, else the newest complete)")
+    p.add_argument("--workers", type=int, default=4, help="processes extracting and merging (default 4)")
+    a = p.parse_args(argv)
+    from .checkpoint import convert_to_universal, find_resume_tag
+    from .errors import ConfigError
+
+    if a.workers < 1:
+        raise ConfigError("--workers", f"must be >= 1, got {a.workers}", "give a number of processes")
+    tag = a.tag or find_resume_tag(a.checkpoint, name="checkpoint")[0]
+    out = convert_to_universal(a.checkpoint, tag, workers=a.workers)
+    print(os.path.join(a.checkpoint, out))
+    return 0
+
+
+def _configs(argv) -> int:
+    from .train import shipped_configs_dir
+
+    d = shipped_configs_dir()
+    if d is None:
+        print("no shipped configs found in this installation", file=sys.stderr)
+        return 2
+    print(f"shipped ds_configs in {d} (train.py takes a name: --deepspeed_config tiny-cpu.json):")
+    for name in sorted(os.listdir(d)):
+        if name.endswith(".json"):
+            print(f"  {name}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
+        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "plan":
+        from .planner.cli import main as plan_main
+
+        return plan_main(argv)
+    from .errors import ConfigError
+
+    try:
+        return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
+    except ConfigError as e:
+        print(f"ds-longctx {cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,605 @@
+"""ds_longctx's main job: train a causal LM on long sequences with DeepSpeed.
+
+    deepspeed --num_gpus 2 train.py --deepspeed_config ds_configs/tiny-cpu.json          # CPU demo
+    deepspeed --num_gpus 2 --module ds_longctx.train --deepspeed_config tiny-cpu.json      # from the wheel
+    deepspeed train.py --deepspeed_config ds_configs/llama3-8b-5m.json --model meta-llama/Llama-3.1-8B \\
+        --save ckpt/ --save-every 50 --save-interval 2h --resume auto --save-hf final/
+
+The embedded default (no download) is a small Llama preset on the long-range copy task: a random block then its
+copy, so the loss can only fall below ln(vocab-2) if attention reaches across sequence shards. The same --seed
+gives the same weights and data for every SP degree, ZeRO stage and process count.
+
+A run of days: --save checks its directory (writable, free space for one checkpoint, not in use by another run)
+before step 1, saves every --save-every steps and every --save-interval of wall clock, keeps the last
+--keep-last, and on SIGTERM or SIGUSR1 (SLURM's --signal=USR1@T, preemption) finishes the step, saves and exits
+0. --resume continues at the next unseen sample with the optimizer and schedule carried, on any world size, SP
+or DP degree (DeepSpeed's universal checkpoint). --save-hf writes a model from_pretrained loads.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import logging
+import math
+import os
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _logger():
+    """The job's lines on stdout under the ``ds_longctx`` logger (quiet them all with
+    ``logging.getLogger("ds_longctx").setLevel(logging.WARNING)``)."""
+    log = logging.getLogger("ds_longctx.train")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[ds_longctx] %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+        if logging.getLogger("ds_longctx").level == logging.NOTSET:
+            logging.getLogger("ds_longctx").setLevel(logging.INFO)
+    return log
+
+
+def info(text: str) -> None:
+    _logger().info(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# shipped files (a source checkout, an editable install, or the wheel)
+# ---------------------------------------------------------------------------------------------
+
+
+def shipped_configs_dir() -> Optional[str]:
+    """ds_configs/: copied into the package by the wheel's build (setup.py), at the repository root otherwise."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "ds_configs"), os.path.join(os.path.dirname(here), "ds_configs")):
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def default_model_config() -> str:
+    return os.path.join(shipped_configs_dir() or "ds_configs", "models", "tiny-llama.json")
+
+
+def resolve_config_path(path: str) -> str:
+    """A --deepspeed_config that is not a file but names a shipped config (``tiny-cpu.json``, ``5m.json``)."""
+    if os.path.exists(path) or os.sep in path:
+        return path
+    shipped = shipped_configs_dir()
+    if shipped:
+        for name in (path, path + ".json"):
+            if os.path.isfile(os.path.join(shipped, name)):
+                return os.path.join(shipped, name)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _duration_s(text: str) -> float:
+    """'900', '900s', '30m', '2h', '1.5h' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration (e.g. 900, 30m, 2h)") from None
+    return value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
+                   help="the ds_config.json: DeepSpeed's keys plus the long_context section (a path, or the name of "
+                   "a shipped config such as tiny-cpu.json)")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="HF model id or local path (pretrained weights)")
+    src.add_argument("--model-config", help="local HF config.json: random init (default: the tiny preset)")
+    p.add_argument("--tokenizer", help="tokenizer for --data files (default: --model)")
+    p.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
+                   "long_context.sequence_length or 512)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train, in all (default: 200; a resumed "
+                   "run trains the steps past its checkpoint)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random init and the copy task's data: the same "
+                   "seed gives the same weights and samples for every SP degree, ZeRO stage and process count")
+    p.add_argument("--data", default="copy", help="built-in task name ('copy') or a .jsonl/.txt file")
+    p.add_argument("--concat-documents", action="store_true", help="--data FILE: plain concatenation, attention "
+                   "across documents (default: packed, position_ids restart per document, document-masked attention)")
+    p.add_argument("--metrics", help="write one JSON object per step to this file (rank 0; appended on a resume)")
+    p.add_argument("--log-every", type=int, default=10, help="without a terminal (SLURM, nohup): one plain line every "
+                   "this many steps (0: none; default 10)")
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--save", help="checkpoint directory: checked before step 1, written at the end and as below")
+    ck.add_argument("--save-every", type=int, default=0, help="also save every this many steps (0: only at the end)")
+    ck.add_argument("--save-interval", type=_duration_s, default=0.0, help="also save when this much wall clock "
+                    "passed since the last save (e.g. 30m, 2h; 0: off)")
+    ck.add_argument("--keep-last", type=int, default=0, help="keep only the newest this many checkpoints (0: all)")
+    ck.add_argument("--resume", help="a checkpoint directory to continue from, or 'auto': --save's when it holds "
+                    "one (a requeued job's same command line), else start at step 1")
+    ck.add_argument("--save-hf", help="at the end, write the model as a Hugging Face directory (safetensors, config, "
+                    "tokenizer, generation config)")
+    p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
+    p.add_argument("--allow-beyond-max-position", action="store_true", help="train with --seq-len above the "
+                   "model's max_position_embeddings on purpose (context extension); refused otherwise")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (rank 0 still logs the layout, a "
+                   "plain line every --log-every steps without a terminal, and the final loss)")
+    args = p.parse_args(argv)
+    args.deepspeed_config = resolve_config_path(args.deepspeed_config)
+    return args
+
+
+def _config_error(key, problem, fix):
+    from .errors import ConfigError
+
+    return ConfigError(key, problem, fix)
+
+
+def _check_writable_file(flag, path):
+    """``path`` can be created or overwritten by this process."""
+    if os.path.isdir(path):
+        raise _config_error(flag, f"{path!r} is a directory", "give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise _config_error(flag, f"directory {parent!r} does not exist", f"create it (mkdir -p {parent})")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise _config_error(flag, f"{path!r} is not writable", "give a path this user can write")
+
+
+def _check_writable_dir(key, path):
+    """``path`` exists as a writable directory or can be created (checked at start, not after the last step)."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise _config_error(key, f"{path!r} exists and is not a directory", "give a directory")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise _config_error(key, f"{existing!r} is not a directory", "give a directory path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _config_error(key, f"{existing!r} is not writable by this user", "give a directory this user can write")
+
+
+def _model_config_path(path):
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def validate_args(args, lc):
+    """Every CLI value, checked on every rank before any collective (a rank that raised alone would leave the
+    others waiting). Returns the sequence length."""
+    from .data import TASKS
+
+    sp = lc.sequence_parallel_size
+    for flag, value, least, fix in (("--steps", args.steps, 1, "give the number of optimizer steps"),
+                                    ("--seed", args.seed, 0, "give a non-negative seed"),
+                                    ("--eval-samples", args.eval_samples, 0, "use 0 to skip the eval"),
+                                    ("--log-every", args.log_every, 0, "use 0 for no plain lines"),
+                                    ("--save-every", args.save_every, 0, "use 0 to save only at the end"),
+                                    ("--save-interval", args.save_interval, 0, "use 0 for no wall-clock saves"),
+                                    ("--keep-last", args.keep_last, 0, "use 0 to keep every checkpoint")):
+        if value < least:
+            raise _config_error(flag, f"must be >= {least}, got {value}", fix)
+    if not args.save:
+        for flag, value in (("--save-every", args.save_every), ("--save-interval", args.save_interval),
+                            ("--keep-last", args.keep_last)):
+            if value:
+                raise _config_error(flag, "needs --save (where to write the checkpoints)", f"add --save DIR or drop "
+                                    f"{flag}")
+        if args.resume == "auto":
+            raise _config_error("--resume", "'auto' resumes from --save's directory, and there is no --save",
+                                "add --save DIR (the same on every start of the job)")
+    seq_len = args.seq_len if args.seq_len is not None else (lc.sequence_length or 512)
+    flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
+    if seq_len < 1:
+        raise _config_error(flag, f"must be >= 1, got {seq_len}", "give the global tokens per sample")
+    if seq_len % sp:
+        raise _config_error(flag, f"{seq_len} is not divisible by sequence_parallel_size={sp}",
+                            f"use a multiple of {sp}, e.g. {(seq_len // sp + 1) * sp}")
+    if args.data in TASKS:
+        if args.data == "copy" and (seq_len < 4 or seq_len % 2):
+            raise _config_error(flag, f"the copy task needs an even length >= 4, got {seq_len}",
+                                "use an even sequence length")
+    else:
+        if not os.path.isfile(args.data):
+            raise _config_error("--data", f"{args.data!r} is neither a task ({sorted(TASKS)}) nor an existing file",
+                                "give a task name or the path of a .txt/.jsonl file")
+        if not args.data.endswith((".txt", ".jsonl")):
+            raise _config_error("--data", f"unsupported file type {args.data!r}", "use a .txt or .jsonl file")
+        if not (args.tokenizer or args.model):
+            raise _config_error("--data", "a file needs a tokenizer", "pass --tokenizer (or --model)")
+    if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
+        raise _config_error("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
+                            "give the path of a HF config.json (or a directory holding one)")
+    for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        _check_local_or_hub(flag, value)
+    if lc.profile.enabled:
+        _check_writable_dir("long_context.profile.output_dir", lc.profile.output_dir)
+    if args.metrics:
+        _check_writable_file("--metrics", args.metrics)
+    if args.save:
+        _check_writable_dir("--save", args.save)
+    if args.save_hf:
+        _check_writable_dir("--save-hf", args.save_hf)
+        if os.path.isdir(args.save_hf) and os.listdir(args.save_hf):
+            raise _config_error("--save-hf", f"{args.save_hf!r} is not empty", "give a new or empty directory (an "
+                                "export never mixes its files with another model's)")
+    if args.resume and args.resume != "auto":
+        from .checkpoint import find_resume_tag
+
+        find_resume_tag(args.resume)  # raises when there is no usable checkpoint
+    from .config import check_shards
+
+    check_shards(lc, seq_len)  # against the length trained (--seq-len), not only the config's sequence_length
+    return seq_len
+
+
+def _check_local_or_hub(flag, value):
+    """A value that can only be a local path (absolute, ./ ../ ~, or more than one '/': a hub id is 'org/name')
+    must exist; otherwise transformers reports 'Repo id must be in the form ...'."""
+    if not value or os.path.exists(os.path.expanduser(value)):
+        return
+    if os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1:
+        raise _config_error(flag, f"local path {value!r} does not exist", "give an existing model directory, or a "
+                            "hub id of the form 'org/name'")
+
+
+def hub_load(flag, name, load):
+    """``load()`` (a transformers ``from_pretrained``) with its OSError (offline, hub unreachable, gated or private
+    repo, no such id) turned into one ConfigError naming the id and the ways to run without the hub."""
+    try:
+        return load()
+    except OSError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        if flag == "--tokenizer":
+            local = "--tokenizer <local tokenizer directory> (or a --model directory that holds one)"
+        else:
+            local = ("--model-config path/to/config.json (random init, e.g. ds_configs/models/llama3-8b.json) or "
+                     "--model <local model directory>")
+        raise _config_error(flag, f"{name!r} is not a local directory and could not be loaded from the Hugging Face "
+                            f"hub: the hub is unreachable{' (HF_HUB_OFFLINE is set)' if offline else ''}, the repo "
+                            f"is gated or private, or the id does not exist (transformers: {first[:300]})",
+                            f"pass {local}; or point HF_HOME at a cache that holds it; for a gated repo accept its "
+                            "license on huggingface.co and log in (`huggingface-cli login`, or set HF_TOKEN)"
+                            ) from None
+
+
+def check_max_position(args, model_config, seq_len):
+    """--seq-len above the model's max_position_embeddings is refused unless asked for: RoPE models run but see
+    positions they were never trained on (RoPE-scaled configs already state their scaled length)."""
+    from .models import text_config
+
+    mpe = getattr(text_config(model_config), "max_position_embeddings", None)
+    if isinstance(mpe, int) and seq_len > mpe and not args.allow_beyond_max_position:
+        flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
+        raise _config_error(flag, f"{seq_len} is above the model's max_position_embeddings {mpe}",
+                            f"use at most {mpe}, set rope_scaling/max_position_embeddings in the model config, or pass "
+                            "--allow-beyond-max-position to train past it on purpose (context extension)")
+
+
+# ---------------------------------------------------------------------------------------------
+# model, data
+# ---------------------------------------------------------------------------------------------
+
+
+def load_model_config(path):
+    """The HF config of ``--model-config`` (a config.json or a directory holding one)."""
+    from .models.loading import load_model_config as load
+
+    return load(path)
+
+
+def build_model(args, ds_config):
+    from transformers import AutoModelForCausalLM
+
+    from . import model_init
+    from .weights import deterministic_init
+
+    torch.manual_seed(args.seed)
+    with model_init(ds_config):
+        if args.model:
+            return hub_load("--model", args.model, lambda: AutoModelForCausalLM.from_pretrained(
+                args.model, attn_implementation="sdpa"))
+        cfg = load_model_config(args.model_config or default_model_config())
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
+    deterministic_init(model, args.seed)  # same weights for every SP degree, ZeRO stage, process count
+    return model
+
+
+def load_tokenizer(args):
+    """The tokenizer of --data files (and of --save-hf), or None for a built-in task without --tokenizer/--model."""
+    name = args.tokenizer or args.model
+    if not name:
+        return None
+    from transformers import AutoTokenizer
+
+    return hub_load("--tokenizer" if args.tokenizer else "--model", name, lambda: AutoTokenizer.from_pretrained(name))
+
+
+def build_dataset(args, model_config, seq_len, tokenizer):
+    from .data import TASKS, TokenFileDataset
+    from .models import text_config
+
+    if args.data in TASKS:
+        return TASKS[args.data](seq_len=seq_len, vocab_size=model_config.vocab_size, seed=args.seed)
+    # the tokenizer is checked against the embedding before the engine starts (an id past it is an IndexError
+    # deep in the forward); the error names the largest id it produced from the file
+    return TokenFileDataset(args.data, tokenizer, seq_len, documents=not args.concat_documents,
+                            vocab_size=text_config(model_config).vocab_size,
+                            tokenizer_name=args.tokenizer or args.model)
+
+
+def data_identity(args):
+    """What a resume must find unchanged about the data (the samples and their order follow from it)."""
+    from .data import TASKS
+
+    if args.data in TASKS:
+        return {"task": args.data}
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(args.data, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return {"path": os.path.abspath(args.data), "bytes": os.path.getsize(args.data), "sha256": h.hexdigest()}
+
+
+@torch.no_grad()
+def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
+    """Argmax accuracy on scored tokens of held-out samples (the SP group evaluates together)."""
+    from .data import shard_batch
+    from .loss import IGNORE_INDEX
+
+    engine.eval()
+    correct = total = 0
+    for i in range(n):
+        item = dataset[start_index + i]
+        batch = shard_batch({k: v.unsqueeze(0) for k, v in item.items()}, sp_rank, sp_size)
+        logits = engine(input_ids=batch["input_ids"].to(engine.device),
+                        position_ids=batch["position_ids"].to(engine.device), use_cache=False).logits
+        target = batch["shift_labels"].to(logits.device)
+        valid = target != IGNORE_INDEX
+        correct += int((logits.argmax(-1)[valid] == target[valid]).sum())
+        total += int(valid.sum())
+    engine.train()
+    t = torch.tensor([correct, total], dtype=torch.float64)
+    if group is not None:
+        dist.all_reduce(t, group=group)
+    return float(t[0] / max(t[1], 1))
+
+
+def _resolved_config(ds_config: dict, lc) -> dict:
+    """``ds_config`` with the "auto" values initialize resolved (``engine.long_context``) written in."""
+    import copy
+
+    cfg = copy.deepcopy(ds_config)
+    sec = cfg.get("long_context") or {}
+    for part, key in (("attention", "heads_per_chunk"), ("activation_checkpointing", "keep_attention_output"),
+                      ("activation_checkpointing", "keep_on_device")):
+        if (sec.get(part) or {}).get(key) == "auto":
+            sec[part][key] = getattr(getattr(lc, part), key)
+    return cfg
+
+
+def _agree(flags):
+    """Every rank's flags combined (MAX): one small all-reduce, so that every rank takes the same branch."""
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in t.tolist()]
+
+
+# ---------------------------------------------------------------------------------------------
+# the job
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import time
+
+    import ds_longctx
+    from . import checkpoint as ckpt
+    from . import comm
+    from .config import check_train_batch_size, load_ds_config, parse
+    from .data import SampleStream
+    from .initialize import init_distributed
+    from .launch import check_launch
+    from .measure.profiler import StepProfiler
+    from .metrics import StepLog, peak_tflops, step_record
+    from .planner import planned_work
+    from .preflight import reserve_offload_storage
+    from .runtime import graceful_stop, stop_requested
+
+    # ---- every check that needs no other rank, on every rank ----
+    ds_config = load_ds_config(args.deepspeed_config)
+    lc = parse(ds_config)
+    seq_len = validate_args(args, lc)
+    if not args.model:  # a config far beyond the model (the tiny preset given an 8B config): say so now
+        from .compat import check_model_scale
+
+        model_config = load_model_config(args.model_config or default_model_config())
+        check_model_scale(lc, model_config, seq_len,
+                          f"--model-config {args.model_config}" if args.model_config else None)
+    else:
+        from transformers import AutoConfig
+
+        model_config = hub_load("--model", args.model, lambda: AutoConfig.from_pretrained(args.model))
+    check_max_position(args, model_config, seq_len)
+    tokenizer = load_tokenizer(args)
+
+    # ---- the job's layout; what a resume loads (on another layout: DeepSpeed's universal checkpoint) ----
+    init_distributed()
+    sp = lc.sequence_parallel_size
+    world = check_launch(sp)  # world vs SP, on every rank together, before the model is built
+    # before model_init: transformers' HfDeepSpeedConfig parses the ds_config there and DeepSpeed's own batch
+    # assertion (every rank counted as data parallel, no key named) would come first
+    check_train_batch_size(ds_config, world, sp)
+    dp = world // sp
+    micro, gas = _batch_sizes(ds_config, dp)
+    from .layout import zero_stage
+
+    record = ckpt.run_record(world_size=world, sp=sp, dp=dp, zero_stage=zero_stage(ds_config), micro_batch=micro,
+                             gas=gas, seq_len=seq_len, seed=args.seed, data=data_identity(args),
+                             concat_documents=args.concat_documents, model_config=model_config, ds_config=ds_config)
+    resume_dir = args.resume
+    if resume_dir == "auto":
+        resume_dir = args.save if _has_checkpoint(args.save) else None
+        if dist.get_rank() == 0:
+            info(f"--resume auto: {'resuming from ' + args.save if resume_dir else 'no checkpoint in ' + args.save}"
+                 f"{'' if resume_dir else ': starting at step 1'}")
+    plan = None
+    if resume_dir:
+        plan = ckpt.plan_resume(resume_dir, record)  # same files, same verdict on every rank
+        if plan.step >= args.steps:
+            raise _config_error("--steps", f"{args.steps} is not past the checkpoint's step {plan.step}",
+                                f"give --steps > {plan.step}")
+        ckpt.ensure_universal(plan, log=info)  # rank 0 converts once; every rank checks it sees the result
+        ds_config = plan.ds_config(ds_config)
+
+    # ---- model, data, engine ----
+    model = build_model(args, ds_config)
+    dataset = build_dataset(args, model.config, seq_len, tokenizer)
+    engine, _, _, _ = ds_longctx.initialize(args=args, model=model, config=ds_config,
+                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
+    layout = engine.long_context_layout
+    rank = layout.rank
+    group = comm.sp_group() if sp > 1 else None
+    start, consumed = 0, 0
+    if plan is not None:
+        plan.load(engine, log=info)
+        start, consumed = plan.step, plan.samples_consumed
+    per_step = micro * gas * dp  # samples of one optimizer step, the whole job
+    batches = SampleStream(dataset, micro, sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=dp,
+                           start=consumed)
+
+    # ---- what could fail after hours, checked now ----
+    reserve_offload_storage(engine, seq_len)  # offload="nvme": the drive holds this rank's layer inputs
+    saves = ckpt.SaveDir.open(engine, args.save, keep_last=args.keep_last or None, log=info) if args.save else None
+    # time, tokens/s, TFLOPs (the one formula) and peak memory of every step; with long_context.profile enabled
+    # also a torch.profiler trace (+ CUDA memory snapshot) of the chosen steps, and on rank 0 the executed FLOPs
+    # per category next to the planner's (the config as initialize resolved it)
+    profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=rank, model=engine.module,
+                            seq_len=seq_len, plan_work=functools.partial(
+                                planned_work, _resolved_config(ds_config, engine.long_context), model.config, world)
+                            if rank == 0 and lc.profile.enabled else None)
+    steplog = StepLog(engine, args.steps, start_step=start, metrics_path=args.metrics, append=bool(plan),
+                      log_every=args.log_every, progress=not args.no_progress, rank=rank, print_line=info)
+    peak = peak_tflops(record["dtype"])
+    if rank == 0:
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
+        info(f"world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
+             f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
+             f"zero_stage={engine.zero_optimization_stage()}")
+
+    def save(step, why):
+        t0 = time.monotonic()
+        tag = saves.save(engine, step, dict(record, samples_consumed=consumed), client_state={"step": step},
+                         hf_config=model.config, tokenizer=tokenizer)
+        steplog.note(f"saved {tag} ({why}) to {saves.path} in {time.monotonic() - t0:.1f} s")
+        return time.monotonic()
+
+    # ---- the loop ----
+    loss_value, last_finite, last_save = float("nan"), None, time.monotonic()
+    stop = None
+    with graceful_stop() if saves else contextlib.nullcontext():
+        for step in range(start + 1, args.steps + 1):
+            profiler.start_step(step)
+            losses = []
+            for _ in range(gas):
+                batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float())
+            consumed += per_step
+            loss_t = torch.stack(losses).mean()
+            if dp > 1:  # the mean over data-parallel replicas (SP ranks already agree)
+                dist.all_reduce(loss_t)
+                loss_t /= world
+            loss_value = loss_t.item()
+            prof = profiler.end_step(step, tokens=seq_len * micro * gas)  # this rank's SP group's tokens
+            rec = step_record(step, loss_value, prof, engine, tokens=seq_len * micro * gas * dp, peak=peak)
+            steplog.step(rec)
+            if "flops_by_category" in rec:
+                from .measure.profiler import format_flops
+
+                info(f"step {step}: executed FLOPs per category, measured vs the planner's (this rank):\n"
+                     + "\n".join(format_flops(rec["flops_by_category"])))
+            if not math.isfinite(loss_value):  # the same value on every rank (all-reduced): every rank stops here
+                last = f"step {last_finite[0]}: {last_finite[1]:.6g}" if last_finite else "none (the first step)"
+                raise _config_error(f"step {step}", f"the loss is {loss_value} (last finite loss: {last})",
+                                    "lower the learning rate or check the data and the config (lr, loss scaling, "
+                                    "bf16/fp16); --resume the last checkpoint to continue")
+            last_finite = (step, loss_value)
+            if saves:
+                due = args.save_interval and time.monotonic() - last_save >= args.save_interval
+                stopping, due = _agree([stop_requested(), due])  # every rank takes the same branch
+                if stopping or step == args.steps or due or (args.save_every and step % args.save_every == 0):
+                    why = ("preemption signal" if stopping else "last step" if step == args.steps else
+                           "--save-interval" if due else "--save-every")
+                    last_save = save(step, why)
+                if stopping:
+                    stop = (step, stop_requested() or "a signal on another rank")
+                    break
+    steplog.close()
+    if saves:
+        saves.close()
+    if stop:
+        if rank == 0:
+            info(f"stopped after step {stop[0]} on {stop[1]}: saved; continue with --resume {saves.path} "
+                 "(or --resume auto)")
+        return loss_value
+    if lc.profile.enabled:
+        path = profiler.write_summary()
+        if rank == 0:
+            info(f"profile: per-step records in {path}, traces of steps {sorted(lc.profile.steps)} in "
+                 f"{lc.profile.output_dir}")
+    if args.save_hf:
+        ckpt.export_hf(engine, args.save_hf, tokenizer=tokenizer, log=info)
+    if args.data in ("copy",) and args.eval_samples:
+        acc = copy_accuracy(engine, dataset, args.eval_samples, comm.sp_rank(group), sp, group,
+                            start_index=len(dataset) - args.eval_samples)
+        if rank == 0:
+            chance = 1.0 / (model.config.vocab_size - 2)
+            info(f"final loss {loss_value:.4f} (no-attention floor ln(V-2) = {dataset.chance_loss:.4f}); copy accuracy "
+                 f"{acc:.3f} (chance {chance:.3f})")
+    return loss_value
+
+
+def _batch_sizes(ds_config: dict, dp: int):
+    """(micro batch, gradient accumulation steps) as DeepSpeed derives them from the batch keys (checked by
+    config.check_train_batch_size)."""
+    tbs, micro = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    if micro is None:
+        micro = tbs // ((gas or 1) * dp) if tbs else 1
+    if gas is None:
+        gas = tbs // (micro * dp) if tbs else 1
+    return int(micro), int(gas)
+
+
+def _has_checkpoint(path: str) -> bool:
+    from .checkpoint import find_resume_tag
+    from .errors import ConfigError
+
+    try:
+        find_resume_tag(path)
+        return True
+    except ConfigError:
+        return False
+
+
+if __name__ == "__main__":
+    # an error on any rank ends the whole job; every rank ends without interpreter finalization (the exit-time
+    # gloo abort): see ds_longctx/runtime.py
+    from ds_longctx.runtime import run
+
+    run(main)
