@@ -156,6 +156,7 @@ def test_cut_documents_keep_whole_text_tokenization(tmp_path, kind):
     pieces = [p for _, p, _ in corpus._pieces(iter([TEXT]), 800, {"space": 0, "newline": 0, "hard": 0})]
     naive = sum((tok(p, add_special_tokens=False)["input_ids"] for p in pieces), []) + [tok.eos_token_id]
     assert (naive == whole) == (kind == "bytelevel")
+    assert corpus._encoder(tok).__name__ == "fast"  # the backend's encode_batch_fast, same ids as tok(...)
     # DeepSpeed's index over the same cache: one document, one item per piece
     from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
 
@@ -174,14 +175,14 @@ def test_second_start_reads_the_cache_and_changed_data_rebuilds(tmp_path, monkey
     assert first.cache.startswith(str(tmp_path / ".ds_longctx_cache"))
     corpus._IDENTITIES.clear()  # a new start: nothing in memory
 
-    def no_tokenizing(self, *a, **k):
+    def no_tokenizing(tokenizer):
         raise AssertionError("tokenized again")
 
     def no_hashing(path):
         raise AssertionError("hashed again")
 
     with monkeypatch.context() as m:
-        m.setattr(type(tok), "__call__", no_tokenizing)
+        m.setattr(corpus, "_encoder", no_tokenizing)  # every tokenization goes through it
         m.setattr(corpus, "_content_hash", no_hashing)
         second = open_corpus(jsonl, tok, 16)
         assert data_identity(jsonl) == ident
@@ -227,11 +228,11 @@ def test_concurrent_starts_build_once_and_a_crashed_build_leaves_no_cache(tmp_pa
     txt = tmp_path / "one.txt"
     txt.write_text("abc def " * 20000)
 
-    def crash(self, *a, **k):
-        os._exit(7)  # the builder dies half-way: its lock goes with it
-
     def crashing_build():
-        type(tok).__call__ = crash
+        def encode(texts):
+            os._exit(7)  # the builder dies half-way: its lock goes with it
+
+        corpus._encoder = lambda tokenizer: encode
         token_cache(str(txt), tok, chunk_chars=1000)
 
     code, _ = _join(*_fork(crashing_build))
