@@ -87,6 +87,18 @@ def config_error(call, *args, **kwargs):
     return None
 
 
+def shared_tmpdir(rank: int) -> str:
+    """A fresh directory made by rank 0 and named to every rank (checkpoints all ranks write and read; a fixed
+    path could meet another run of the same test on a shared machine). The caller removes it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    name = [tempfile.mkdtemp(prefix="ds_longctx_resume_") if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
 def assert_resumed_equal(full, resumed, micro_after, what, epoch_items=None):
     """Every micro-batch after the checkpoint (its losses, the tokens this rank trained, the learning rate) and the
     final weights: equal, bit for bit. ``full``/``resumed``: the examples' train() results (losses, inputs, lrs,

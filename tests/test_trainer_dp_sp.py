@@ -38,16 +38,17 @@ def _dp_sp(rank, world):
 
     import torch.distributed as dist
 
+    from eco_cases import shared_tmpdir
+
     rkw = dict(sp=2, dp_replicate_size=2, record_params=True, steps=5, save_steps=3, samples=8, lr=0.01,
-               optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=1,
-               output_dir="/tmp/ds_longctx_test_dpsp_resume")
-    if rank == 0:
-        shutil.rmtree(rkw["output_dir"], ignore_errors=True)
-    dist.barrier()
+               optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=1, output_dir=shared_tmpdir(rank))
     out["resume_full"] = hf_trainer.train(**rkw)
     state.reset()
     out["resumed"] = hf_trainer.train(**rkw, resume_from_checkpoint=f"{rkw['output_dir']}/checkpoint-3")
     state.reset()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(rkw["output_dir"], ignore_errors=True)
     out["undeclared"] = config_error(hf_trainer.train, **kw)
     state.reset()
     return out

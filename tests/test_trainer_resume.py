@@ -12,7 +12,7 @@ One spawn runs the six trainings (uninterrupted with a save, then resumed, per p
 import pytest
 
 from dist_utils import run_distributed
-from eco_cases import ProcessState, assert_resumed_equal  # also puts examples/ on sys.path
+from eco_cases import ProcessState, assert_resumed_equal, shared_tmpdir  # also puts examples/ on sys.path
 
 ADAMW = dict(optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=1)
 # Trainer: 4 samples = 2 per rank = 4 SP turns per epoch; 6 steps cross into epoch 2; the checkpoint after
@@ -26,6 +26,7 @@ ACCEL = dict(steps=5, save_at=3, optimizer="adamw", warmup_steps=1, lr=0.01)
 
 
 def _resume_runs(rank, world):
+    import os
     import shutil
 
     import torch.distributed as dist
@@ -35,11 +36,8 @@ def _resume_runs(rank, world):
     import trl_sft
 
     state = ProcessState()
-    dirs = {k: f"/tmp/ds_longctx_test_resume_{k}_{world}" for k in ("trainer", "trl", "accel")}
-    if rank == 0:
-        for d in dirs.values():
-            shutil.rmtree(d, ignore_errors=True)
-    dist.barrier()
+    root = shared_tmpdir(rank)
+    dirs = {k: os.path.join(root, k) for k in ("trainer", "trl", "accel")}
     out = {}
     kw = dict(sp=2, record_params=True, output_dir=dirs["trainer"])
     out["trainer"] = hf_trainer.train(**kw, **TRAINER)
@@ -57,6 +55,9 @@ def _resume_runs(rank, world):
     state.reset()
     out["accel_resumed"] = accelerate_loop.train(**kw, **ACCEL, resume=True)
     state.reset()
+    dist.barrier()  # (a failed run leaves its directory: not removed under a rank still in a collective)
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
