@@ -67,12 +67,13 @@ def _stage_tied(x, w, cos, sin, group, dout):
 
 def _stage_untied(x, w, cos, sin, group, dout, hpc):
     from ds_longctx.attention.kernels import get_backend
-    from ds_longctx.attention.untied import ProjectionSpec, untied_attention_fused
+    from ds_longctx.attention.untied import ProjectionSpec, Schedule, untied_attention_fused
     from ds_longctx.models import rope_bshd
 
     b, s, _ = x.shape
-    out, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], heads=HEADS, kv_heads=KV_HEADS,
-                                    spec=ProjectionSpec(HEAD_DIM, rope_bshd), group=group, heads_per_chunk=hpc,
+    sp = 1 if group is None else torch.distributed.get_world_size(group)
+    out, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], schedule=Schedule(HEADS, KV_HEADS, sp, hpc),
+                                    spec=ProjectionSpec(HEAD_DIM, rope_bshd), group=group,
                                     backend=get_backend("auto", x.device), causal=True, scale=HEAD_DIM ** -0.5)
     out = out.reshape(b, s, HEADS * HEAD_DIM)
     out.backward(dout)

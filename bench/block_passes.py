@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ds_longctx.attention import block as block_mod  # noqa: E402
 from ds_longctx.attention.block import untied_attention_block  # noqa: E402
 from ds_longctx.attention.kernels import get_backend  # noqa: E402
-from ds_longctx.attention.untied import ProjectionSpec  # noqa: E402
+from ds_longctx.attention.untied import ProjectionSpec, Schedule  # noqa: E402
 from ds_longctx.measure.flops import WorkCounter, by_category  # noqa: E402
 from ds_longctx.memory.norm import tile_starts  # noqa: E402
 from ds_longctx.models import rope_bshd  # noqa: E402
@@ -85,8 +85,8 @@ def _step(shape, hpc, backend, p, cos, sin, gy):
     p = {k: v.detach().requires_grad_(True) for k, v in p.items()}
     spec = ProjectionSpec(head_dim=shape["head_dim"], rope=rope_bshd)
     y = untied_attention_block(p["x"], cos, sin, p["wq"], p["wk"], p["wv"], p["wo"], norm_weight=p["nw"],
-                               norm_eps=1e-5, heads=shape["heads"], kv_heads=shape["kv_heads"], spec=spec,
-                               heads_per_chunk=hpc, backend=backend, causal=True)
+                               norm_eps=1e-5, schedule=Schedule(shape["heads"], shape["kv_heads"], 1, hpc), spec=spec,
+                               backend=backend, causal=True)
     y.backward(gy)
     return {k: v.grad for k, v in p.items()}
 

@@ -52,7 +52,7 @@ def main():
 
     from ds_longctx.attention.documents import Documents
     from ds_longctx.attention.kernels import get_backend
-    from ds_longctx.attention.untied import ProjectionSpec, untied_attention_fused
+    from ds_longctx.attention.untied import ProjectionSpec, Schedule, untied_attention_fused
     from ds_longctx.models import rope_bshd
 
     S, D, H, G, d = a.seq, a.hidden, a.heads, a.kv_heads, a.head_dim
@@ -76,8 +76,8 @@ def main():
         ang = torch.outer(pos, inv)
         cos = torch.cat([ang, ang], -1).cos().unsqueeze(0)
         sin = torch.cat([ang, ang], -1).sin().unsqueeze(0)
-        out, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], heads=H, kv_heads=G,
-                                        spec=ProjectionSpec(d, rope_bshd), heads_per_chunk=1,
+        out, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], schedule=Schedule(H, G, 1, 1),
+                                        spec=ProjectionSpec(d, rope_bshd),
                                         backend=get_backend("sdpa", "cpu"), docs=docs)
         out.backward(dout)
         x.grad = None

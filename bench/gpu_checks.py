@@ -286,13 +286,13 @@ def stage_tied(x, w, cos, sin, dout, pin=None):
 
 
 def stage_untied(x, w, cos, sin, dout, hpc, backend, docs=None):
-    from ds_longctx.attention.untied import ProjectionSpec, untied_attention_fused
+    from ds_longctx.attention.untied import ProjectionSpec, Schedule, untied_attention_fused
     from ds_longctx.models import rope_bshd
 
     H, G, d = SHAPES["heads"], SHAPES["kv_heads"], SHAPES["head_dim"]
     b, s, _ = x.shape
-    o, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], heads=H, kv_heads=G,
-                                  spec=ProjectionSpec(d, rope_bshd), heads_per_chunk=hpc, backend=backend,
+    o, _ = untied_attention_fused(x, cos, sin, w["q"], w["k"], w["v"], schedule=Schedule(H, G, 1, hpc),
+                                  spec=ProjectionSpec(d, rope_bshd), backend=backend,
                                   causal=True, scale=d ** -0.5, docs=docs)
     o = o.reshape(b, s, H * d)
     o.backward(dout)

@@ -75,10 +75,12 @@ def _worker(rank, world, port, args, out_dir):
         counted = {}
         if args.count:  # one more step of each under the FLOP counter (measure/flops.WorkCounter), untimed
             from ds_longctx.measure.flops import WorkCounter, by_category
+            from ds_longctx.memory.checkpointing import around_checkpointed_runs
 
             for keep in (False, True):
                 eng = engines[keep]
-                with WorkCounter() as wc:
+                wc = WorkCounter()
+                with around_checkpointed_runs(wc.layer_run), wc:  # recomputes told apart (WorkCounter's doc)
                     loss = eng(**shard).loss
                     eng.backward(loss)
                     eng.step()

@@ -11,7 +11,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from .attention import registry
 from .errors import ConfigError
+from .models import attention_shape
 
 _DS_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
@@ -92,8 +94,6 @@ def deepspeed_ulysses_registrations() -> dict:
     or behind our own dispatcher: a wrapper registered before our first install is its fallback)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from .attention import registry
-
     found = {}
     for key in list(ALL_ATTENTION_FUNCTIONS.keys()):
         # in the table (also when written over our dispatcher), else behind our dispatcher
@@ -113,8 +113,6 @@ def replace_deepspeed_ulysses_registration() -> list:
     (which would all-to-all twice: "query input tensor does not match the required shape").
     Written through the attention registry (the table's one writer), which puts DeepSpeed's wrapper
     back when ds_longctx releases the key. Returns the keys replaced."""
-    from .attention import registry
-
     restored = []
     for key, core in deepspeed_ulysses_registrations().items():
         registry.displace(key, core)
@@ -249,38 +247,44 @@ def _tiled_output_class():
 # ---------------------------------------------------------------------------------------------
 
 
-def active_stack_line(lc, model=None, world: int = 1, zero_stage: Optional[int] = None, grad_scale=None) -> str:
-    """One line stating what initialize switched on, so a user sees the keys took effect."""
-    from .layout import Layout
-
-    sp = lc.sequence_parallel_size
+def active_stack_line(spec, model=None) -> str:
+    """One line stating what initialize switched on, as the spec resolved it (``fuse_projections``' path, the
+    kept layers, the shard counts), so a user sees the keys took effect."""
+    lc, layout = spec.config, spec.layout
     att = lc.attention
-    parts = [f"SP {sp} x DP {max(Layout(world=world, sp=sp).dp, 1)} (world {world})"]
+    parts = [f"SP {spec.sp} x DP {max(layout.dp, 1)} (world {layout.world})"]
     attn = att.implementation
     if attn == "untied_ulysses":
-        attn += f"(heads_per_chunk={att.heads_per_chunk}, fuse_projections={att.fuse_projections})"
+        path = "fused projections" if spec.fused else "attention-function level"
+        if att.fuse_projections == "auto":
+            how = (f"ds_longctx.models fuses {spec.model.model_type}" if spec.fused else
+                   f"ds_longctx.models has no fused path for {spec.model.model_type}")
+            path += f" (fuse_projections 'auto': {how})"
+        attn += f"(heads_per_chunk={spec.heads_per_chunk}, {path})"
     core = getattr(getattr(model, "config", None), "_attn_implementation", None)
     parts.append(f"attention={attn} kernel={att.kernel}" + (f" core={core}" if core else ""))
     ac = lc.activation_checkpointing
     if ac.enabled:
-        parts.append(f"checkpointing=on offload={ac.offload}" + (" pinned" if ac.offload != "none" and ac.pin_memory
-                                                                  else ""))
+        line = f"checkpointing=on offload={ac.offload}" + (" pinned" if ac.offload != "none" and ac.pin_memory else "")
+        if ac.offload != "none":
+            line += f" keep_on_device={spec.keep_on_device}"
+        if spec.kept_attention_layers:
+            line += f" keep_attention_output={spec.kept_attention_layers} layers"
+        parts.append(line)
     else:
         parts.append("checkpointing=off")
-    for name in ("tiled_mlp", "tiled_loss"):
-        t = getattr(lc, name)
-        parts.append(f"{name}=" + (f"on(shards={t.shards})" if t.enabled else "off"))
+    for name, shards in (("tiled_mlp", spec.mlp_shards), ("tiled_loss", spec.loss_shards)):
+        parts.append(f"{name}=" + (f"on(shards={'auto' if shards is None else shards})" if getattr(lc, name).enabled
+                                   else "off"))
     parts.append("rms_norm=" + ("memory-efficient" if lc.rms_norm.enabled else "hf"))
-    if zero_stage is not None:
-        parts.append(f"zero_stage={zero_stage}")
-    if grad_scale is not None:
-        parts.append(f"grad_scale={grad_scale:g}")
-    if lc.sequence_length is not None:
-        parts.append(f"sequence_length={lc.sequence_length}")
+    parts.append(f"zero_stage={layout.zero_stage}")
+    parts.append(f"grad_scale={layout.grad_scale:g}")
+    if spec.sequence_length is not None:
+        parts.append(f"sequence_length={spec.sequence_length}")
     return "ds_longctx active: " + ", ".join(parts)
 
 
-def log_active_stack(lc, model=None, world: int = 1, zero_stage: Optional[int] = None, grad_scale=None) -> str:
+def log_active_stack(spec, model=None) -> str:
     """Log :func:`active_stack_line` once, on rank 0, on the ``ds_longctx`` logger at INFO.
 
     The logger gets a stderr handler of its own when it has none (like DeepSpeed's), so the line shows
@@ -288,7 +292,7 @@ def log_active_stack(lc, model=None, world: int = 1, zero_stage: Optional[int] =
     logger's verbosity (the HF Trainer does on replicas) don't hide it."""
     import logging
 
-    line = active_stack_line(lc, model, world, zero_stage, grad_scale)
+    line = active_stack_line(spec, model)
     if not dist.is_initialized() or dist.get_rank() == 0:
         log = logging.getLogger("ds_longctx")
         if not log.handlers:
@@ -312,8 +316,6 @@ def check_model_scale(lc, model_config, seq_len: int, model_flag: Optional[str] 
     8B 5M-token config with the tiny default preset), before any model or group is built.
 
     ``model_flag``: how the model was chosen ("--model-config PATH"), None for the default preset."""
-    from .models import attention_shape
-
     tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     heads = attention_shape(tc).heads
     max_pos = getattr(tc, "max_position_embeddings", None)

@@ -1,27 +1,34 @@
-"""The ``long_context`` section of ds_config.json and its checks against the model and the world.
+"""The ``long_context`` section of ds_config.json: its schema, its parse, and the checks the ds_config alone
+decides (the checks against the model, the world and this machine's kernels are checks.py's).
 
-Everything here is pure (no collectives), so every rank reaches the same verdict from the same
-config, model config and world size, and raises the same error before any collective can hang.
+A leaf of the package: it imports nothing of ds_longctx but errors.py, so every layer may import it (the key
+names, the schema, the "auto" keys). Everything here is pure (no collectives), so every rank reaches the same
+verdict from the same config and raises the same error before any collective can hang.
 """
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 import os
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 from typing_extensions import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .attention.kernels import (KernelError, available_backends, backend_for, is_available, is_known,
-                                kernel_names)
 from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
-from .memory.keep import kept_attention_layers
 
 SECTION = "long_context"
 # the key whose value names the attention kernel: the kernels' own refusals (attention.kernels.KernelError)
-# become a ConfigError naming it where the name came from the config (get_backend, the attention installs)
+# become a ConfigError naming it where the name came from the config (checks.get_backend, the attention installs)
 KERNEL_KEY = f"{SECTION}.attention.kernel"
+# the values it accepts: "auto" (measured on CUDA), the backends a config may name (attention/kernels.py registers
+# each with config_name=True and refuses one missing here), and "sdpa" (torch's flash kernel for the device)
+KERNEL_NAMES: Tuple[str, ...] = ("auto", "flash_attention_3", "flash_attention_2", "sdpa_cuda_cudnn", "sdpa_cuda_flash",
+                                 "sdpa")
+# the switch between the fused and the attention-function-level untied attention (attention/hf.py)
+FUSE_KEY = f"{SECTION}.attention.fuse_projections"
 # the switch of the tiled MLP: memory.tiling's refusals (TilingError) become a ConfigError naming it at the install
 TILED_MLP_KEY = f"{SECTION}.tiled_mlp.enabled"
 # activation checkpointing's keys (offload, nvme_path): memory.nvme's refusals (NVMeError) name them at the install
@@ -45,7 +52,7 @@ class AttentionConfig(_Strict):
         default="ulysses", description="'ulysses': DeepSpeed's Ulysses (all heads at once); 'untied_ulysses': "
         "all-to-all + kernel per chunk of heads (UPipe), far less attention memory; 'none': plain HF "
         "attention, SP=1 only.")
-    kernel: Literal[kernel_names()] = Field(
+    kernel: Literal[KERNEL_NAMES] = Field(
         default="auto", description="Attention kernel for untied attention (the registered backends of "
         "attention/kernels.py): 'auto' picks the best available for the device; a named kernel that is "
         "missing is an error.")
@@ -54,10 +61,12 @@ class AttentionConfig(_Strict):
         "heads / SP. 1 saves the most memory, larger is faster; 'auto': the planner picks the fastest "
         "that fits (needs sequence_length).", json_schema_extra=_fix("use 1 for the most memory saving, "
                                                                      "larger for speed"))
-    fuse_projections: bool = Field(
-        default=True, description="Project q/k/v (+ RoPE, q/k-norm) per head chunk inside the stage loop, "
-        "so full q/k/v never exist (architectures in ds_longctx.models); false: chunk at transformers' "
-        "attention-function level (any model using its attention interface).")
+    fuse_projections: Union[bool, Literal["auto"]] = Field(
+        default="auto", description="true: project q/k/v (+ RoPE, q/k-norm) per head chunk inside the stage loop, "
+        "so full q/k/v never exist (the architectures in ds_longctx.models: llama, mistral, qwen2, qwen3); false: "
+        "chunk at transformers' attention-function level (any model using its attention interface); 'auto': "
+        "fused where ds_longctx.models has the architecture, function level otherwise (logged at initialize).",
+        json_schema_extra=_fix("use 'auto', true (llama, mistral, qwen2, qwen3) or false"))
 
 
 class ActivationCheckpointingConfig(_Strict):
@@ -135,6 +144,53 @@ class LongContextConfig(_Strict):
 
     # filled from the top level of the ds_config, not from the section
     sequence_parallel_size: int = Field(default=1, exclude=True)
+
+
+# The keys whose "auto" the memory planner resolves (ds_longctx.initialize, on rank 0, for this machine's budgets),
+# each with the fix when it cannot (no sequence_length). The one list: parse, the spec builder (refuses one left
+# unresolved), initialize and the planner's search read it. (tiled_mlp/tiled_loss shards "auto" is a run-time rule
+# instead: ceil(local rows / hidden), agreed per forward; the planner's search sets them too when it runs.)
+AUTO_KEYS: Dict[str, str] = {
+    "attention.heads_per_chunk": "give a positive integer (1 saves the most memory)",
+    "activation_checkpointing.keep_attention_output": "give true, false or a number of layers",
+    "activation_checkpointing.keep_on_device": "give a number of layers",
+}
+
+
+def value_at(lc: LongContextConfig, key: str):
+    """The value of ``key`` (a path inside the section, e.g. "attention.heads_per_chunk")."""
+    section, name = key.split(".")
+    return getattr(getattr(lc, section), name)
+
+
+def auto_keys(lc: LongContextConfig) -> List[str]:
+    """The :data:`AUTO_KEYS` this section sets to "auto"."""
+    return [k for k in AUTO_KEYS if value_at(lc, k) == "auto"]
+
+
+def with_values(lc: LongContextConfig, values: Mapping[str, Any]) -> LongContextConfig:
+    """A copy of ``lc`` with ``values`` ({"attention.heads_per_chunk": 4, "tiled_mlp.shards": 2, ...}) set, each
+    validated as the field's type (``sequence_parallel_size`` kept): the resolved config initialize builds from the
+    planner's choices."""
+    out = lc.model_copy(deep=True)
+    for key, value in values.items():
+        section, name = key.split(".")
+        try:
+            setattr(getattr(out, section), name, value)
+        except ValidationError as err:
+            raise _from_validation_error(err) from None
+    out.sequence_parallel_size = lc.sequence_parallel_size
+    return out
+
+
+def resolved_ds_config(ds_config: dict, lc: LongContextConfig) -> dict:
+    """A copy of ``ds_config`` whose ``long_context`` section is ``lc`` (every key written out, "auto" values as
+    resolved): what the planner reads for the run as configured (e.g. ``planner.planned_work`` for the
+    profiler)."""
+    out = copy.deepcopy(ds_config)
+    out[SECTION] = lc.model_dump(mode="json")
+    out["sequence_parallel_size"] = lc.sequence_parallel_size
+    return out
 
 
 def _key_path(loc) -> str:
@@ -254,8 +310,6 @@ def check_top_level_keys(ds_config: dict) -> None:
 
     DeepSpeed ignores unknown top-level keys, so ``"long_contex"`` would silently run with every
     feature off and ``"sequence_paralel_size"`` as SP=1."""
-    import difflib
-
     for key in ds_config:
         if not isinstance(key, str) or key in _OWN_TOP_LEVEL_KEYS or key in _KNOWN_SIMILAR_KEYS:
             continue
@@ -301,24 +355,18 @@ def parse(ds_config: dict) -> LongContextConfig:
         raise _from_validation_error(err) from None
     cfg.sequence_parallel_size = sp
 
-    hpc = cfg.attention.heads_per_chunk
-    if hpc == "auto" and cfg.sequence_length is None:
-        raise ConfigError(f"{SECTION}.attention.heads_per_chunk", "'auto' is resolved by the memory planner for "
-                          "a sequence length, and long_context.sequence_length is not set",
-                          "set long_context.sequence_length, or give a positive integer (1 saves the most memory)")
+    if cfg.sequence_length is None:
+        for key in auto_keys(cfg):
+            raise ConfigError(f"{SECTION}.{key}", "'auto' is resolved by the memory planner for a sequence length, "
+                              "and long_context.sequence_length is not set",
+                              f"set long_context.sequence_length, or {AUTO_KEYS[key]}")
     ac = cfg.activation_checkpointing
-    for key, fix in (("keep_attention_output", "give true, false or a number of layers"),
-                     ("keep_on_device", "give a number of layers")):
-        if getattr(ac, key) == "auto" and cfg.sequence_length is None:
-            raise ConfigError(f"{SECTION}.activation_checkpointing.{key}", "'auto' is resolved by the memory "
-                              "planner for a sequence length, and long_context.sequence_length is not set",
-                              f"set long_context.sequence_length, or {fix}")
     if ac.offload != "none" and not ac.enabled:
         raise ConfigError(f"{SECTION}.activation_checkpointing.offload",
                           f"offload {ac.offload!r} needs checkpointing", "also set activation_checkpointing.enabled=true")
     _check_nvme_keys(ac)
     # "auto" resolves to 0 where these do not hold (planner/search.py)
-    if ac.keep_attention_output != "auto" and kept_attention_layers(ac.keep_attention_output, 1):
+    if ac.keep_attention_output not in ("auto", False, 0):
         key = f"{SECTION}.activation_checkpointing.keep_attention_output"
         if not ac.enabled:
             raise ConfigError(key, "keeps what a checkpointed layer's recompute would rebuild, and checkpointing "
@@ -347,66 +395,6 @@ def _check_nvme_keys(ac: ActivationCheckpointingConfig) -> None:
                           "set offload='nvme' to use it, or remove nvme_path")
 
 
-def check_against(cfg: LongContextConfig, model_config=None, world_size: int = 1,
-                  sequence_length: Optional[int] = None) -> None:
-    """Check the section against the model's shape and the world. Pure: same verdict on every rank."""
-    sp = cfg.sequence_parallel_size
-    if world_size % sp != 0:
-        raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world size {world_size}",
-                          f"launch a multiple of {sp} processes or pick a degree dividing {world_size}")
-    seq = sequence_length if sequence_length is not None else cfg.sequence_length
-    if seq is not None and seq % sp != 0:
-        key = f"{SECTION}.sequence_length" if sequence_length is None else "sequence length"
-        raise ConfigError(key, f"{seq} is not divisible by sequence_parallel_size={sp}",
-                          f"use a multiple of {sp}, e.g. {(seq // sp + 1) * sp}")
-    impl = cfg.attention.implementation
-    if model_config is None:
-        return
-    if sp > 1 or impl == "untied_ulysses":  # else transformers' own attention, nothing split: any model trains
-        _check_split_attention(cfg, model_config, seq)
-    ac = cfg.activation_checkpointing
-    from .models import text_config
-
-    layers = getattr(text_config(model_config), "num_hidden_layers", None)
-    if isinstance(layers, int) and ac.enabled and ac.offload != "none" and ac.keep_on_device != "auto" \
-            and ac.keep_on_device > layers:
-        raise ConfigError(f"{SECTION}.activation_checkpointing.keep_on_device",
-                          f"{ac.keep_on_device} is more than the model's {layers} decoder layers",
-                          f"give at most {layers} ({layers} keeps every input on the device: then offload='none' "
-                          "says the same)")
-    check_shards(cfg, seq)
-
-
-def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[int]) -> None:
-    """check_against's part for attention that ds_longctx splits (SP > 1, untied): heads, kernel, pattern.
-    Not at SP=1 with transformers' own attention, where a model without heads (state-space) trains too."""
-    from .models import attention_shape, text_config
-
-    sp, impl = cfg.sequence_parallel_size, cfg.attention.implementation
-    shape = attention_shape(model_config)
-    heads, kv = shape.heads, shape.kv_heads
-    tc = text_config(model_config)
-    v_dim = getattr(tc, "v_head_dim", None)
-    if getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim):
-        name = getattr(tc, "model_type", None) or type(tc).__name__
-        raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has multi-head latent attention "
-                          f"(query/key head dim {getattr(tc, 'qk_head_dim', None) or shape.head_dim}, value head dim "
-                          f"{v_dim}), which {impl!r} does not split", _NOT_YET_UNDER_SP)
-    if sp > 1:
-        attn_impl = getattr(model_config, "_attn_implementation", None)
-        if attn_impl is not None and "eager" in str(attn_impl):
-            raise ConfigError("model.config._attn_implementation", f"{attn_impl!r} cannot run sequence parallel",
-                              "load the model with attn_implementation='sdpa' (or flash_attention_2/3); a model "
-                              "with no SDPA path (Gemma2: attention soft-capping) trains with "
-                              "attn_implementation='flex_attention' under long_context.attention.implementation "
-                              "'ulysses'")
-        check_sp_heads(heads, kv, sp)
-    if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
-        check_sp_attention_pattern(impl, model_config, seq)
-    if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
-        check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)
-
-
 def check_shards(cfg: LongContextConfig, sequence_length: Optional[int]) -> None:
     """A tile holds at least one row: an integer ``shards`` above the rows it splits (the sequence shard
     of one sample, ``sequence_length / sequence_parallel_size``) is an error, not thousands of empty
@@ -431,9 +419,7 @@ def check_train_batch_size(ds_config: dict, world_size: int, sp: int) -> None:
     gas = ds_config.get("gradient_accumulation_steps")
     if not isinstance(tbs, int) or world_size % sp:
         return  # absent or "auto" (the HF integration fills it); bad types are check_batch_sizes' job
-    from .layout import Layout
-
-    dp = Layout(world=world_size, sp=sp).dp
+    dp = world_size // sp  # layout.Layout's dp (world = SP x DP)
     m = micro if isinstance(micro, int) else None
     g = gas if isinstance(gas, int) else None
     if m is not None and g is not None:
@@ -455,10 +441,6 @@ def check_train_batch_size(ds_config: dict, world_size: int, sp: int) -> None:
                           "out (DeepSpeed derives it)")
 
 
-_NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
-                     "transformers' own attention runs it exactly")
-
-
 HPC_KEY = f"{SECTION}.attention.heads_per_chunk"
 
 
@@ -474,8 +456,8 @@ def check_sp_heads(heads: int, kv_heads: int, sp: int) -> None:
 
 
 def check_heads_per_chunk(hpc, heads: int, kv_heads: int, sp: int) -> None:
-    """``hpc`` query heads per stage must be a positive integer dividing the heads per rank (the one check of
-    it: ``check_against`` for initialize, the spec builder for a direct ``patch_model``)."""
+    """``hpc`` query heads per stage must be a positive integer dividing the heads per rank (checked by
+    ``checks.check_against``, which the spec builder runs)."""
     if not isinstance(hpc, int) or isinstance(hpc, bool) or hpc < 1:
         raise ConfigError(HPC_KEY, f"must be a positive integer here, got {hpc!r}",
                           "use 1 for the most memory saving (ds_longctx.initialize resolves 'auto' first)")
@@ -485,75 +467,3 @@ def check_heads_per_chunk(hpc, heads: int, kv_heads: int, sp: int) -> None:
         valid = [d for d in range(1, local + 1) if local % d == 0]
         raise ConfigError(HPC_KEY, f"{hpc} does not divide the {local} query heads per rank ({heads} heads / SP {sp})",
                           f"use one of {valid}")
-
-
-_KERNEL_HINTS = {"flash_attention_2": "pip install flash-attn (needs CUDA)",
-                 "flash_attention_3": "install FA3 (flash_attn_interface, Hopper GPU)"}
-
-
-def check_kernel(name: str) -> str:
-    """Validate a value of ``long_context.attention.kernel`` against this machine, without any tensor (the
-    one check of the name: the spec builder calls it; installs and ops trust it). Returns it."""
-    if not is_known(name):
-        raise ConfigError(KERNEL_KEY, f"unknown kernel {name!r}", f"use one of {', '.join(kernel_names())}")
-    if not is_available(name):
-        hint = _KERNEL_HINTS.get(name, "")
-        raise ConfigError(KERNEL_KEY, f"{name!r} is not available on this machine (found: {available_backends()})",
-                          f"{hint + '; or ' if hint else ''}set it to 'auto' or 'sdpa'")
-    return name
-
-
-def get_backend(name: str, device):
-    """The kernel backend for the config value ``name`` on ``device``: :func:`check_kernel`, then
-    ``attention.kernels.backend_for``, whose KernelError (no such kernel for the device) becomes a ConfigError
-    naming the key. For direct callers; installs hold the spec's ``KernelChoice``."""
-    from .errors import naming
-
-    check_kernel(name)
-    with naming(KERNEL_KEY, KernelError):
-        return backend_for(name, device)
-
-
-def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int], layer_kinds: bool = True) -> None:
-    """Our SP attention ('ulysses' at SP > 1, 'untied_ulysses') computes causal attention over the whole
-    gathered sequence, applying each layer's sliding window and attention soft-cap there
-    (models.windows.layer_attention). Refuse every model whose attention is something else: chunked
-    attention and other layer types, bidirectional attention, and flex_attention under 'untied_ulysses'
-    (its BlockMask is built for the local shard; 'ulysses' runs flex layers causal). Never advise dropping
-    a window: the pretrained model attends through it. ``layer_kinds`` False: only what does not depend on the
-    length (the installs, which check chunked layers at their forward, with the sequence length); layers that are
-    not attention at all (linear attention, Mamba, convolutions: they would mix only their rank's shard) are
-    refused either way."""
-    from .models import text_config
-    from .models.windows import is_bidirectional, restricted_layers
-
-    key = f"{SECTION}.attention.implementation"
-    name = getattr(text_config(model_config), "model_type", None) or type(model_config).__name__
-    attn_impl = getattr(model_config, "_attn_implementation", None)
-    if attn_impl == "flex_attention" and impl == "untied_ulysses":
-        raise ConfigError("model.config._attn_implementation",
-                          f"'flex_attention' under {impl!r}: its BlockMask is built for the local sequence shard, "
-                          "and without it flex_attention is not causal",
-                          "load the model with attn_implementation='sdpa' (or flash_attention_2/3): the same "
-                          f"attention, which {impl!r} runs causal over the gathered sequence; or use "
-                          "implementation 'ulysses', which runs flex_attention models causal")
-    if is_bidirectional(model_config):
-        raise ConfigError(key, f"the {name} model attends bidirectionally (use_bidirectional_attention), and "
-                          f"{impl!r} computes causal attention only", _NOT_YET_UNDER_SP)
-    for group in restricted_layers(model_config):
-        if group.kind == "sliding_attention" or group.exact_for(seq_len):
-            continue  # windows are applied on the gathered sequence (a window covering it is full causal)
-        if not layer_kinds and group.span is not None:
-            continue  # chunked layers: the installs check them per forward, with the sequence length
-        if group.span is None:
-            raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
-                              "computes causal attention (with sliding windows) over the gathered sequence",
-                              f"this layer type is not supported under sequence parallelism; {_NOT_YET_UNDER_SP}")
-        length = (f"shorter than long_context.sequence_length {seq_len}" if seq_len is not None else
-                  "and long_context.sequence_length is not set, so nothing shows it covers every sample")
-        fix = f"chunked attention is not supported under sequence parallelism yet; {_NOT_YET_UNDER_SP}"
-        if seq_len is None:
-            fix += (f", or set long_context.sequence_length if every sample has at most {group.span} tokens (a "
-                    "chunk covering the whole sample is exact)")
-        raise ConfigError(key, f"the {name} model has {group.describe()}, {length}; {impl!r} computes causal "
-                          "attention over the gathered sequence, so the chunking would be silently dropped", fix)

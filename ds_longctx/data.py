@@ -1,8 +1,6 @@
-"""Sequence sharding for SP, the data loader, the embedded long-context task and file datasets."""
+"""Sequence sharding for SP, the data loader, the embedded long-context task; file datasets are in corpus.py."""
 from __future__ import annotations
 
-import json
-import os
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
@@ -199,112 +197,20 @@ class LongRangeCopy(Dataset):
         return math.log(self.vocab - 2)
 
 
-def _utf8(raw: bytes, path: str, first_line: int = 1) -> str:
-    """``raw`` decoded as UTF-8, or a ConfigError naming the file, the line and the byte."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = first_line + raw.count(b"\n", 0, e.start)
-        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise ConfigError(f"--data {path} line {line}", f"is not UTF-8 (byte 0x{raw[e.start]:02x} at column {col}: "
-                          f"{e.reason})", "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+# file datasets live in corpus.py (sources, the token cache, the dataset); these names stay importable from here
+from .corpus import _utf8, check_tokenizer_vocab  # noqa: E402,F401
+from .corpus import CorpusDataset, open_corpus  # noqa: E402
 
 
-def _jsonl_texts(path: str):
-    texts = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            line = _utf8(raw, path, n)
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"--data {path} line {n}", f"is not valid JSON ({e})", "write one JSON object "
-                                  'per line, {"text": ...}') from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise ConfigError(f"--data {path} line {n}", f'has no string "text" field (got {keys})',
-                                  'give every line a "text" string, e.g. {"text": "..."}')
-            texts.append(rec["text"])
-    return texts
-
-
-def check_tokenizer_vocab(tokenizer, vocab_size: int, top: Optional[int] = None, source: Optional[str] = None,
-                          name: Optional[str] = None) -> None:
-    """A tokenizer whose ids reach past the model's embedding is an error (before the engine starts:
-    otherwise an IndexError deep in the forward). ``top``: the largest id it produced from ``source``."""
-    n = len(tokenizer)
-    past = top is not None and top >= vocab_size
-    if n <= vocab_size and not past:
-        return
-    who = f"{name!r} " if name else "it "
-    produced = f"{who}has {n} tokens and produced id {top} from {source}" if past else ""
-    if n > vocab_size:
-        problem = (f"has {n} tokens but the model's vocab_size is {vocab_size}: ids >= {vocab_size} would index "
-                   "past the embedding" + (f" ({produced})" if past else ""))
-    else:
-        problem = f"{produced}, but the model's vocab_size is {vocab_size}"
-    raise ConfigError("--tokenizer", problem, "use the model's own tokenizer or a model with vocab_size >= "
-                      f"{max(n, (top or 0) + 1)}")
-
-
-class TokenFileDataset(Dataset):
-    """Fixed-length samples cut from a tokenized .txt or .jsonl ({"text": ...} per line) file.
-
-    Documents (jsonl lines; a .txt file is one document) are tokenized, each followed by EOS, and
-    the stream is cut into samples of ``seq_len``. With ``documents=True`` (default) every sample
-    carries ``position_ids`` restarting at 0 at each document start (and at the sample start), so
-    attention stays inside documents (HF's packed convention; shard_batch turns it into the
-    document structure). ``documents=False``: plain concatenation, positions 0..seq_len-1 and
-    attention across documents (pretraining style).
-    """
+class TokenFileDataset(CorpusDataset):
+    """Fixed-length samples of a text file or table, tokenized once into a cache (``corpus.open_corpus``, which
+    documents the kinds, the cache and the sample layout). The former whole-file constructor's signature."""
 
     def __init__(self, path: str, tokenizer, seq_len: int, documents: bool = True, vocab_size: Optional[int] = None,
-                 tokenizer_name: Optional[str] = None):
-        if not os.path.exists(path):
-            raise ConfigError("--data", f"file {path!r} does not exist", "give a .txt/.jsonl path or a task name")
-        if path.endswith(".jsonl"):
-            texts = _jsonl_texts(path)
-        elif path.endswith(".txt"):
-            with open(path, "rb") as f:
-                texts = [_utf8(f.read(), path)]
-        else:
-            raise ConfigError("--data", f"unsupported file type {path!r}", "use a .txt or .jsonl file")
-        ids, starts = [], []
-        eos = tokenizer.eos_token_id
-        for t in texts:
-            starts.append(len(ids))
-            ids.extend(tokenizer(t, add_special_tokens=False)["input_ids"])
-            if eos is not None:
-                ids.append(eos)
-        if vocab_size is not None:  # checked on the ids produced, so the error can name the largest
-            check_tokenizer_vocab(tokenizer, vocab_size, top=max(ids, default=None), source=path, name=tokenizer_name)
-        n = len(ids) // seq_len
-        if n == 0:
-            raise ConfigError("--data", f"{path} has {len(ids)} tokens, fewer than one sample of {seq_len}",
-                              "use a larger file or a smaller --seq-len")
-        self.data = torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
-        self.positions = None
-        if documents:
-            # position of each token inside its document piece: restarts at document and sample starts
-            is_start = torch.zeros(n * seq_len, dtype=torch.bool)
-            is_start[[s for s in starts if s < n * seq_len]] = True
-            is_start = is_start.view(n, seq_len)
-            is_start[:, 0] = True
-            idx = torch.arange(seq_len).expand(n, seq_len)
-            last_start = torch.where(is_start, idx, torch.zeros_like(idx)).cummax(1).values
-            self.positions = idx - last_start
-
-    def __len__(self):
-        return self.data.shape[0]
-
-    def __getitem__(self, i):
-        ids = self.data[i]
-        item = {"input_ids": ids, "labels": ids.clone()}
-        if self.positions is not None:
-            item["position_ids"] = self.positions[i]
-        return item
+                 tokenizer_name: Optional[str] = None, column: str = "text"):
+        ds = open_corpus(path, tokenizer, seq_len, documents=documents, column=column, vocab_size=vocab_size,
+                         tokenizer_name=tokenizer_name)
+        super().__init__(ds.cache, ds.meta, seq_len, documents)
 
 
 TASKS = {"copy": LongRangeCopy}

@@ -16,12 +16,16 @@ import torch
 import torch.distributed as dist
 
 from . import comm, compat
-from .config import check_against, check_train_batch_size, load_ds_config, parse
+from .config import auto_keys, check_train_batch_size, load_ds_config, parse, with_values
 from .data import SPDataLoader
 from .errors import ConfigError
-from .launch import master_port
+from .launch import env_from_slurm, master_port
 from .layout import Layout, zero_stage
+from .models.logits import describe_logit_path
 from .patch import patch_model
+from .planner import resolve_auto
+from .planner.host import machine_ram_bytes
+from .planner.units import fmt_bytes, parse_bytes
 from .spec import build_spec
 
 logger = logging.getLogger("ds_longctx")
@@ -34,8 +38,6 @@ def init_distributed(distributed_port: Optional[int] = None, dist_init_required:
 
     if dist.is_initialized() or dist_init_required is False:
         return
-    from .launch import env_from_slurm
-
     env_from_slurm()  # srun sets only SLURM_*; MPI ranks are discovered by DeepSpeed via mpi4py
     comm.disable_cpu_shm_allreduce()
     # DeepSpeed's MPI discovery overwrites MASTER_PORT with distributed_port: pass the one in force
@@ -67,9 +69,6 @@ def _local_ranks(world: int) -> int:
 def _host_budget():
     """(host memory per node, where it came from): ``DS_LONGCTX_HOST_MEM`` (a size, e.g. 512GiB) when set,
     else this machine's RAM (planner/host.machine_ram_bytes, the planner's own detection)."""
-    from .planner.host import machine_ram_bytes
-    from .planner.units import fmt_bytes, parse_bytes
-
     raw = os.environ.get(HOST_MEM_ENV)
     if raw:
         try:
@@ -82,13 +81,11 @@ def _host_budget():
 
 
 def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
-    """Replace "auto" values by the planner's fastest fitting choice: computed on rank 0 (the
-    simulation is pure but costs seconds) and broadcast, so every rank builds the same model. Budgets:
-    this device's memory, and the host memory per node (``DS_LONGCTX_HOST_MEM`` or this machine's RAM)
-    shared by the ranks on this machine."""
-    from .planner import resolve_auto
-    from .planner.units import fmt_bytes
-
+    """The values of the "auto" keys (config.AUTO_KEYS, and tiled shards) the planner picks as fastest fitting
+    ({key inside the section: value}, planner.resolve_auto): computed on rank 0 (the simulation is pure but costs
+    seconds; its Planner checks the config against the model and the world first) and broadcast with rank 0's
+    ConfigError if any, so every rank gets the same values or the same error. Budgets: this device's memory, and
+    the host memory per node (``DS_LONGCTX_HOST_MEM`` or this machine's RAM) shared by the ranks on this machine."""
     box = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
@@ -106,11 +103,6 @@ def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
     if isinstance(box[0], Exception):
         raise box[0]
     return box[0]
-
-
-def _has_auto(lc) -> bool:
-    ac = lc.activation_checkpointing
-    return "auto" in (lc.attention.heads_per_chunk, ac.keep_attention_output, ac.keep_on_device)
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
@@ -134,28 +126,16 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     init_distributed(distributed_port, dist_init_required)
     world = dist.get_world_size() if dist.is_initialized() else 1
     model_config = getattr(model, "config", None)
-    hpc_auto, auto = lc.attention.heads_per_chunk == "auto", _has_auto(lc)
+    if auto_keys(lc):
+        # "auto" resolved once, into the resolved config every rank builds the spec from (rank 0's planner, its
+        # choices broadcast): nothing downstream sees "auto" or re-derives a count (spec.py)
+        lc = with_values(lc, _resolve_auto(ds_config, model_config, world))
     # same verdict on every rank, before any group is built: the spec builder checks the config against the
-    # model and the world (config.check_against) and the kernel against this machine; with "auto" the world
-    # check runs now (before rank 0's planner and its broadcast), and the spec is built once "auto" is resolved
-    spec = None
-    if auto:
-        check_against(lc, model_config, world)
-    else:
-        spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world))
+    # model and the world (checks.check_against) and the kernel against this machine, and resolves every count
+    spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world))
     if mpu is None:  # Accelerate's layout (with an mpu) has its own, clearer check
         check_train_batch_size(ds_config, world, sp)
-    from .models.logits import describe_logit_path
-
     describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective
-
-    if auto:
-        # the planner picked among valid candidates (e.g. divisors of the heads per rank): a new config, a new
-        # spec; check_against ran above with these knobs unresolved, so the builder checks only what it skipped
-        # (an "auto" heads_per_chunk): each value is checked once
-        ds_config = _resolve_auto(ds_config, model_config, world)
-        lc = parse(ds_config)
-        spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world), check="heads" if hpc_auto else "done")
 
     ds_mpu = comm.initialize_groups(sp)
     compat.check_mpu(mpu, sp)
@@ -182,7 +162,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         loader = SPDataLoader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
                               sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=layout.dp,
                               collate_fn=collate_fn, shuffle=data_shuffle, seed=data_seed)
-    compat.log_active_stack(spec.config, model, layout.world, layout.zero_stage, layout.grad_scale)  # rank 0
+    compat.log_active_stack(spec, model)  # rank 0: what is on, as the spec resolved it
     return engine, opt, loader, sched
 
 

@@ -29,11 +29,20 @@ TypeError in ``torch.Size``). While enabled it is given the model's config with 
 :func:`ds_longctx.models.attention_shape` (the values the model's attention modules compute), nothing else
 changed.
 
+Resuming (the Trainer's ``resume_from_checkpoint``, ``accelerator.skip_first_batches``) skips already-trained
+batches with Accelerate's ``skip_first_batches``, which cannot take an SP adapter (it rebuilds a DataLoader from
+``dataset``/``batch_sampler``, and its count is of the adapter's items, SP turns). While enabled, that name is
+routed: an SP adapter (ours, the routed one, DeepSpeed's) is skipped in SP turns by
+:func:`ds_longctx.hf_loader.skip_first_items`, anything else goes to Accelerate's function. It is looked up at
+call time on ``transformers.trainer`` (the Trainer), ``accelerate.accelerator`` (``Accelerator.skip_first_batches``)
+and ``accelerate`` / ``accelerate.data_loader`` (a script that imports it after ``enable()``); each name is
+replaced and put back.
+
 Whether a ``deepspeed.initialize`` call comes from Accelerate (whose loader then needs a
 ``ParallelismConfig`` for SP, checked here) is known explicitly: while enabled,
 ``accelerate.Accelerator._prepare_deepspeed`` is wrapped to mark its thread for the duration of the call.
 
-All five patches are process-global; this module is their one owner. ``disable()`` undoes them.
+All six patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
@@ -46,7 +55,8 @@ from .errors import ConfigError
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
 #                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,
 #                       "register" -> UlyssesSPAttentionHF.register_with_transformers (as found in its __dict__),
-#                       "accelerate_prepare" -> accelerate.Accelerator._prepare_deepspeed
+#                       "accelerate_prepare" -> accelerate.Accelerator._prepare_deepspeed,
+#                       "skip:<module>" -> that module's skip_first_batches (_SKIP_SITES)
 _inside = threading.local()  # ds_longctx.initialize calls deepspeed.initialize: that call is DeepSpeed's
 _in_accelerate = threading.local()  # inside Accelerator._prepare_deepspeed (see _called_from_accelerate)
 _LAST = {"ds_longctx": False}  # did the last routed deepspeed.initialize build a ds_longctx engine?
@@ -72,6 +82,7 @@ def enable() -> None:
     _install_sp_adapter()
     _install_register()
     _install_accelerate_mark()
+    _install_skip()
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
@@ -101,6 +112,11 @@ def disable() -> None:
         from accelerate import Accelerator
 
         Accelerator._prepare_deepspeed = _ORIGINALS.pop("accelerate_prepare")
+    for site in _SKIP_SITES:
+        if f"skip:{site}" in _ORIGINALS:
+            import importlib
+
+            importlib.import_module(site).skip_first_batches = _ORIGINALS.pop(f"skip:{site}")
     if "sp_loss" in _ORIGINALS:
         import transformers.trainer as hf_trainer
 
@@ -249,6 +265,40 @@ def _install_sp_adapter() -> None:
     _ORIGINALS["sp_adapter"] = original
     mod.UlyssesSPDataLoaderAdapter = functools.partial(RoutedSPAdapter, _deepspeed_cls=original,
                                                        _is_ours=lambda: _LAST["ds_longctx"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Accelerate's skip_first_batches (as the Trainer and Accelerator.skip_first_batches call it on resume)
+# ---------------------------------------------------------------------------------------------
+
+# the modules whose global ``skip_first_batches`` is looked up at call time (module doc)
+_SKIP_SITES = ("accelerate.data_loader", "accelerate", "accelerate.accelerator", "transformers.trainer")
+
+
+def _install_skip() -> None:
+    import importlib
+
+    for site in _SKIP_SITES:
+        try:
+            mod = importlib.import_module(site)
+        except ImportError:  # no Accelerate / transformers: nothing there calls it
+            continue
+        if getattr(mod, "skip_first_batches", None) is None:
+            continue
+        _ORIGINALS[f"skip:{site}"] = mod.skip_first_batches
+        mod.skip_first_batches = _skip_first_batches
+
+
+def _skip_first_batches(dataloader, num_batches=0):
+    """Accelerate's ``skip_first_batches``, with SP adapters skipped in SP turns (module doc)."""
+    from .hf_loader import is_sp_adapter, skip_first_items
+
+    original = _ORIGINALS.get("skip:accelerate.data_loader")
+    if original is None:  # disabled while a reference to us was kept somewhere
+        from accelerate.data_loader import skip_first_batches as original
+    if is_sp_adapter(dataloader, _ORIGINALS.get("sp_adapter")):
+        return skip_first_items(dataloader, num_batches, original)
+    return original(dataloader, num_batches=num_batches)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch.distributed as dist
+
+from .comm import sp_grad_scale
+
 
 def zero_stage(ds_config: dict) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
@@ -38,10 +42,6 @@ class Layout:
     @classmethod
     def build(cls, ds_config: dict, sp: int, world: Optional[int] = None, rank: Optional[int] = None) -> "Layout":
         """From the ds_config and the default process group (world 1, rank 0 when there is none)."""
-        import torch.distributed as dist
-
-        from .comm import sp_grad_scale
-
         live = dist.is_available() and dist.is_initialized()
         world = world if world is not None else (dist.get_world_size() if live else 1)
         rank = rank if rank is not None else (dist.get_rank() if live else 0)

@@ -1,6 +1,11 @@
-"""What a batch must be at sequence parallelism > 1, agreed by the whole SP group before any collective.
+"""The batch a patched model accepts, and the forward wrapper that checks it (``install_document_forward``,
+installed last by ``patch.patch_model``): packed documents become the ``Documents`` our attention reads.
 
-Every rank first checks its own shard (no collectives), then the group all-gathers one small header per
+The one rule for a batch carrying ``doc_cu_seqlens`` (:func:`documents_of`): no padding mask next to it, and it
+describes the batch's samples at the global length. At SP = 1 a batch without it gets its document structure
+derived from its position_ids / doc_lens / right padding (batch.document_structure).
+
+At sequence parallelism > 1 every rank first checks its own shard (no collectives), then the group all-gathers one small header per
 rank: [fault, batch, local length, has doc_cu_seqlens, full-length eval batch]. A fault seen on any rank
 (a custom or padding mask next to ``doc_cu_seqlens``, unshifted labels, missing position_ids, ...) is then
 the same BatchError on every rank, naming that rank, and shards of different shapes (cut by hand to 17 and
@@ -15,12 +20,21 @@ step's forward, and each rank returns the loss of its own batch (one turn when e
 """
 from __future__ import annotations
 
-from typing import Optional
+import types
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .attention.documents import DOCS_KWARG, Documents, no_mask
+from .batch import (BATCH_KEY, LENS_KEY, custom_mask_error, document_structure, mask_padding_targets,
+                    token_input)
+from .comm import all_gather_ints, control_plane, sp_rank
+from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
 from .errors import BatchError, LongContextError, error_class
+from .hf_loader import shard_in_turns
+from .loss import shift_labels_of
+from .models import ARCHITECTURES, text_config
 
 _LOADER_FIX = ("feed batches from the loader returned by ds_longctx.initialize, or shard each full batch with "
                "ds_longctx.data.shard_batch(batch, sp_rank, sp_size)")
@@ -30,12 +44,28 @@ def is_full_eval_batch(training: bool, labels, shift_labels, cu) -> bool:
     return not training and cu is None and labels is not None and shift_labels is None
 
 
-def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp: int,
-                training: bool, kwargs) -> Optional[LongContextError]:
-    """This rank's own verdict on its shard (no collectives): the BatchError to raise, or None."""
-    from .attention.documents import Documents
-    from .batch import BATCH_KEY, LENS_KEY, custom_mask_error
+def documents_of(cu, attention_mask, input_ids, sp: int) -> Documents:
+    """The batch rule for ``doc_cu_seqlens`` (the one home of it: the forward wrapper at SP 1, :func:`local_fault`
+    at SP > 1): no padding mask next to it (shard_batch turned the padding into an ignored document), and it
+    describes this batch's samples at the global length (``sp`` shards of this rank's tokens)."""
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        raise BatchError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
+                         "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
+                         "turns right padding into an ignored document, its targets dropped) and give the "
+                         "model shard_batch's output without another mask")
+    docs = Documents(cu)
+    if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
+        raise BatchError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
+                          f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
+                          "shard with ds_longctx.data.shard_batch")
+    return docs
 
+
+def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp: int,
+                training: bool, kwargs) -> Tuple[Optional[LongContextError], Optional[Documents]]:
+    """This rank's own verdict on its shard (no collectives): (the BatchError to raise or None, the batch's
+    documents when it carries ``doc_cu_seqlens``)."""
+    docs = None
     try:
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
             raise custom_mask_error(attention_mask)
@@ -52,7 +82,7 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
                                  "give input_ids, labels, position_ids and attention_mask only (a loss mask "
                                  "belongs in labels as -100); a per-token input the model needs has no SP path yet: "
                                  "evaluate at sequence_parallel_size 1")
-            return None  # sharded in turns: shard_batch checks it
+            return None, None  # sharded in turns: shard_batch checks it
         if doc_lens is not None:
             raise BatchError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
                               "ds_longctx.data.shard_batch (or the loader of initialize), which carries them")
@@ -65,28 +95,15 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
             raise BatchError("batch.position_ids", "missing on a sequence shard (RoPE needs global positions)",
                               _LOADER_FIX)
         if cu is not None:
-            if attention_mask is not None and not bool((attention_mask == 1).all()):
-                raise BatchError("batch.attention_mask", f"has padding next to {BATCH_KEY}",
-                                 "pass the full batch with its attention_mask through ds_longctx.data.shard_batch (it "
-                                 "turns right padding into an ignored document, its targets dropped) and give the "
-                                 "model shard_batch's output without another mask")
-            docs = Documents(cu)
-            if input_ids is not None and (docs.batch != input_ids.shape[0] or docs.seq_len != input_ids.shape[1] * sp):
-                raise BatchError(f"batch.{BATCH_KEY}", f"describes {docs.batch} samples of {docs.seq_len} tokens, "
-                                  f"the batch has {tuple(input_ids.shape)} per rank at SP={sp}",
-                                  "shard with ds_longctx.data.shard_batch")
+            docs = documents_of(cu, attention_mask, input_ids, sp)
     except LongContextError as e:
-        return e
-    return None
+        return e, None
+    return None, docs
 
 
 def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, input_ids, position_ids, attention_mask,
           cu, kwargs) -> None:
     """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank."""
-    from .comm import all_gather_ints, control_plane
-
-    from .batch import token_input
-
     t = token_input(input_ids, position_ids, kwargs)
     b, s = (t.shape[0], t.shape[1]) if t is not None else (0, 0)
     # tiny: 5 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
@@ -122,8 +139,6 @@ def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, in
 def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
     """Without doc_cu_seqlens the gathered sample must be one causal sequence: positions continuing by +1
     within and across the shards, no padding. Says which of unsharded, packed or padded it is."""
-    from .batch import BATCH_KEY
-
     p = position_ids.detach().long()
     contiguous = ((p[:, 1:] - p[:, :-1]) == 1).all(1) if p.shape[1] > 1 else torch.ones(p.shape[0], dtype=torch.bool,
                                                                                          device=p.device)
@@ -161,10 +176,6 @@ def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_i
     the output says so when they are used), or TRL's fused LM head fields (``fused_lm_head=True``: log_probs,
     entropy, is_top1, label_mask, [b, seq - 1] as TRL gives them for unshifted labels). A right-padded tail
     added to make the length divisible by the SP degree is cut off again."""
-    from .comm import sp_rank
-    from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
-    from .hf_loader import shard_in_turns
-
     batch = {"input_ids": input_ids, "labels": labels}
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
@@ -205,8 +216,6 @@ def _gather_sequence(t: torch.Tensor, group, sp: int, owner: Optional[int]):
         parts = [torch.empty_like(t) for _ in range(sp)]
         dist.all_gather(parts, t, group=group)
     else:
-        from .comm import sp_rank
-
         mine = sp_rank(group) == owner
         parts = [torch.empty_like(t) for _ in range(sp)] if mine else None
         dist.gather(t, gather_list=parts, dst=dist.get_global_rank(group, owner), group=group)
@@ -215,4 +224,91 @@ def _gather_sequence(t: torch.Tensor, group, sp: int, owner: Optional[int]):
     return torch.cat(parts, dim=1).to(dtype)
 
 
-__all__ = ["agree", "eval_in_turns", "is_full_eval_batch", "local_fault"]
+# ---------------------------------------------------------------------------------------------
+# the model forward wrapper: batch -> Documents keyword (above attention: attention/documents.py keeps the
+# Documents structure and the kernel adapters, batch.py the batch's document structure)
+# ---------------------------------------------------------------------------------------------
+
+
+def install_document_forward(model, spec) -> None:
+    """Wrap ``model.forward`` (already ds_longctx's loss forward) so packed batches attend per document.
+
+    Under our attention (``spec.owns_attention``: Ulysses at SP>1, untied), which reads the documents, HF is given
+    a no-mask (or an all-ones padding mask) so it does not build its packed [b, 1, s, s] mask from the restarting
+    position_ids (quadratic memory, and ignored by our attention). With "none" HF's own packed mask is the
+    attention.
+
+    * batch with ``doc_cu_seqlens`` (from shard_batch): used as is (:func:`documents_of`).
+    * SP=1 without it: derived from this (full) batch's position_ids / doc_lens / right padding.
+    * SP>1: every rank checks its shard and the group agrees on the verdicts and shapes with one small
+      all-gather (:func:`agree`) before any collective; without ``doc_cu_seqlens`` the gathered sample
+      must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
+      full-length eval batch is sharded over the group in turns (:func:`eval_in_turns`).
+    """
+    sp, group, own_attention = spec.sp, spec.group, spec.owns_attention
+    inner = model.forward
+    no_hf_mask = hands_hf_no_mask(model, own_attention)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
+                **kwargs):
+        cu = kwargs.pop(BATCH_KEY, None)
+        doc_lens = kwargs.pop(LENS_KEY, None)
+        docs = None
+        if sp > 1:
+            # every rank's verdict on its shard, agreed over the group before any collective
+            full_eval = is_full_eval_batch(self.training, labels, shift_labels, cu)
+            fault, docs = local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp,
+                                      self.training, kwargs)
+            agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs)
+            if full_eval:
+                return eval_in_turns(types.MethodType(forward, self), group, sp, input_ids, attention_mask,
+                                     position_ids, labels, kwargs)
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            if sp == 1 and not own_attention and cu is None and doc_lens is None:
+                # SP=1 on transformers' own attention: HF applies the custom mask itself, exactly
+                return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             labels=labels, shift_labels=shift_labels, **kwargs)
+            raise custom_mask_error(attention_mask)  # before any collective (same batch structure on every rank)
+        if cu is not None:
+            docs = docs if docs is not None else documents_of(cu, attention_mask, input_ids, sp)
+            attention_mask = None
+        elif sp == 1 and input_ids is not None and (position_ids is not None or doc_lens is not None
+                                                   or attention_mask is not None):
+            cu, position_ids, n_real = document_structure(input_ids, position_ids, attention_mask, doc_lens)
+            position_ids = position_ids.to(input_ids.device)
+            attention_mask = None
+            if labels is not None or shift_labels is not None:
+                shift = shift_labels if shift_labels is not None else shift_labels_of(labels)
+                shift_labels, labels = mask_padding_targets(shift, n_real), None
+            docs = Documents(cu)
+        # sp > 1 without doc_cu_seqlens: checked above (agree: one contiguous causal sample)
+        if docs is not None and not docs.dense:
+            if kwargs.get("use_cache"):
+                raise BatchError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
+                                  "builds a KV cache, so attention would cross documents", "call with use_cache=False")
+            kwargs["use_cache"] = False  # HF detects packing (implementation "none") only without a cache
+            kwargs[DOCS_KWARG] = docs
+        if no_hf_mask and (attention_mask is None or attention_mask.dim() == 2):  # 2-D: all ones by now
+            # our attention applies causality, windows and documents itself: HF builds no [s, s] mask of its own
+            # (a windowed layer's would be s_local^2 bytes per forward; a packed one from restarting position_ids)
+            t = token_input(input_ids, position_ids, kwargs)
+            if t is not None:
+                attention_mask = no_mask(t.shape[0], t.shape[1], t.device)
+        elif own_attention and docs is not None and not docs.dense and input_ids is not None:
+            attention_mask = torch.ones_like(input_ids)  # no packed mask from the restarting position_ids
+        return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                     shift_labels=shift_labels, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def hands_hf_no_mask(model, own_attention: bool) -> bool:
+    """Whether the forward hands transformers a 4-D no-mask (attention.documents.no_mask) instead of letting it
+    build its own: only under our attention, and only for the architectures of ds_longctx.models, whose decoders
+    pass HF's mask to the attention function alone (others read it elsewhere too: OPT's position embeddings, Doge's
+    dynamic mask; those keep transformers' own mask, which our attention checks)."""
+    return own_attention and text_config(model.config).model_type in ARCHITECTURES
+
+
+__all__ = ["agree", "documents_of", "eval_in_turns", "hands_hf_no_mask", "install_document_forward",
+           "is_full_eval_batch", "local_fault"]

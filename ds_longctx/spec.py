@@ -1,20 +1,22 @@
 """``LongContextSpec``: everything patching a model needs, resolved and checked once, then trusted.
 
 Built once on every rank (:func:`build_spec`) from the parsed ``long_context`` section
-(``config.LongContextConfig``, "auto" values already resolved), the rank :class:`~ds_longctx.layout.Layout`
-(with the SP process group carried beside it), the model's facts (heads, KV heads, head_dim, layers,
-hidden, vocab), the untied attention :class:`~ds_longctx.attention.untied.Schedule` and the chosen kernel
-(:class:`~ds_longctx.attention.kernels.KernelChoice`). ``patch.patch_model``, the installs
-(``attention.hf.install_untied``, ``attention.ulysses.install_ulysses``, ``memory.apply_memory_stack``), the
-planner's simulation and the GPU benches take the spec and trust it: nothing below re-derives the SP
-degree from the group or re-checks ``heads_per_chunk`` or the kernel name.
+(``config.LongContextConfig`` with its ``config.AUTO_KEYS`` resolved: ``initialize`` has the planner do it, see
+``config.with_values``), the rank :class:`~ds_longctx.layout.Layout` (with the SP process group carried beside
+it) and the model's config. The spec holds every count the run uses as a plain int, resolved here and nowhere
+else: the model's facts (heads, KV heads, head_dim, layers, hidden, vocab), the untied attention's
+:class:`~ds_longctx.attention.untied.Schedule` (heads per chunk) and kernel
+(:class:`~ds_longctx.attention.kernels.KernelChoice`), whether its projections are fused, the checkpointed
+layers whose input stays on the device, those that keep their attention output, and the tile shard counts.
+``patch.patch_model``, the installs (``attention.hf.install_untied``, ``attention.ulysses.install_ulysses``,
+``memory.apply_memory_stack``), the planner and train.py read these fields and re-derive none of them.
 
-Where each value is checked (once):
+Where each value is checked (once, here):
 
-* the section's own keys: pydantic and ``config.parse``;
+* the section's own keys: pydantic and ``config.parse`` (before the spec);
 * against the model and the world (SP degree vs heads, ``heads_per_chunk`` dividing the heads per rank,
-  windows, shard counts): ``config.check_against``, called here and nowhere else on the patch path;
-* the kernel name against this machine: ``config.check_kernel``, called here;
+  windows, shard counts, layer counts, the fused path's architecture): ``checks.check_against``;
+* the kernel name against this machine: ``checks.check_kernel``;
 * ``Schedule.__post_init__`` keeps its ValueError as the op's own invariant for direct callers of the
   attention functions (never reached through a spec: the check above ran first).
 
@@ -26,51 +28,67 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .config import LongContextConfig, check_against, check_kernel
+from .attention.kernels import KernelChoice
+from .attention.untied import Schedule
+from .checks import check_against, check_kernel
+from .config import SECTION, LongContextConfig, auto_keys
+from .errors import ConfigError
 from .layout import Layout
+from .models import attention_shape, facts_for, text_config
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """The model's shape as ds_longctx reads it (``models.attention_shape`` + ``text_config``)."""
-    heads: int
-    kv_heads: int
-    head_dim: int
+    """The model's shape as ds_longctx reads it (``models.attention_shape`` + ``text_config``). ``heads``,
+    ``kv_heads`` and ``head_dim`` are read only where ds_longctx splits attention (a model without heads trains
+    with transformers' own attention at SP 1): None otherwise."""
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
     layers: Optional[int] = None
     hidden: Optional[int] = None
     vocab: Optional[int] = None
+    model_type: Optional[str] = None
 
     @classmethod
-    def of(cls, model_config) -> "ModelFacts":
-        from .models import attention_shape, text_config
-
-        shape = attention_shape(model_config)
+    def of(cls, model_config, attention: bool = True) -> "ModelFacts":
         tc = text_config(model_config)
         ints = {k: getattr(tc, a, None) for k, a in (("layers", "num_hidden_layers"), ("hidden", "hidden_size"),
                                                      ("vocab", "vocab_size"))}
-        return cls(heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                   **{k: v if isinstance(v, int) else None for k, v in ints.items()})
+        shape = attention_shape(model_config) if attention else None
+        return cls(heads=shape and shape.heads, kv_heads=shape and shape.kv_heads, head_dim=shape and shape.head_dim,
+                   model_type=getattr(tc, "model_type", None),
+                   **{k: v if isinstance(v, int) and not isinstance(v, bool) else None for k, v in ints.items()})
 
 
 @dataclass(frozen=True)
 class LongContextSpec:
-    """The resolved, checked long-context setup of one rank (frozen: "auto" yields a new spec).
+    """The resolved, checked long-context setup of one rank (frozen).
 
-    ``config``: a private copy of the parsed section (no "auto" ``heads_per_chunk``); ``layout``: world,
-    SP/DP degrees and ranks, ZeRO stage, the SP loss's gradient scale; ``group``: the SP process group (None
-    at SP 1; carried, never queried for its size); ``model``: the model's facts (None when not read);
-    ``schedule`` and ``kernel``: the untied attention's head schedule and kernel (None unless
-    ``attention.implementation`` is 'untied_ulysses'); ``mlp_shards``/``loss_shards``: the tiled MLP /
-    loss shard counts (an int, "auto": agreed at run time from the local length, or None when off).
+    ``config``: a private copy of the parsed section, every ``config.AUTO_KEYS`` value resolved; ``layout``: world,
+    SP/DP degrees and ranks, ZeRO stage, the SP loss's gradient scale; ``group``: the SP process group (None at
+    SP 1; carried, never queried for its size); ``model``: the model's facts (None when built without a model
+    config); ``schedule`` and ``kernel``: the untied attention's head schedule and kernel, ``fused``: whether its
+    q/k/v projections run inside the stage loop (``fuse_projections`` resolved; all three only under
+    'untied_ulysses'); ``keep_on_device``: with offload, the last this-many checkpointed layers keep their input
+    on the device (else 0); ``offloaded_layers``: the checkpointed layers whose input goes to the offload target
+    (the first ``layers - keep_on_device``; 0 without offload); ``kept_attention_layers``: the first this-many
+    checkpointed layers keep their attention output and LSE (``keep_attention_output``; 0 when off);
+    ``mlp_shards``/``loss_shards``: the tiled MLP / loss tile count (None: "auto", ceil(local rows / hidden) agreed
+    per forward over every rank; meaningful where ``config.tiled_mlp`` / ``tiled_loss`` is enabled).
     """
     config: LongContextConfig
     layout: Layout
     group: Any = None
     model: Optional[ModelFacts] = None
-    schedule: Any = None   # attention.untied.Schedule
-    kernel: Any = None     # attention.kernels.KernelChoice
-    mlp_shards: Any = None
-    loss_shards: Any = None
+    schedule: Optional[Schedule] = None
+    kernel: Optional[KernelChoice] = None
+    fused: bool = False
+    keep_on_device: int = 0
+    offloaded_layers: int = 0
+    kept_attention_layers: int = 0
+    mlp_shards: Optional[int] = None
+    loss_shards: Optional[int] = None
     sequence_length: Optional[int] = None
 
     @property
@@ -94,6 +112,11 @@ class LongContextSpec:
         return self.schedule.heads_per_chunk if self.schedule is not None else None
 
     @property
+    def offloaded_kept_attention_layers(self) -> int:
+        """Of the offloaded layers (the first ones), those whose kept attention output goes with their input."""
+        return min(self.kept_attention_layers, self.offloaded_layers)
+
+    @property
     def owns_attention(self) -> bool:
         """Attention is ours (reads the batch's documents): untied, or DeepSpeed's Ulysses at SP > 1."""
         impl = self.config.attention.implementation
@@ -107,101 +130,70 @@ class LongContextSpec:
         a = self.config.attention
         out = f"{self.layout.describe()} attention={a.implementation}"
         if self.schedule is not None:
-            out += f"(heads_per_chunk={self.schedule.heads_per_chunk}, kernel={self.kernel.name})"
+            out += (f"(heads_per_chunk={self.schedule.heads_per_chunk}, kernel={self.kernel.name}, "
+                    f"{'fused projections' if self.fused else 'attention-function level'})")
         return out
 
 
-# the "auto" values the planner resolves at initialize, and when the installs would use them
-_RESOLVED_AT_INITIALIZE = (
-    ("attention.heads_per_chunk", lambda lc: lc.attention.implementation == "untied_ulysses"),
-    ("activation_checkpointing.keep_attention_output", lambda lc: lc.activation_checkpointing.enabled),
-    ("activation_checkpointing.keep_on_device", lambda lc: lc.activation_checkpointing.enabled),
-)
-
-
 def build_spec(lc: LongContextConfig, model_config=None, layout: Optional[Layout] = None, group=None,
-               sequence_length: Optional[int] = None, check: str = "world") -> LongContextSpec:
-    """The one builder of a :class:`LongContextSpec` (``initialize``, ``patch_model``'s config form, the
-    planner and the benches all come through here).
+               sequence_length: Optional[int] = None) -> LongContextSpec:
+    """The one builder of a :class:`LongContextSpec` (``initialize``, the planner, the benches and a direct
+    ``patch_model`` all come through here): checks ``lc`` against the model, the world (``checks.check_against``)
+    and this machine's kernels (``checks.check_kernel``), then resolves every count.
 
-    ``layout`` defaults to the world of one SP group (``world = sp``, rank 0, ZeRO 0, grad scale 1).
-    Raises ``ConfigError`` (naming the key and the fix) for anything the model, the world or this
-    machine cannot run; "auto" ``heads_per_chunk`` must have been resolved first (``initialize`` does it with
-    the planner).
-
-    ``check`` says what is checked here, so that each value is checked once on every path:
-
-    * ``"world"``: ``config.check_against`` (model and world, ``heads_per_chunk`` included): ``initialize``;
-    * ``"heads"``: ``heads_per_chunk`` only: ``initialize`` after the planner resolved "auto" (check_against
-      ran before, with "auto" unresolved), and a direct ``patch_model(model, lc, group)`` (no world check, as
-      before: its attention refuses windows per layer at run time);
-    * ``"done"``: the caller ran ``check_against`` on this config for this world (the planner's
-      ``Planner.run``).
-
-    The kernel name is checked here on every path (``config.check_kernel``).
+    ``layout`` defaults to the world of one SP group (``world = sp``, rank 0, ZeRO 0, grad scale 1); ``group``: the
+    SP process group (None at SP 1); ``sequence_length``: the global length planned for (default
+    ``lc.sequence_length``). Raises ``ConfigError`` (naming the key and the fix) for anything the model, the world or
+    this machine cannot run, and for a ``config.AUTO_KEYS`` value left "auto" (``initialize`` resolves them with
+    the planner first).
     """
-    if check not in ("world", "heads", "done"):
-        raise ValueError(f"build_spec: check={check!r}, expected 'world', 'heads' or 'done'")
-    from .config import check_heads_per_chunk
-    from .errors import ConfigError
-
     sp = lc.sequence_parallel_size
     if layout is None:
         layout = Layout(world=sp, sp=sp)
     if layout.sp != sp:
         raise ConfigError("sequence_parallel_size", f"is {sp} but the layout has SP {layout.sp}",
                           "build the spec from the same config the SP groups were built for")
-    att = lc.attention
-    for key, used in _RESOLVED_AT_INITIALIZE:
-        section, name = key.split(".")
-        if getattr(getattr(lc, section), name) == "auto" and used(lc):
-            raise ConfigError(f"long_context.{key}", "'auto' is resolved by ds_longctx.initialize (the planner, for "
-                              "this machine's budgets) and reached the model unresolved", "go through "
-                              "ds_longctx.initialize, or resolve it with ds_longctx.planner.resolve_auto, or give a "
-                              "value")
-    if check == "world":
-        check_against(lc, model_config, layout.world, sequence_length)
-    needs_facts = att.implementation == "untied_ulysses" or (att.implementation == "ulysses" and sp > 1)
-    facts = ModelFacts.of(model_config) if needs_facts and model_config is not None else None
+    att, ac = lc.attention, lc.activation_checkpointing
+    for key in auto_keys(lc):
+        if key == "attention.heads_per_chunk" and att.implementation != "untied_ulysses":
+            continue  # unused: nothing reads it
+        if key.startswith("activation_checkpointing.") and not ac.enabled:
+            continue
+        raise ConfigError(f"{SECTION}.{key}", "'auto' is resolved by ds_longctx.initialize (the planner, for this "
+                          "machine's budgets) and reached the model unresolved", "go through ds_longctx.initialize, "
+                          "or resolve it with ds_longctx.planner.resolve_auto and config.with_values, or give a value")
+    seq = sequence_length if sequence_length is not None else lc.sequence_length
+    check_against(lc, model_config, layout.world, seq)
+    owns = att.implementation == "untied_ulysses" or (att.implementation == "ulysses" and sp > 1)
+    if owns and model_config is None:
+        raise ConfigError("model.config", f"is needed by attention.implementation {att.implementation!r} (heads, "
+                          "KV heads, head_dim)", "build the spec with the Hugging Face model's config")
+    facts = ModelFacts.of(model_config, attention=owns) if model_config is not None else None
     schedule = kernel = None
+    fused = False
     if att.implementation == "untied_ulysses":
-        from .attention.kernels import KernelChoice
-        from .attention.untied import Schedule
-
-        if facts is None:
-            raise ConfigError("model.config", "is needed by untied attention (heads, KV heads)",
-                              "patch a Hugging Face model (with a config)")
-        if check == "heads":
-            check_heads_per_chunk(att.heads_per_chunk, facts.heads, facts.kv_heads, sp)
         kernel = KernelChoice(check_kernel(att.kernel))
         schedule = Schedule(facts.heads, facts.kv_heads, sp, att.heads_per_chunk)
+        fused = att.fuse_projections if isinstance(att.fuse_projections, bool) else \
+            facts_for(facts.model_type) is not None
+    layers = facts.layers if facts is not None else None
+    offloading = ac.enabled and ac.offload != "none"
+    keep_on_device = ac.keep_on_device if offloading else 0
+    kept = 0
+    if ac.enabled and ac.keep_attention_output not in (False, 0):
+        if layers is None:
+            raise ConfigError(f"{SECTION}.activation_checkpointing.keep_attention_output", "counts decoder layers and "
+                              "the model config gives no num_hidden_layers", "give the model's config, or remove the key")
+        kept = layers if ac.keep_attention_output is True else min(ac.keep_attention_output, layers)
+    offloaded = max(0, layers - keep_on_device) if offloading and layers is not None else 0
     return LongContextSpec(config=lc.model_copy(deep=True), layout=layout, group=group, model=facts,
-                           schedule=schedule, kernel=kernel,
-                           mlp_shards=lc.tiled_mlp.shards if lc.tiled_mlp.enabled else None,
-                           loss_shards=lc.tiled_loss.shards if lc.tiled_loss.enabled else None,
-                           sequence_length=sequence_length if sequence_length is not None else lc.sequence_length)
+                           schedule=schedule, kernel=kernel, fused=fused, keep_on_device=keep_on_device,
+                           offloaded_layers=offloaded, kept_attention_layers=kept,
+                           mlp_shards=_shards(lc.tiled_mlp), loss_shards=_shards(lc.tiled_loss), sequence_length=seq)
 
 
-def spec_for_group(lc: LongContextConfig, model_config=None, group=None, grad_scale: float = 1.0) -> LongContextSpec:
-    """A spec for the public ``patch_model(model, lc, group, grad_scale)`` form (no world check, as before:
-    see :func:`build_spec`'s ``check_world``): the SP degree is the group's size (None: 1), the world that of
-    the default process group when the group divides it."""
-    import torch.distributed as dist
-
-    sp = 1 if group is None else dist.get_world_size(group)
-    if sp != lc.sequence_parallel_size:
-        lc = lc.model_copy(deep=True)
-        lc.sequence_parallel_size = sp
-    live = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if live else sp
-    world = world if world % sp == 0 else sp
-    layout = Layout(world=world, sp=sp, rank=dist.get_rank() if live else 0, grad_scale=grad_scale)
-    return build_spec(lc, model_config, layout, group, check="heads")
+def _shards(tiled) -> Optional[int]:
+    return tiled.shards if tiled.enabled and tiled.shards != "auto" else None
 
 
-def spec_for_attention(attn_cfg, model_config, group=None) -> LongContextSpec:
-    """A spec for the ``install_untied(model, attn_cfg, group)`` form: the attention section alone."""
-    return spec_for_group(LongContextConfig(attention=attn_cfg), model_config, group)
-
-
-__all__ = ["LongContextSpec", "ModelFacts", "build_spec", "spec_for_attention", "spec_for_group"]
+__all__ = ["LongContextSpec", "ModelFacts", "build_spec"]

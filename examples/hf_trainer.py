@@ -4,6 +4,9 @@
     deepspeed --num_gpus 2 examples/hf_trainer.py --attention ulysses
     deepspeed --num_gpus 2 examples/hf_trainer.py --hf-alst          # HF's own ALST path, for comparison
     python examples/hf_trainer.py --sp 1 --hf-alst                   # the single-process reference
+    deepspeed --num_gpus 2 examples/hf_trainer.py --steps 6 --save-steps 3 --optim adamw_torch --lr 0.01
+    deepspeed --num_gpus 2 examples/hf_trainer.py --steps 6 --save-steps 3 --optim adamw_torch --lr 0.01 \
+        --resume /tmp/ds_longctx_hf_trainer/checkpoint-3            # steps 4-6 again, equal to the first run's
 
 (on a CPU box: ``deepspeed --num_gpus 2`` works too, or ``torchrun --nproc_per_node 2``.)
 
@@ -14,6 +17,10 @@ What a Trainer user adds to an existing script:
 3. ``parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=N)`` in ``TrainingArguments``
    (this is what makes the Trainer shard each sample's sequence over the SP ranks; it is also HF's own
    ALST switch), and samples carrying ``position_ids``.
+
+Checkpoints and resume are the Trainer's own (``save_steps``, ``trainer.train(resume_from_checkpoint=...)``:
+DeepSpeed's checkpoint with optimizer moments and LR schedule, the RNG states, and the already-trained samples
+skipped; under SP the skip counts SP turns, which ``enable()`` makes Accelerate's ``skip_first_batches`` do).
 
 The model is the local tiny Llama (ds_configs/models/tiny-llama.json, random init): no download.
 """
@@ -56,7 +63,9 @@ def ds_config(sp: int, attention: str = "untied_ulysses", memory_stack: bool = T
 
 
 class StepLossTrainer:
-    """Mixin recording each optimizer step's loss at full precision (the Trainer's log rounds to 4 digits)."""
+    """Mixin recording each training micro-batch's loss at full precision (the Trainer's log rounds to 4 digits;
+    with gradient_accumulation_steps 1, one per optimizer step) and a digest of the tokens this rank trained in it
+    (``step_inputs``: which sample, or which shard of it, each micro-batch was)."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -64,18 +73,33 @@ class StepLossTrainer:
         loss = out[0] if return_outputs else out
         if model.training:
             self.step_losses.append(float(loss.detach().float()))
+            self.step_inputs.append(token_digest(inputs))
         return out
+
+
+def token_digest(inputs) -> str:
+    """A short digest of a batch's input_ids (equal iff the same tokens)."""
+    import hashlib
+
+    ids = inputs["input_ids"].detach().to("cpu", torch.long).contiguous()
+    return hashlib.blake2b(str(tuple(ids.shape)).encode() + ids.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = True, use_ds_longctx: bool = True,
           steps: int = 3, seq_len: int = 32, samples: int = 8, lr: float = 0.05, seed: int = 0, max_grad_norm=0.0,
           output_dir: str = "/tmp/ds_longctx_hf_trainer", micro_batch: int = 1, record_params: bool = False,
           parallelism_config: bool = True, config: dict | None = None, data_seed: int | None = 0,
-          dp_replicate_size: int | None = None, sample_order: list | None = None):
-    """Train ``steps`` SGD steps; returns {"losses": [...], "before"/"after": params (if asked)}.
+          dp_replicate_size: int | None = None, sample_order: list | None = None, optim: str = "sgd",
+          lr_scheduler_type: str = "constant", warmup_steps: int = 0, gradient_accumulation_steps: int = 1,
+          save_steps: int | None = None, resume_from_checkpoint: str | None = None):
+    """Train ``steps`` steps (SGD unless ``optim``); returns {"losses": [...], "inputs": [...], "lrs": [...],
+    "before"/"after": params (if asked)} (StepLossTrainer; ``lrs``: the rate of every logged step).
 
     ``dp_replicate_size``: data-parallel replicas of the SP groups (world = sp x this); Accelerate needs
-    it declared. ``sample_order``: read the samples sequentially in this order (default: shuffled)."""
+    it declared. ``sample_order``: read the samples sequentially in this order (default: shuffled).
+    ``save_steps``: a checkpoint (DeepSpeed's, through the Trainer) every that many steps under ``output_dir``;
+    ``resume_from_checkpoint``: continue from one (the Trainer skips the samples already trained); ``losses`` and
+    ``inputs`` then hold the steps after it. ``optim``/``lr_scheduler_type``/``warmup_steps``: the Trainer's."""
     from transformers import Trainer, TrainingArguments
 
     import ds_longctx
@@ -100,7 +124,9 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
         # optimizers=(torch.optim.SGD(...), None) does not work under DeepSpeed: transformers'
         # integrations/deepspeed.py:deepspeed_init sets trainer.optimizer = None and builds args.optim,
         # AdamW by default, whose first steps are ~lr x sign(gradient), blind to a gradient's scale.)
-        optim="sgd", lr_scheduler_type="constant", max_grad_norm=max_grad_norm, logging_steps=1, save_strategy="no",
+        optim=optim, lr_scheduler_type=lr_scheduler_type, warmup_steps=warmup_steps, max_grad_norm=max_grad_norm,
+        gradient_accumulation_steps=gradient_accumulation_steps, logging_steps=1,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         report_to=[], seed=seed, data_seed=data_seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         deepspeed=config if config is not None else ds_config(sp, attention, memory_stack, use_ds_longctx), **kw)
     data = RandomTokens(samples, seq_len, model.config.vocab_size, seed=seed)
@@ -108,9 +134,10 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
         data = torch.utils.data.Subset(data, sample_order)
     trainer_cls = type("Trainer", (StepLossTrainer, Trainer), {})
     trainer = trainer_cls(model=model, args=args, train_dataset=data)
-    trainer.step_losses = []
-    trainer.train()
-    out = {"losses": trainer.step_losses}
+    trainer.step_losses, trainer.step_inputs = [], []
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    out = {"losses": trainer.step_losses, "inputs": trainer.step_inputs,
+           "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]}
     if record_params:
         out["before"], out["after"] = before, full_params(trainer.model_wrapped.module)
     if use_ds_longctx:
@@ -126,11 +153,16 @@ def main(argv=None):
     p.add_argument("--hf-alst", action="store_true", help="HF's own ALST path (no ds_longctx)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--optim", default="sgd", help="the Trainer's optim (adamw_torch: moments to carry on resume)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--save-steps", type=int, default=None, help="a checkpoint every N steps (Trainer save_steps)")
+    p.add_argument("--resume", default=None, help="a checkpoint-N directory to resume from")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
     prepare_launched_process()
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
-                steps=a.steps, seq_len=a.seq_len)
+                steps=a.steps, seq_len=a.seq_len, optim=a.optim, lr=a.lr, save_steps=a.save_steps,
+                resume_from_checkpoint=a.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"losses": res["losses"]}))
 

@@ -84,9 +84,12 @@ def dataset(n: int, vocab: int, seed: int = 0, lengths=(5, 10, 16)):
 def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, packing: bool = True,
           steps: int = 3, seq_len: int = 32, samples: int = 24, lr: float = 0.05, seed: int = 0,
           output_dir: str = "/tmp/ds_longctx_trl", record_params: bool = False, memory_stack: bool = False,
-          eval_samples: int = 0, **sft_overrides):
-    """Train ``steps`` SGD steps of SFTTrainer; returns {"losses": [...], "before"/"after": params (if asked),
-    "eval": trainer.evaluate()'s metrics on ``eval_samples`` fixed-length samples (if asked)}."""
+          eval_samples: int = 0, resume_from_checkpoint: str | None = None, **sft_overrides):
+    """Train ``steps`` steps of SFTTrainer (SGD unless ``optim``); returns {"losses": [...], "inputs": [...],
+    "lrs": [...], "before"/"after": params (if asked) (as hf_trainer.train), "eval": trainer.evaluate()'s metrics
+    on ``eval_samples`` fixed-length samples (if asked)}.
+    ``sft_overrides``: any SFTConfig field (e.g. ``save_strategy="steps", save_steps=1``, ``optim``,
+    ``gradient_accumulation_steps``); ``resume_from_checkpoint``: the Trainer's (losses/inputs: the steps after)."""
     from trl import SFTConfig, SFTTrainer
 
     import ds_longctx
@@ -108,25 +111,27 @@ def train(sp: int = 2, attention: str = "ulysses", use_ds_longctx: bool = True, 
         kw.update(packing=True, packing_strategy="bfd", padding_free=True, max_length=seq_len)
     else:
         kw.update(packing=False, max_length=seq_len)
-    kw.update(sft_overrides)
-    args = SFTConfig(
+    args = dict(
         output_dir=output_dir, per_device_train_batch_size=1, max_steps=steps, learning_rate=lr,
         # optim="sgd" (not optimizers=(SGD, None), which the Trainer drops under DeepSpeed: see hf_trainer.py);
         # bf16=False: SFTConfig's default bf16=True would train in DeepSpeed bf16 (see the module doc)
-        optim="sgd", bf16=kw.pop("bf16", False),
+        optim="sgd", bf16=False,
         lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[],
         seed=seed, data_seed=seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         dataset_num_proc=None,
         deepspeed=ds_config(sp, attention, memory_stack=memory_stack, long_context=use_ds_longctx), **kw)
+    args.update(sft_overrides)
+    args = SFTConfig(**args)
     trainer_cls = type("SFTTrainer", (StepLossTrainer, SFTTrainer), {})
     data = dataset(samples, model.config.vocab_size, seed) if packing else \
         dataset(samples, model.config.vocab_size, seed, lengths=(seq_len,))
     evald = dataset(eval_samples, model.config.vocab_size, seed + 1, lengths=(seq_len,)) if eval_samples else None
     trainer = trainer_cls(model=model, args=args, train_dataset=data, eval_dataset=evald,
                           processing_class=tiny_tokenizer(model.config.vocab_size))
-    trainer.step_losses = []
-    trainer.train()
-    out = {"losses": trainer.step_losses}
+    trainer.step_losses, trainer.step_inputs = [], []
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+    out = {"losses": trainer.step_losses, "inputs": trainer.step_inputs,
+           "lrs": [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]}
     if eval_samples:
         out["eval"] = trainer.evaluate()
     if record_params:

@@ -85,3 +85,38 @@ def config_error(call, *args, **kwargs):
         assert isinstance(e, BatchError) == e.key.startswith(BATCH_KEYS), (type(e).__name__, str(e))
         return str(e)
     return None
+
+
+def shared_tmpdir(rank: int) -> str:
+    """A fresh directory made by rank 0 and named to every rank (checkpoints all ranks write and read; a fixed
+    path could meet another run of the same test on a shared machine). The caller removes it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    name = [tempfile.mkdtemp(prefix="ds_longctx_resume_") if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def assert_resumed_equal(full, resumed, micro_after, what, epoch_items=None):
+    """Every micro-batch after the checkpoint (its losses, the tokens this rank trained, the learning rate) and the
+    final weights: equal, bit for bit. ``full``/``resumed``: the examples' train() results (losses, inputs, lrs,
+    before/after); ``micro_after``: micro-batches trained before the checkpoint; ``epoch_items``: micro-batches per
+    epoch (no sample twice within one)."""
+    import torch
+
+    n = len(full["losses"])
+    epoch_items = epoch_items or n
+    for i in range(0, n, epoch_items):
+        epoch = full["inputs"][i:i + epoch_items]
+        assert len(set(epoch)) == len(epoch), (what, full["inputs"])
+    assert len(resumed["losses"]) == n - micro_after, (what, resumed["losses"], full["losses"])
+    assert resumed["inputs"] == full["inputs"][micro_after:], (what, resumed["inputs"], full["inputs"])
+    assert resumed["losses"] == full["losses"][micro_after:], (what, resumed["losses"], full["losses"])
+    # the Trainer's log history comes back with its state: every step's rate; the loop records its own steps
+    lrs = full["lrs"][-len(resumed["lrs"]):] if len(resumed["lrs"]) < len(full["lrs"]) else full["lrs"]
+    assert resumed["lrs"] == lrs and len(set(lrs)) > 1, (what, resumed["lrs"], full["lrs"])
+    for name, p in full["after"].items():
+        assert torch.equal(resumed["after"][name], p), (what, name, (resumed["after"][name] - p).abs().max())
+        assert not torch.equal(p, full["before"][name]), (what, name)  # every parameter trained

@@ -224,7 +224,7 @@ def test_tiled_mlp_is_exact_per_architecture(name):
 
     from ds_longctx.config import parse
     from ds_longctx.memory import tiling
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     batch = sample(16)
     ref = build_arch(name)
@@ -233,7 +233,7 @@ def test_tiled_mlp_is_exact_per_architecture(name):
     model = build_arch(name)
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
                                                               "tiled_mlp": {"enabled": True, "shards": 3}}})
-    handle = patch_model(model, lc)
+    handle = patch(model, lc)
     calls = []
     real = tiling.TiledRowsFunction.apply
     tiling.TiledRowsFunction.apply = lambda *a: calls.append(a[3]) or real(*a)
@@ -262,14 +262,14 @@ def test_tiled_mlp_refuses_randomness_in_training(name, attr, what):
 
     from arch_cases import arch_config, sample
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     cfg = arch_config(name)
     setattr(cfg, attr, 0.1)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
                                                               "tiled_mlp": {"enabled": True, "shards": 2}}})
-    handle = patch_model(model, lc)
+    handle = patch(model, lc)
     try:
         e = config_error(lambda: model(**sample(16)))
         model.eval()
@@ -289,7 +289,7 @@ def test_pointwise_mlp_is_recognised_by_its_source_only():
     from arch_cases import build_arch, sample
     from ds_longctx.config import parse
     from ds_longctx.models import pointwise_mlp_form
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     class ShiftedMLP(LlamaMLP):  # same attributes, but mixes neighbouring tokens: tiling would be wrong
         def forward(self, x):
@@ -319,7 +319,7 @@ def test_pointwise_mlp_is_recognised_by_its_source_only():
     model.model.layers[1].mlp = ShiftedMLP(cfg)
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"},
                                                               "tiled_mlp": {"enabled": True, "shards": 2}}})
-    e = config_error(lambda: patch_model(model, lc))
+    e = config_error(lambda: patch(model, lc))
     assert e.startswith("long_context.tiled_mlp.enabled") and "layer 1's mlp (ShiftedMLP)" in e, e
     assert "forward" not in model.model.layers[0].mlp.__dict__  # nothing left patched
     assert model(**sample(16)).loss is not None

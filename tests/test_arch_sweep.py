@@ -73,17 +73,18 @@ def test_architectures_at_sp2_are_exact_or_refused():
 
 
 def test_patch_model_directly_refuses_non_attention_layers():
-    """patch_model(model, lc) without initialize's checks: a hybrid model's linear-attention layers would mix only
-    their rank's shard under SP, so they are refused at install, not left to train wrong (Qwen3-Next, Jamba)."""
+    """A direct patch_model (its spec from spec.build_spec, without initialize): a hybrid model's linear-attention
+    layers would mix only their rank's shard under SP, so they are refused when the spec is built, not left to train
+    wrong (Qwen3-Next, Jamba)."""
     from transformers import AutoModelForCausalLM
 
     from ds_longctx.config import parse
     from ds_longctx.errors import ConfigError
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "untied_ulysses",
                                                                             "fuse_projections": False}}})
     for model_type in ("qwen3_next", "jamba"):
         model = AutoModelForCausalLM.from_config(arch_sweep.tiny_config(model_type), attn_implementation="sdpa")
         with pytest.raises(ConfigError, match="'linear_attention' layers"):
-            patch_model(model, lc)
+            patch(model, lc)

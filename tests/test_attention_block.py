@@ -38,8 +38,8 @@ def _run(block, p, cos, sin, H, G, u, extras, gy):
     p = {k: v.clone().requires_grad_(True) for k, v in p.items()}
     spec = ProjectionSpec(head_dim=D_HEAD, rope=rope_bshd,
                           norm=(lambda t, w: rms_norm(t, w, 1e-6)) if extras else None)
-    kw = dict(heads=H, kv_heads=G, spec=spec, bq=p.get("bq"), bk=p.get("bk"), bv=p.get("bv"), q_norm=p.get("qn"),
-              k_norm=p.get("kn"), heads_per_chunk=u, backend=get_backend("auto", "cpu"), causal=True)
+    kw = dict(schedule=Schedule(H, G, 1, u), spec=spec, bq=p.get("bq"), bk=p.get("bk"), bv=p.get("bv"),
+              q_norm=p.get("qn"), k_norm=p.get("kn"), backend=get_backend("auto", "cpu"), causal=True)
     if block:
         y = untied_attention_block(p["x"], cos, sin, p["wq"], p["wk"], p["wv"], p["wo"], norm_weight=p["nw"],
                                    norm_eps=1e-5, bo=p.get("bo"), **kw)

@@ -32,12 +32,12 @@ def test_mpu_size_is_adopted_or_must_match():
 
 
 def test_tiled_loss_output_names_the_key_when_logits_are_asked_for():
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = build(tiny_config(), seed=0)
     lc = parse({"long_context": {"attention": {"implementation": "none"}, "tiled_loss": {"enabled": True,
                                                                                          "shards": 2}}})
-    patch_model(model, lc)
+    patch(model, lc)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     out = model(input_ids=ids, labels=ids)
     assert torch.isfinite(out.loss)
@@ -46,7 +46,7 @@ def test_tiled_loss_output_names_the_key_when_logits_are_asked_for():
     assert getattr(out, "logits", None) is None and out["loss"] is out.loss
     # untiled: logits are there as usual
     model2 = build(tiny_config(), seed=0)
-    patch_model(model2, parse({"long_context": {"attention": {"implementation": "none"}}}))
+    patch(model2, parse({"long_context": {"attention": {"implementation": "none"}}}))
     out2 = model2(input_ids=ids, labels=ids)
     assert out2.logits.shape == (1, 16, 64)
     torch.testing.assert_close(out2.loss, out.loss, rtol=1e-6, atol=0)
@@ -92,12 +92,28 @@ def test_sp_without_wiring_is_refused():
 
 
 def test_active_stack_line_names_every_piece():
+    """The rank-0 line of initialize states what the spec resolved: the fused path and why ('auto'), the kept
+    layers, the shard counts."""
+    from arch_cases import arch_config
+
+    from ds_longctx.layout import Layout
+    from ds_longctx.spec import build_spec
+
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))
-    line = compat.active_stack_line(parse(cfg), world=4, zero_stage=3, grad_scale=2.0)
-    for part in ("SP 2 x DP 2", "attention=untied_ulysses(heads_per_chunk=1", "kernel=auto",
-                 "checkpointing=on offload=cpu", "tiled_mlp=on(shards=auto)", "tiled_loss=on(shards=auto)",
-                 "rms_norm=memory-efficient", "zero_stage=3"):
-        assert part in line, (part, line)
+    del cfg["long_context"]["attention"]["fuse_projections"]  # the default: 'auto'
+    cfg["long_context"]["activation_checkpointing"].update(keep_on_device=1, keep_attention_output=1)
+    lc = parse(cfg)
+    for model_config, path in ((tiny_config(), "fused projections (fuse_projections 'auto': ds_longctx.models fuses "
+                                               "llama)"),
+                               (arch_config("gemma3"), "attention-function level (fuse_projections 'auto': "
+                                                       "ds_longctx.models has no fused path for gemma3_text)")):
+        spec = build_spec(lc, model_config, Layout(world=4, sp=2, zero_stage=3, grad_scale=2.0))
+        line = compat.active_stack_line(spec)
+        for part in ("SP 2 x DP 2", f"attention=untied_ulysses(heads_per_chunk=1, {path})", "kernel=auto",
+                     "checkpointing=on offload=cpu pinned keep_on_device=1 keep_attention_output=1 layers",
+                     "tiled_mlp=on(shards=auto)", "tiled_loss=on(shards=auto)", "rms_norm=memory-efficient",
+                     "zero_stage=3", "grad_scale=2", "sequence_length=512"):
+            assert part in line, (part, line)
 
 
 def test_5m_config_is_the_design_card_alias():

@@ -18,11 +18,11 @@ LC = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "f
 @pytest.mark.distributed  # ~15 s of tracing on 2 cores
 def test_compiled_step_matches_eager():
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     model = build(tiny_config(), seed=0)
-    handle = patch_model(model, parse({"long_context": LC}))
+    handle = patch(model, parse({"long_context": LC}))
     model.train()
     ref = model(input_ids=ids, labels=ids).loss
     ref.backward()

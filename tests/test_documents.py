@@ -283,12 +283,15 @@ def test_our_attention_gets_documents_and_no_hf_packed_mask(own, monkeypatch):
     with "none" (own=False) HF's packed mask is the attention. Logits equal HF's packed path either way."""
     from ds_longctx.attention import hf
     from ds_longctx.attention.documents import is_no_mask
-    from ds_longctx.patch import install_document_forward
-    from ds_longctx.config import AttentionConfig
+    from tiny_models import spec_for
+
+    from ds_longctx.config import parse
+    from ds_longctx.sp_batch import install_document_forward
 
     model = build(tiny_config(vocab=VOCAB), seed=0)
-    hf.install_untied(model, AttentionConfig(implementation="untied_ulysses", heads_per_chunk=1,
-                                             fuse_projections=False, kernel="auto"), None)
+    untied = spec_for(model, parse({"long_context": {"attention": {"implementation": "untied_ulysses",
+                                                                   "fuse_projections": False}}}))
+    hf.install_untied(model, untied)
     seen, orig = [], hf._function_level_attention
 
     def spy(state, module, q, k, v, mask, *a, **kw):
@@ -302,7 +305,8 @@ def test_our_attention_gets_documents_and_no_hf_packed_mask(own, monkeypatch):
     inner = model.forward
     model.forward = lambda input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None, \
         **kw: inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kw)
-    install_document_forward(model, None, own_attention=own)
+    # own=False: the spec of implementation "none" (transformers' attention builds its packed mask)
+    install_document_forward(model, untied if own else spec_for(model, parse({"long_context": {}})))
     b = packed_batch()
     out = model.forward(input_ids=b["input_ids"], position_ids=b["position_ids"]).logits
     ref = build(tiny_config(vocab=VOCAB), seed=0)(input_ids=b["input_ids"], position_ids=b["position_ids"],

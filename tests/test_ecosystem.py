@@ -12,11 +12,14 @@ from dist_utils import result_or_raise, run_distributed_side_by_side
 from eco_cases import ProcessState, config_error, delta_errors, deltas
 
 STEPS = 3
+# the Trainer cases: 4 samples = 4 SP turns per epoch at SP=2 (4 steps at one process), 6 steps: the SP loader's
+# second pass must be the one-process run's second epoch (hf_loader's module doc, "Passes")
+TRAINER = dict(steps=6, samples=4)
 TOL = 1e-5  # see _assert_same_training
 
 
 def _assert_same_training(ref, got, what, rel=1e-5, tol=TOL):
-    assert len(got["losses"]) == STEPS == len(ref["losses"]), (what, got["losses"])
+    assert len(got["losses"]) == len(ref["losses"]) in (STEPS, TRAINER["steps"]), (what, got["losses"])
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert math.isclose(a, b, rel_tol=rel), (what, i + 1, got["losses"], ref["losses"])
     for n in ref["before"]:
@@ -43,7 +46,7 @@ def _reference(rank, world):
     import trl_sft
 
     state = ProcessState()
-    out = {"trainer": hf_trainer.train(sp=1, use_ds_longctx=False, record_params=True, steps=STEPS,
+    out = {"trainer": hf_trainer.train(sp=1, use_ds_longctx=False, record_params=True, **TRAINER,
                                        output_dir="/tmp/ds_longctx_test_ref")}
     for key, kw in TRL_CASES.items():
         state.reset()
@@ -72,7 +75,7 @@ def _trainer_sp2(rank, world):
 
     state = ProcessState()
     out = {}
-    kw = dict(sp=2, record_params=True, steps=STEPS, output_dir=f"/tmp/ds_longctx_test_sp{rank}")
+    kw = dict(sp=2, record_params=True, output_dir=f"/tmp/ds_longctx_test_sp{rank}", **TRAINER)
     out["untied"] = hf_trainer.train(attention="untied_ulysses", memory_stack=True, **kw)
     state.reset()
     out["ulysses"] = hf_trainer.train(attention="ulysses", memory_stack=True, **kw)
@@ -153,6 +156,50 @@ def _adapter_errors(rank):
     for key, batches in (("bad_key", [bad]), ("ran_out", [row(8)] * (2 if rank == 0 else 1)),
                          ("replicated_then_not", [same, row(8)])):
         out[key] = config_error(lambda: list(SPTurnsAdapter(batches, rank, group, 2, "cpu")))
+    out.update(_adapter_skips(rank, group))
+    return out
+
+
+def _adapter_skips(rank, group):
+    """skip_first_batches on the SP adapters (what a resume calls), with hand-made loaders: a list skipped by
+    slicing stands in for Accelerate's skip of the wrapped loader. Each item is named by its first token."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    from ds_longctx.hf_loader import RoutedSPAdapter, SPTurnsAdapter, skip_first_items
+
+    def cut(dl, k):
+        return dl[k:]
+
+    def row(first):  # 8 tokens from `first`
+        ids = torch.arange(first, first + 8).view(1, 8)
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(8).view(1, 8)}
+
+    def firsts(items):  # the sample each item is a shard of (shard r starts 4 r tokens in)
+        return [int(b["input_ids"][0, 0]) - 4 * rank for b in items]
+
+    own = [row(100 * b + 10 * rank) for b in range(3)]  # batch b of this rank: 100 b + 10 rank
+    out = {}
+    turns = SPTurnsAdapter(own, rank, group, 2, "cpu")
+    out["turns_all"] = firsts(turns)
+    out["turns_all_again"] = firsts(turns)  # a fresh pass at each iter()
+    skipped = turns.skip_first_batches(3, cut)  # 1 whole batch of each rank + rank 0's turn of batch 1
+    out["turns_skip3"] = (len(skipped), firsts(skipped), firsts(skipped))  # skips again on a second pass
+    shared = [row(100 * b) for b in range(4)]  # every rank the same batches: one item per batch
+    out["replicated_skip3"] = firsts(SPTurnsAdapter(shared, rank, group, 2, "cpu").skip_first_batches(3, cut))
+    out["replicated_skip5"] = firsts(SPTurnsAdapter(shared, rank, group, 2, "cpu").skip_first_batches(5, cut))
+    known = SPTurnsAdapter(shared, rank, group, 2, "cpu")
+    out["replicated_known_skip1"] = (firsts(known), firsts(known.skip_first_batches(1, cut)))
+    # DeepSpeed's adapter (HF's own ALST path while enabled; also built directly): always turns
+    routed = RoutedSPAdapter(own, rank, group, 2, "cpu", _deepspeed_cls=UlyssesSPDataLoaderAdapter,
+                             _is_ours=lambda: False)
+    out["deepspeed_all"] = (firsts(routed), firsts(routed))
+    out["deepspeed_skip3"] = firsts(routed.skip_first_batches(3, cut))
+    direct = UlyssesSPDataLoaderAdapter(own, sp_rank=rank, sp_group=group, sp_world_size=2, device="cpu")
+    out["deepspeed_direct_skip2"] = firsts(skip_first_items(direct, 2, cut))
+    try:
+        turns.dataset
+    except AttributeError as e:  # Accelerate's own skip_first_batches reads it: a clear no
+        out["no_dataset"] = str(e)
     return out
 
 
@@ -244,5 +291,15 @@ def test_alst_tutorial_swap_trl_and_mpu_errors(reference, spawns):
         assert errs["replicated"] == [[list(range(4 * rank, 4 * rank + 4))],
                                       [list(range(4 * rank + 1, 4 * rank + 5))]], errs  # 2 steps, not 4 turns
         assert errs["replicated_then_not"] and "same batches at first" in errs["replicated_then_not"], errs
+        # skip_first_batches counts SP turns (rank 0's batch b, rank 1's batch b, ...): 3 turns are batch 0 of both
+        # ranks and rank 0's batch 1; a loader replicated over the group yields one item per batch
+        everything = [0, 10, 100, 110, 200, 210]
+        assert errs["turns_all"] == errs["turns_all_again"] == everything, errs
+        assert errs["turns_skip3"] == (3, everything[3:], everything[3:]), errs
+        assert errs["replicated_skip3"] == [300] and errs["replicated_skip5"] == [], errs
+        assert errs["replicated_known_skip1"] == ([0, 100, 200, 300], [100, 200, 300]), errs
+        assert errs["deepspeed_all"] == (everything, everything), errs
+        assert errs["deepspeed_skip3"] == everything[3:] and errs["deepspeed_direct_skip2"] == everything[2:], errs
+        assert "skip_first_batches after ds_longctx.enable()" in errs["no_dataset"], errs
         assert r["mpu_mismatch"] and "config says 1" in r["mpu_mismatch"] and "size 2" in r["mpu_mismatch"], \
             r["mpu_mismatch"]

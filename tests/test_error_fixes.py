@@ -58,16 +58,16 @@ def _opt():
 
 def test_tiled_mlp_unknown_class_fix_is_exact():
     """'set long_context.tiled_mlp.enabled=false for this model' -> the rest of the stack, exact."""
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     stack = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
              "tiled_mlp": {"enabled": True, "shards": 2}, "tiled_loss": {"enabled": True, "shards": 2}}
     ref, model = _pair(_opt)
-    e = config_error(patch_model, model, _parse(stack))
+    e = config_error(patch, model, _parse(stack))
     assert e.startswith("long_context.tiled_mlp.enabled: OPTForCausalLM has no MLP") and \
         "set long_context.tiled_mlp.enabled=false" in e
     assert getattr(model, "_ds_longctx_patch", None) is None  # refused before anything stayed installed
-    patch_model(model, _parse({k: v for k, v in stack.items() if k != "tiled_mlp"}))
+    patch(model, _parse({k: v for k, v in stack.items() if k != "tiled_mlp"}))
     batch = _sample()
     _assert_exact(_loss_grads(ref, batch), _loss_grads(model, batch))
 
@@ -76,7 +76,7 @@ def test_router_jitter_fix_is_exact_and_the_other_option_says_what_it_changes():
     from arch_cases import arch_config
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     cfg = arch_config("mixtral")
     cfg.router_jitter_noise = 0.1
@@ -87,11 +87,11 @@ def test_router_jitter_fix_is_exact_and_the_other_option_says_what_it_changes():
 
     ref, model = _pair(build)
     tiled = copy_of(model)
-    patch_model(tiled, _parse({"tiled_mlp": {"enabled": True, "shards": 2}}))
+    patch(tiled, _parse({"tiled_mlp": {"enabled": True, "shards": 2}}))
     e = config_error(lambda: tiled(**_sample()))
     assert "set long_context.tiled_mlp.enabled=false (exact, untiled)" in e
     assert "a different regularisation" in e  # the jitter-off option is not offered as the same training
-    patch_model(model, _parse({"tiled_mlp": {"enabled": False}}))
+    patch(model, _parse({"tiled_mlp": {"enabled": False}}))
     batch = _sample()
     torch.manual_seed(1)
     r = _loss_grads(ref, batch)
@@ -110,7 +110,7 @@ def test_custom_4d_mask_fix_is_exact_at_sp1():
     batch with its mask) trains exactly what transformers computes with that mask."""
     from arch_cases import build_arch
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     seq = 16
     mask = torch.ones(seq, seq, dtype=torch.bool).tril()
@@ -118,13 +118,13 @@ def test_custom_4d_mask_fix_is_exact_at_sp1():
     mask4 = mask[None, None]
     batch = dict(_sample(seq), attention_mask=mask4)
     untied = build_arch("llama")
-    patch_model(untied, _parse({"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1,
+    patch(untied, _parse({"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1,
                                               "fuse_projections": False}}))
     e = config_error(lambda: untied(**batch))
     assert "custom 4-D masks are not supported" in e and "drop the mask" not in e
     assert "at sequence_parallel_size 1 with long_context.attention.implementation 'none'" in e
     ref, model = _pair(lambda: build_arch("llama"))
-    patch_model(model, _parse())
+    patch(model, _parse())
     r, g = _loss_grads(ref, batch), _loss_grads(model, batch)
     _assert_exact(r, g)
     causal = _loss_grads(ref, _sample(seq))[0]
@@ -135,10 +135,10 @@ def test_packed_use_cache_fix_is_exact():
     """use_cache=True with packed documents -> 'call with use_cache=False' -> per-document attention, exact."""
     from arch_cases import build_arch
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     ref, model = _pair(lambda: build_arch("llama"))
-    patch_model(model, _parse())
+    patch(model, _parse())
     b = _sample(16)
     pos = torch.cat([torch.arange(7), torch.arange(9)])[None]
     e = config_error(lambda: model(**b, position_ids=pos, use_cache=True))
@@ -164,7 +164,7 @@ def test_indivisible_length_fix_pads_into_an_ignored_document():
     from arch_cases import build_arch
 
     from ds_longctx.data import shard_batch
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     b = _sample(15)
     e = config_error(shard_batch, b, 0, 2)
@@ -177,7 +177,7 @@ def test_indivisible_length_fix_pads_into_an_ignored_document():
     assert all(s["input_ids"].shape == (1, 8) for s in shards)
     assert shards[1]["shift_labels"][0, -2:].tolist() == [-100, -100]  # no target into or from the pad
     ref, model = _pair(lambda: build_arch("llama"))
-    patch_model(model, _parse())
+    patch(model, _parse())
     _assert_exact(_loss_grads(ref, b), _loss_grads(model, shard_batch(padded, 0, 1)))
 
 
@@ -188,14 +188,14 @@ def test_padding_next_to_doc_cu_seqlens_fix_is_exact():
     from arch_cases import build_arch
 
     from ds_longctx.data import shard_batch
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     real = _sample(12)
     full = {"input_ids": torch.cat([real["input_ids"], torch.full((1, 4), 5)], 1),
             "labels": torch.cat([real["labels"], torch.full((1, 4), 5)], 1)}  # collator forgot -100 on the pad
     mask = torch.cat([torch.ones(1, 12, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)], 1)
     ref, model = _pair(lambda: build_arch("llama"))
-    patch_model(model, _parse())
+    patch(model, _parse())
     e = config_error(lambda: model(**shard_batch(full, 0, 1), attention_mask=mask))
     assert e.startswith("batch.attention_mask: has padding next to doc_cu_seqlens") and "drop the mask" not in e
     assert "pass the full batch with its attention_mask through ds_longctx.data.shard_batch" in e
@@ -207,19 +207,24 @@ def test_padding_next_to_doc_cu_seqlens_fix_is_exact():
 
 
 def test_fuse_projections_fix_is_exact():
-    """An architecture without fused untied attention -> 'set fuse_projections to false' -> exact (SP=1)."""
+    """fuse_projections true on an architecture without fused untied attention -> "set it to 'auto' (the default)
+    or false" -> exact (SP=1), with each fix."""
     from arch_cases import build_arch
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     untied = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": True}}
     ref, model = _pair(lambda: build_arch("phi3"))
-    e = config_error(patch_model, model, _parse(untied))
-    assert "fuse_projections" in e.split(":")[0] and "to false" in e
-    untied["attention"]["fuse_projections"] = False
-    patch_model(model, _parse(untied))
+    e = config_error(patch, model, _parse(untied))
+    assert e.split(":")[0] == "long_context.attention.fuse_projections" and "set it to 'auto' (the default) or false" in e
     batch = _sample()
-    _assert_exact(_loss_grads(ref, batch), _loss_grads(model, batch))
+    want = _loss_grads(ref, batch)
+    for fix in ("auto", False):
+        untied["attention"]["fuse_projections"] = fix
+        handle = patch(model, _parse(untied))
+        assert handle.spec.fused is False
+        _assert_exact(want, _loss_grads(model, batch))
+        handle.remove()
 
 
 def test_config_fixes_parse():
@@ -243,8 +248,8 @@ def test_model_without_heads_fix_leads_past_the_heads_check():
     patching gives the next clear error (Mamba's loss path is not one ds_longctx reproduces), not a traceback."""
     from transformers import AutoModelForCausalLM, MambaConfig
 
-    from ds_longctx.config import check_against
-    from ds_longctx.patch import patch_model
+    from ds_longctx.checks import check_against
+    from tiny_models import patch
 
     cfg = MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=4, expand=2)
     e = config_error(check_against, _parse({"attention": {"implementation": "ulysses"}}, sp=2), cfg, 2)
@@ -255,7 +260,7 @@ def test_model_without_heads_fix_leads_past_the_heads_check():
                                                                           "keep_on_device": 3}}), cfg, 1)
     assert e.startswith("long_context.activation_checkpointing.keep_on_device: 3 is more than")  # still checked
     model = AutoModelForCausalLM.from_config(cfg)
-    e = config_error(patch_model, model, _parse())
+    e = config_error(patch, model, _parse())
     assert e.startswith("model: MambaForCausalLM:") and "train this model without ds_longctx" in e
 
 
@@ -268,8 +273,8 @@ def test_chunked_attention_fix_at_sp1_is_exact():
 
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.config import check_against
-    from ds_longctx.patch import patch_model
+    from ds_longctx.checks import check_against
+    from tiny_models import patch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
     from arch_sweep import tiny_config
@@ -289,7 +294,7 @@ def test_chunked_attention_fix_at_sp1_is_exact():
     stack = {"activation_checkpointing": {"enabled": True, "offload": "none"},
              "tiled_loss": {"enabled": True, "shards": 2}}
     check_against(_parse(stack), cfg, 1, 16)
-    patch_model(model, _parse(stack))
+    patch(model, _parse(stack))
     batch = dict(_sample(), use_cache=False)
     r = _loss_grads(ref, batch)
     _assert_exact(r, _loss_grads(model, batch))

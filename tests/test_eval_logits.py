@@ -37,13 +37,13 @@ def _lc(extra=None):
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])  # gemma2: its final_logit_softcapping is applied by both
 def test_fused_lm_head_fields_equal_trl(name):
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     batch = sample(16)
     ref = _trl_reference(name, batch)
     model = build_arch(name)
     assert name != "gemma2" or model.config.final_logit_softcapping is not None
-    patch_model(model, _lc(TILED))
+    patch(model, _lc(TILED))
     got = model(**batch, fused_lm_head=True)
     assert got.log_probs.shape == ref.log_probs.shape == (1, 15)
     for k in ("log_probs", "entropy"):
@@ -66,10 +66,10 @@ def test_tiled_loss_eval_output_refuses_logits_with_the_fix():
     from transformers.trainer_pt_utils import nested_detach
 
     from ds_longctx.compat import LogitsNotComputed
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = build_arch("llama")
-    patch_model(model, _lc(TILED))
+    patch(model, _lc(TILED))
     model.eval()
     with torch.no_grad():
         out = model(**sample(16))

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from ds_longctx.config import ConfigError, check_against, check_train_batch_size, load_ds_config, parse
+from ds_longctx.checks import check_against
+from ds_longctx.config import ConfigError, check_train_batch_size, load_ds_config, parse
 from launch_utils import ROOT, TINY_CPU
 from tiny_models import tiny_config
 
@@ -48,12 +49,12 @@ def test_nvme_drive_full_at_a_forward_names_nvme_path(small_tmpfs):
     (apply_memory_stack translates the target's NVMeError around its writes)."""
     from tiny_models import build
 
-    from ds_longctx.memory import apply_memory_stack
+    from tiny_models import memory_stack
 
     model = build(tiny_config(heads=16, kv_heads=4, head_dim=64, layers=1))  # 4 MiB per layer input at 1024
     lc = parse({"long_context": {"activation_checkpointing": {"enabled": True, "offload": "nvme", "keep_on_device": 0,
                                                               "nvme_path": small_tmpfs, "pin_memory": False}}})
-    handle = apply_memory_stack(model, lc)
+    handle = memory_stack(model, lc)
     try:
         ids = torch.randint(0, 64, (1, 1024), generator=torch.Generator().manual_seed(0))
         model.train()

@@ -101,14 +101,14 @@ def test_patched_model_without_tiled_loss_equals_trls_fused_head():
 
     from arch_cases import build_arch, sample
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     batch = sample(16)
     ref_model = build_arch("llama")
     add_fused_lm_head(ref_model, outputs=("log_probs", "entropy", "is_top1"))
     ref = ref_model(**batch, fused_lm_head=True)
     model = build_arch("llama")
-    patch_model(model, parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"}}}))
+    patch(model, parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "none"}}}))
     got = model(**batch, fused_lm_head=True)
     for k in ("log_probs", "entropy"):
         torch.testing.assert_close(getattr(got, k), getattr(ref, k), rtol=1e-5, atol=1e-6, msg=k)

@@ -1,6 +1,7 @@
 """Unit tests (no processes spawned) for the batch checks of ds_longctx's SP data loader adapter
 (ds_longctx/hf_loader.py): what it accepts from TRL's padding-free collator, how it pads a row to a
-multiple of SP, and the batches it refuses. The adapter's collectives run in tests/test_ecosystem.py."""
+multiple of SP, and the batches it refuses; enable() routing skip_first_batches (resume) to it. The adapter's
+collectives (and its skips) run in tests/test_ecosystem.py, whole resumed runs in tests/test_trainer_resume.py."""
 import pytest
 import torch
 
@@ -56,3 +57,36 @@ def test_batches_the_adapter_cannot_take_are_named():
     with pytest.raises(BatchError, match="batch.attention_mask: sample 0 is not right-padded"):
         _checked_batch({"input_ids": torch.ones(1, 4, dtype=torch.long),
                         "attention_mask": torch.tensor([[0, 1, 1, 1]])}, 2)
+
+
+def test_enable_routes_skip_first_batches_and_disable_puts_it_back():
+    """The Trainer (transformers.trainer), Accelerator.skip_first_batches (accelerate.accelerator) and scripts
+    (accelerate, accelerate.data_loader) look skip_first_batches up at call time: while enabled each name sends an
+    SP adapter to ds_longctx (counted in SP turns) and anything else to Accelerate's function."""
+    import importlib
+
+    import ds_longctx
+    from ds_longctx import integration
+    from ds_longctx.hf_loader import SPTurnsAdapter
+
+    sites = {m: importlib.import_module(m) for m in integration._SKIP_SITES}
+    before = {m: mod.skip_first_batches for m, mod in sites.items()}
+    calls = []
+
+    def accelerate_skip(dl, num_batches=0):  # stands in for Accelerate's function on the wrapped loader
+        calls.append((dl, num_batches))
+        return dl[num_batches:]
+
+    try:
+        ds_longctx.enable()
+        assert all(mod.skip_first_batches is integration._skip_first_batches for mod in sites.values())
+        integration._ORIGINALS["skip:accelerate.data_loader"] = accelerate_skip
+        loader = ["b0", "b1", "b2"]
+        skipped = sites["transformers.trainer"].skip_first_batches(SPTurnsAdapter(loader, 0, None, 2, "cpu"), 3)
+        assert isinstance(skipped, SPTurnsAdapter) and skipped.skipped == (3, 1) and len(skipped) == 3
+        assert calls == [(loader, 1)]  # one whole batch of the loader; the next batch's first turn is dropped
+        assert integration._skip_first_batches(loader, 2) == ["b2"] and calls[-1] == (loader, 2)
+    finally:
+        integration._ORIGINALS["skip:accelerate.data_loader"] = before["accelerate.data_loader"]
+        ds_longctx.disable()
+    assert all(sites[m].skip_first_batches is before[m] for m in sites)

@@ -94,7 +94,7 @@ def _sp1_id(a, f, ac, p):
 
 @pytest.mark.parametrize("arch,fuse,ac,packed", SP1, ids=[_sp1_id(*c) for c in SP1])
 def test_sp1_bit_equal_and_recompute_skips_attention(arch, fuse, ac, packed, monkeypatch, tmp_path):
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     if ac.get("offload") == "nvme":
         if not _aio_available():
@@ -106,7 +106,7 @@ def test_sp1_bit_equal_and_recompute_skips_attention(arch, fuse, ac, packed, mon
     runs = {}
     for keep in (False, True):
         model = build(cfg, seed=0)
-        handle = patch_model(model, _lc(fuse, keep, **ac))
+        handle = patch(model, _lc(fuse, keep, **ac))
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         results = []
         try:
@@ -137,12 +137,12 @@ def test_sp1_bit_equal_and_recompute_skips_attention(arch, fuse, ac, packed, mon
 def test_arena_bytes_equal_the_planners_host_figure_with_kept_attention():
     """The planner runs the same code on fake tensors: its 'offloaded activations' equal the arena's bytes,
     and its per-layer figure (used for the NVMe / keep_on_device alternatives) includes out and LSE."""
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
     from ds_longctx.planner import Planner
 
     cfg = tiny_config(**SHAPE)
     model = build(cfg)
-    handle = patch_model(model, _lc(True, True, offload="cpu"))
+    handle = patch(model, _lc(True, True, offload="cpu"))
     _train_step(model, _batch())
     measured = handle.memory.stats()["arena_bytes"]
     handle.remove()
@@ -159,7 +159,7 @@ def test_arena_bytes_equal_the_planners_host_figure_with_kept_attention():
 def test_first_layers_keep_the_rest_recompute(fuse, monkeypatch):
     """keep_attention_output N: the first N layers keep (their recompute skips attention), the others recompute;
     bit-equal to off; the arena holds the kept outputs of those N only, as the planner says (full depth)."""
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
     from ds_longctx.planner import Planner
 
     count = _CountForwards(monkeypatch)
@@ -167,7 +167,7 @@ def test_first_layers_keep_the_rest_recompute(fuse, monkeypatch):
     runs = {}
     for keep in (False, 1, 2):
         model = build(cfg, seed=0)
-        handle = patch_model(model, _lc(fuse, keep, offload="cpu", keep_on_device=1))
+        handle = patch(model, _lc(fuse, keep, offload="cpu", keep_on_device=1))
         try:
             count.n = 0
             runs[keep] = _train_step(model, _batch()) + (count.n, handle.memory.stats()["arena_bytes"])

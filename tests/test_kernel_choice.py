@@ -125,7 +125,8 @@ def test_cpu_auto_is_the_one_cpu_kernel_and_cuda_names_are_config_values():
     assert isinstance(kernels.get_backend("auto", "cpu"), TorchCPUFlash)
     names = kernels.kernel_names()
     assert "sdpa_cuda_cudnn" in names and "sdpa_cuda_flash" in names
-    from ds_longctx.config import check_kernel, parse
+    from ds_longctx.checks import check_kernel
+    from ds_longctx.config import parse
     from pydantic import ValidationError
 
     if torch.cuda.is_available():

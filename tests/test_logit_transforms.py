@@ -64,7 +64,7 @@ ARCHS = ["llama", "gemma2_softcap_0.5", "gemma2_default_cap_large_logits", "gemm
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_loss_equals_hf_forward_loss(arch):
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = _build(arch)
     g = torch.Generator().manual_seed(1)
@@ -73,7 +73,7 @@ def test_loss_equals_hf_forward_loss(arch):
     labels[0, :5] = -100
     ref = _loss_and_grads(model, ids, labels)
     for tiled in (False, True):
-        handle = patch_model(model, _lc(tiled))
+        handle = patch(model, _lc(tiled))
         try:
             got = _loss_and_grads(model, ids, labels)
         finally:
@@ -112,7 +112,7 @@ def test_unknown_logit_path_refused_at_patch():
     """A model whose forward does something ds_longctx does not know to its logits: ConfigError at patch time."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     class TemperedLlama(LlamaForCausalLM):
         def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
@@ -127,6 +127,6 @@ def test_unknown_logit_path_refused_at_patch():
 
     torch.manual_seed(0)
     model = TemperedLlama(LlamaConfig(**SMALL))
-    e = config_error(lambda: patch_model(model, _lc(False)))
+    e = config_error(lambda: patch(model, _lc(False)))
     assert e is not None and "TemperedLlama" in e and "logits / 0.7" in e
     assert getattr(model, "_ds_longctx_patch", None) is None and "forward" not in model.__dict__

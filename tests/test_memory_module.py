@@ -6,11 +6,11 @@ import weakref
 import pytest
 import torch
 
-from tiny_models import build, tiny_config
+from tiny_models import build, memory_stack, tiny_config
 
 from ds_longctx.config import parse
 from ds_longctx.loss import causal_lm_loss_sum
-from ds_longctx.memory import (HostCopyTarget, apply_memory_stack, auto_shards, resolve_shards,
+from ds_longctx.memory import (HostCopyTarget, auto_shards, resolve_shards,
                                tiled_causal_lm_loss_sum)
 from ds_longctx.measure.live_bytes import LiveBytesTracker
 
@@ -52,7 +52,7 @@ def _loss_case(b, s, h, vocab, shards, ignore=None, upstream=1.0, seed=0):
     dict(b=1, s=16, shards=4, ignore=(slice(None), slice(0, 9))),  # first two shards all ignored
     dict(b=1, s=5, shards=12),  # more shards than tokens: empty tiles
     dict(b=2, s=16, shards=3, upstream=0.037),  # a non-unit upstream gradient (SP token mean, GAS)
-    dict(b=1, s=16, shards="auto"),
+    dict(b=1, s=16, shards=None),  # "auto"
 ])
 def test_tiled_loss_matches_untiled(case):
     case = dict(case)
@@ -74,7 +74,7 @@ def test_tiled_loss_all_ignored_is_zero_not_nan():
 
 def test_auto_shards_without_dist():
     assert auto_shards(100, 32) == 4 and auto_shards(1, 32) == 1
-    assert resolve_shards("auto", 65, 32) == 3 and resolve_shards(5, 65, 32) == 5
+    assert resolve_shards(None, 65, 32) == 3 and resolve_shards(5, 65, 32) == 5
 
 
 def _peak_during_loss(fn, s, h, vocab):
@@ -119,7 +119,7 @@ def test_tiled_mlp_matches_plain(arch):
     ref_loss, ref = _mlp_grads(plain, ids)
     for shards in (4, 30):  # uneven tiles; more tiles than rows (empty tiles)
         tiled = build(cfg)
-        handle = apply_memory_stack(tiled, _lc(tiled_mlp={"enabled": True, "shards": shards}))
+        handle = memory_stack(tiled, _lc(tiled_mlp={"enabled": True, "shards": shards}))
         assert len(handle.tiled_mlps) == cfg.num_hidden_layers
         calls = []
         hooks = [m.gate_proj.register_forward_hook(lambda *a: calls.append(1)) for m in handle.tiled_mlps]
@@ -142,7 +142,7 @@ def test_tiled_mlp_rejects_unsupported_model():
 
     with pytest.raises(ConfigError, match=r"^long_context\.tiled_mlp\.enabled: Sequential has no MLP.*Fix: set "
                                           r"long_context\.tiled_mlp\.enabled=false for this model \(its MLP"):
-        apply_memory_stack(torch.nn.Sequential(torch.nn.Linear(4, 4)), _lc(tiled_mlp={"enabled": True}))
+        memory_stack(torch.nn.Sequential(torch.nn.Linear(4, 4)), _lc(tiled_mlp={"enabled": True}))
 
 
 def test_tiled_mlp_op_refuses_in_op_terms():
@@ -194,12 +194,12 @@ def test_offload_moves_restores_and_keeps_grads(reentrant):
     ref_loss, ref = _train_step(build(cfg), ids)
 
     ck = build(cfg)
-    apply_memory_stack(ck, _lc(activation_checkpointing={"enabled": True, "use_reentrant": reentrant}))
+    memory_stack(ck, _lc(activation_checkpointing={"enabled": True, "use_reentrant": reentrant}))
     ck_loss, ck_grads = _train_step(ck, ids)
 
     model = build(cfg)
     target = RecordingTarget()
-    handle = apply_memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": "cpu",
+    handle = memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": "cpu",
                                                                      "use_reentrant": reentrant}), offload_target=target)
     handle.offloader.record_events = True
     # when each layer's attention backward has produced its weight grads (o_proj's first, q_proj's last)
@@ -249,7 +249,7 @@ def test_offload_holds_at_most_one_layer_input_per_boundary():
     def boundaries(offload):
         model = build(cfg)
         model.train()
-        handle = apply_memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": offload}))
+        handle = memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": offload}))
         alive, live = [], []
         inputs = []
 
@@ -285,7 +285,7 @@ def test_offload_holds_at_most_one_layer_input_per_boundary():
 def test_offload_idle_in_eval():
     cfg = tiny_config(layers=2)
     model = build(cfg)
-    handle = apply_memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": "cpu"}))
+    handle = memory_stack(model, _lc(activation_checkpointing={"enabled": True, "offload": "cpu"}))
     model.eval()
     with torch.no_grad():
         model(input_ids=torch.randint(0, cfg.vocab_size, (1, 8)))

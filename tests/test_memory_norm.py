@@ -7,10 +7,9 @@ from transformers.models.mistral.modeling_mistral import MistralRMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from tiny_models import build, tiny_config
+from tiny_models import build, memory_stack, tiny_config
 
 from ds_longctx.config import parse
-from ds_longctx.memory import apply_memory_stack
 from ds_longctx.memory import norm as norm_mod
 from ds_longctx.memory.norm import (install_memory_efficient_rmsnorm, is_llama_style_rmsnorm,
                                     uninstall_memory_efficient_rmsnorm)
@@ -166,7 +165,7 @@ def test_tiny_model_patched_matches_unpatched(arch):
     cfg = tiny_config(arch, layers=2)
     ref = build(cfg, seed=0)
     model = build(cfg, seed=0)
-    handle = apply_memory_stack(model, parse({"long_context": {"rms_norm": {"enabled": True}}}))
+    handle = memory_stack(model, parse({"long_context": {"rms_norm": {"enabled": True}}}))
     # two per decoder layer + the final norm (+ q_norm/k_norm per layer on Qwen3)
     per_layer = 4 if arch == "qwen3" else 2
     assert len(handle.rms_norms) == per_layer * cfg.num_hidden_layers + 1
@@ -189,7 +188,7 @@ def test_stack_with_checkpointing_and_tiled_mlp():
     model = build(cfg, seed=0)
     lc = parse({"long_context": {"rms_norm": {"enabled": True}, "activation_checkpointing": {"enabled": True},
                                  "tiled_mlp": {"enabled": True, "shards": 3}}})
-    handle = apply_memory_stack(model, lc)
+    handle = memory_stack(model, lc)
     model.train()
     ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(4))
     l0, g0 = _loss_and_grads(ref, ids)

@@ -120,14 +120,14 @@ def _uneven_worker(rank, world):
 
     from ds_longctx.config import parse
     from ds_longctx.loss import causal_lm_loss_sum
-    from ds_longctx.memory import agree_max, apply_memory_stack, tiled_causal_lm_loss_sum
+    from ds_longctx.memory import agree_max, tiled_causal_lm_loss_sum
     from sp_cases import full_params
-    from tiny_models import build, tiny_config
+    from tiny_models import build, memory_stack, tiny_config
 
     out = {"agree": agree_max(3 + 4 * rank), "agree_fixed": agree_max(7)}
     # rank 0 holds 10 tokens, rank 1 12: torch.chunk(., 6) gives them 5 and 6 tiles (mismatched
     # all-gather counts); "auto" on 40 vs 70 tokens gives 2 vs 3 before the MAX agreement
-    for label, lengths, shards in (("fixed6", (10, 12), 6), ("auto", (40, 70), "auto")):
+    for label, lengths, shards in (("fixed6", (10, 12), 6), ("auto", (40, 70), None)):
         seq = lengths[rank]
         g = torch.Generator().manual_seed(100 + rank)
         ids = torch.randint(0, VOCAB, (1, seq), generator=g)
@@ -136,7 +136,8 @@ def _uneven_worker(rank, world):
         for mode in ("off", "tiled"):
             model = build(tiny_config(**MODEL), seed=0)
             if mode == "tiled":
-                apply_memory_stack(model, parse({"long_context": {"tiled_mlp": {"enabled": True, "shards": shards}}}))
+                memory_stack(model, parse({"long_context": {"tiled_mlp": {"enabled": True,
+                                                                          "shards": shards or "auto"}}}))
             cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": 3},
                    "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),

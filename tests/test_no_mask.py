@@ -15,12 +15,12 @@ def _run(window, impl, monkeypatch):
     from ds_longctx.attention.documents import is_no_mask
     from ds_longctx.config import parse
     from ds_longctx.measure.live_bytes import LiveBytesTracker
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = build(tiny_config("mistral", heads=2, kv_heads=1, head_dim=8, vocab=32, intermediate=16,
                               sliding_window=window), seed=0)
     attention = {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": impl == "fused"}
-    handle = patch_model(model, parse({"sequence_parallel_size": 1, "long_context": {"attention": attention}}))
+    handle = patch(model, parse({"sequence_parallel_size": 1, "long_context": {"attention": attention}}))
     masks = []
     check = hf._check_mask
 

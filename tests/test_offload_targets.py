@@ -10,10 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from tiny_models import build, tiny_config
+from tiny_models import build, memory_stack, tiny_config
 
 from ds_longctx.config import ConfigError, parse
-from ds_longctx.memory import apply_memory_stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS, B, S = 3, 2, 24
@@ -57,9 +56,9 @@ def _compare_over_steps(target_ac, steps, reentrant, offload_target=None):
     losses and every gradient bit-equal at every step. Returns the offload handle's stats per step."""
     cfg = tiny_config(layers=LAYERS)
     ref = build(cfg)
-    apply_memory_stack(ref, _lc(use_reentrant=reentrant))
+    memory_stack(ref, _lc(use_reentrant=reentrant))
     model = build(cfg)
-    handle = apply_memory_stack(model, _lc(use_reentrant=reentrant, **target_ac), offload_target=offload_target)
+    handle = memory_stack(model, _lc(use_reentrant=reentrant, **target_ac), offload_target=offload_target)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     per_step = []
@@ -115,7 +114,7 @@ def test_arena_bytes_equal_the_planners_host_figure():
 
     cfg = tiny_config(layers=LAYERS)
     model = build(cfg)
-    handle = apply_memory_stack(model, _lc(offload="cpu"))
+    handle = memory_stack(model, _lc(offload="cpu"))
     _step(model, _ids(cfg))
     measured = handle.stats()["arena_bytes"]
     handle.remove()
@@ -186,11 +185,11 @@ def test_nvme_keys_are_checked_at_parse():
 def test_nvme_bad_path_fails_before_training(tmp_path):
     cfg = tiny_config(layers=1)
     with pytest.raises(ConfigError, match="nvme_path: .*does not exist"):
-        apply_memory_stack(build(cfg), _lc(offload="nvme", nvme_path=str(tmp_path / "missing")))
+        memory_stack(build(cfg), _lc(offload="nvme", nvme_path=str(tmp_path / "missing")))
     f = tmp_path / "a_file"
     f.write_text("x")
     with pytest.raises(ConfigError, match="not a directory"):
-        apply_memory_stack(build(cfg), _lc(offload="nvme", nvme_path=str(f)))
+        memory_stack(build(cfg), _lc(offload="nvme", nvme_path=str(f)))
     if os.getuid() == 0:
         readonly = "/proc/self"  # root passes permission bits; procfs refuses writes to everyone
     else:
@@ -198,7 +197,7 @@ def test_nvme_bad_path_fails_before_training(tmp_path):
         readonly.mkdir()
         readonly.chmod(0o500)
     with pytest.raises(ConfigError, match="not writable"):
-        apply_memory_stack(build(cfg), _lc(offload="nvme", nvme_path=str(readonly)))
+        memory_stack(build(cfg), _lc(offload="nvme", nvme_path=str(readonly)))
 
 
 def _run_child(code, env=None, timeout=300):
@@ -208,6 +207,39 @@ def _run_child(code, env=None, timeout=300):
                           timeout=timeout, env=full_env, cwd=ROOT)
 
 
+def test_a_killed_builds_lock_is_reported_with_its_path_age_and_fix(tmp_path, monkeypatch):
+    """torch's JIT build leaves <build dir>/lock when it is killed, and every later load of the op waits on it
+    silently forever (15 min seen, twice). A lock with no process building next to it is refused within the window
+    (20 s by default; 0.5 s here), naming the file, its age and the fix, through the NVMe install as the ConfigError
+    of the offload key; a lock with a live build next to it (a process working in that directory) is waited for."""
+    import time
+
+    from ds_longctx.memory import nvme
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    build_dir = nvme.op_build_directory("async_io")
+    assert build_dir.startswith(str(tmp_path))
+    lock = os.path.join(build_dir, "lock")
+    open(lock, "w").close()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # an hour old
+    monkeypatch.setattr(nvme, "STALE_LOCK_WINDOW_S", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as e:
+        memory_stack(build(tiny_config(layers=1)), _lc(offload="nvme", nvme_path=str(tmp_path)))
+    assert time.monotonic() - t0 < 10
+    msg = str(e.value)
+    assert msg.startswith("long_context.activation_checkpointing.offload: DeepSpeed's async_io op is locked by "
+                          f"{lock} (made 36") and f"Fix: remove it (rm {lock}) and run again" in msg, msg
+    live = subprocess.Popen(["sleep", "60"], cwd=build_dir)  # stands for ninja / the compiler of a live build
+    try:
+        nvme.check_op_build_lock("async_io", window_s=5.0)  # returns: the build is waited for (torch's own wait)
+    finally:
+        live.kill()
+        live.wait()
+    os.remove(lock)
+    nvme.check_op_build_lock("async_io", window_s=5.0)  # no lock: nothing to wait for
+
+
 @pytest.mark.distributed  # spawns a process
 def test_aio_op_unavailable_is_a_clear_config_error(tmp_path):
     """With no usable C compiler DeepSpeed's builder cannot link libaio (the check is DeepSpeed's own
@@ -215,11 +247,11 @@ def test_aio_op_unavailable_is_a_clear_config_error(tmp_path):
     code = f"""
         from tiny_models import build, tiny_config
         from ds_longctx.config import ConfigError, parse
-        from ds_longctx.memory import apply_memory_stack
+        from tiny_models import memory_stack
         lc = parse({{"long_context": {{"activation_checkpointing": {{"enabled": True, "offload": "nvme",
                                                                    "nvme_path": {str(tmp_path)!r}}}}}}})
         try:
-            apply_memory_stack(build(tiny_config(layers=1)), lc)
+            memory_stack(build(tiny_config(layers=1)), lc)
         except ConfigError as e:
             print("CONFIGERROR", e)
     """
@@ -235,7 +267,7 @@ def test_nvme_files_removed_on_error(tmp_path):
     # in-process: a step that raises mid-forward, then the handle is removed
     cfg = tiny_config(layers=LAYERS)
     model = build(cfg)
-    handle = apply_memory_stack(model, _lc(offload="nvme", nvme_path=str(tmp_path)))
+    handle = memory_stack(model, _lc(offload="nvme", nvme_path=str(tmp_path)))
     boom = handle.checkpointed_layers[1].register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(
         RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
@@ -253,12 +285,12 @@ def test_nvme_files_removed_when_the_process_dies_of_an_error(tmp_path):
         import torch
         from tiny_models import build, tiny_config
         from ds_longctx.config import parse
-        from ds_longctx.memory import apply_memory_stack
+        from tiny_models import memory_stack
         cfg = tiny_config(layers=3)
         model = build(cfg)
         lc = parse({{"long_context": {{"activation_checkpointing": {{"enabled": True, "offload": "nvme",
                                                                    "nvme_path": {str(tmp_path)!r}}}}}}})
-        h = apply_memory_stack(model, lc)
+        h = memory_stack(model, lc)
         model.train()
         ids = torch.randint(0, cfg.vocab_size, (2, 24))
         loss = model(input_ids=ids, labels=ids).loss

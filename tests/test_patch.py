@@ -35,12 +35,12 @@ def test_remove_undoes_every_patch(fuse):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from ds_longctx.attention import registry
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = build(tiny_config(), seed=0)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     before_logits, before_state, before_fn = _logits(model, ids), _state(model), ALL_ATTENTION_FUNCTIONS["sdpa"]
-    handle = patch_model(model, _lc(fuse))
+    handle = patch(model, _lc(fuse))
     assert _state(model) != before_state
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -54,21 +54,21 @@ def test_remove_undoes_every_patch(fuse):
     assert "ds_longctx" not in repr(model)
     assert not hasattr(model, "_ds_longctx_patch") and not hasattr(model, "_ds_longctx_memory")
     assert torch.equal(_logits(model, ids), before_logits)
-    patch_model(model, _lc(fuse)).remove()  # and it can be patched again
+    patch(model, _lc(fuse)).remove()  # and it can be patched again
 
 
 def test_unpatched_model_keeps_original_attention():
     """The function-level install routes only the patched model's modules; another model in the same
     process calls the original function (DeepSpeed's register_with_transformers is process-global)."""
     from ds_longctx.attention import registry
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     other = build(tiny_config(), seed=1)
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
     ref = _logits(other, ids)
     model = build(tiny_config(), seed=0)
     calls = []
-    handle = patch_model(model, _lc(False))
+    handle = patch(model, _lc(False))
     inst = handle.attention.function_level
     inner = inst.fn
 
@@ -167,10 +167,10 @@ def test_displaced_foreign_wrapper_is_put_back():
 
 
 def test_print_model_shows_swaps():
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = build(tiny_config(), seed=0)
-    handle = patch_model(model, _lc(True))
+    handle = patch(model, _lc(True))
     text = repr(model)
     assert "ds_longctx: attention=untied Ulysses (fused projections" in text
     assert "checkpointed_layers=2" in text and "tiled_mlps=2" in text and "loss=SP token mean" in text

@@ -24,6 +24,9 @@ def _ac(cfg):
     return cfg["long_context"]["activation_checkpointing"]
 
 
+KAO, KOD = "activation_checkpointing.keep_attention_output", "activation_checkpointing.keep_on_device"
+
+
 def _host_node(keep: bool) -> int:
     cfg = copy.deepcopy(CFG)
     _ac(cfg)["keep_attention_output"] = keep
@@ -34,35 +37,34 @@ def test_auto_keeps_attention_output_when_host_memory_allows_and_not_when_it_doe
     off, on = _host_node(False), _host_node(True)
     assert on > off  # the kept outputs go to host with the layer inputs
     logs = []
-    cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem="2TiB", reserve="2GiB", log=logs.append)
-    assert _ac(cfg)["keep_attention_output"] is True, logs
+    values = resolve_auto(CFG, SMALL, 8, GPU, host_mem="2TiB", reserve="2GiB", log=logs.append)
+    assert values == {KAO: True}, logs  # the values of the "auto" keys, nothing else
     assert any("keep_attention_output=True: predicted step" in m for m in logs), logs
     # room for the layer inputs and half of the kept outputs: the first layers that fit keep theirs
     logs = []
-    cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=str((off + on) // 2), reserve="2GiB", log=logs.append)
-    n = _ac(cfg)["keep_attention_output"]
+    n = resolve_auto(CFG, SMALL, 8, GPU, host_mem=str((off + on) // 2), reserve="2GiB", log=logs.append)[KAO]
     assert not isinstance(n, bool) and n == SMALL["num_hidden_layers"] // 2, logs
     assert any("it does not fit" in m and "host memory" in m and f"the first {n} of 16" in m for m in logs), logs
     # (room for the layer inputs only: off, tests/test_planner_auto.py's initialize case, on a tiny model)
     # no host budget given: not reinvested blind
     logs = []
-    cfg = resolve_auto(CFG, SMALL, 8, GPU, host_mem=None, reserve="2GiB", log=logs.append)
-    assert _ac(cfg)["keep_attention_output"] is False and any("no host budget" in m for m in logs), logs
+    values = resolve_auto(CFG, SMALL, 8, GPU, host_mem=None, reserve="2GiB", log=logs.append)
+    assert values[KAO] is False and any("no host budget" in m for m in logs), logs
 
 
 def test_auto_keep_on_device_takes_the_device_headroom():
     cfg = copy.deepcopy(CFG)
     _ac(cfg).update(keep_attention_output=False, keep_on_device="auto")
     logs = []
-    out = resolve_auto(cfg, SMALL, 8, GPU, host_mem="2TiB", reserve="2GiB", log=logs.append)
-    k = _ac(out)["keep_on_device"]
+    k = resolve_auto(cfg, SMALL, 8, GPU, host_mem="2TiB", reserve="2GiB", log=logs.append)[KOD]
     assert isinstance(k, int) and k > 0, logs  # 80 GiB holds several 32 MiB layer inputs
+    out = copy.deepcopy(cfg)
+    _ac(out)["keep_on_device"] = k
     r = Planner(out, load_model_config(SMALL), 8, GPU, "2TiB", "2GiB").run(SEQ)
     assert r.fits and r.offload["keep_on_device"] == k
     # a device with no headroom beyond the step keeps none
     tight = r.peak_device_bytes - (k * r.offload["layer_input_bytes"]) + 2 * 2**30 + r.offload["layer_input_bytes"] // 2
-    out = resolve_auto(cfg, SMALL, 8, tight, host_mem="2TiB", reserve="2GiB", log=logs.append)
-    assert _ac(out)["keep_on_device"] == 0, logs[-1]
+    assert resolve_auto(cfg, SMALL, 8, tight, host_mem="2TiB", reserve="2GiB", log=logs.append)[KOD] == 0, logs[-1]
 
 
 def test_initialize_resolves_keep_attention_output_auto_with_this_machines_host_budget(monkeypatch, caplog):
@@ -104,7 +106,7 @@ def test_initialize_resolves_keep_attention_output_auto_with_this_machines_host_
         with caplog.at_level(logging.INFO, logger="ds_longctx"):
             out = init._resolve_auto(cfg, mc, 1)
         msgs = [r.getMessage() for r in caplog.records]
-        got = _ac(out)["keep_attention_output"]
+        got = out[KAO]
         assert got == want and isinstance(got, bool) == isinstance(want, bool), msgs
         assert any(f"{init.HOST_MEM_ENV}={budget}" in m and "1 local rank" in m for m in msgs), msgs
         assert any(f"keep_attention_output={want}:" in m for m in msgs), msgs
@@ -127,11 +129,10 @@ def test_auto_keep_values_are_refused_where_nothing_resolves_them():
     cfg["long_context"]["sequence_length"] = 64
     with pytest.raises(ConfigError, match="keep_attention_output.*a choice the planner makes"):
         Planner(cfg, tiny_config(), 1, 2**40)
-    from ds_longctx.patch import patch_model
-    from tiny_models import build
+    from tiny_models import spec_for
 
     with pytest.raises(ConfigError, match="keep_attention_output.*unresolved"):
-        patch_model(build(tiny_config()), parse(cfg), None, 1.0)
+        spec_for(tiny_config(), parse(cfg))
 
 
 def test_resolve_builds_each_configuration_as_a_new_value_and_walks_ties():
@@ -171,12 +172,12 @@ def test_resolve_builds_each_configuration_as_a_new_value_and_walks_ties():
     logs = []
     out = resolve(Planner_, cfg, load_model_config(SMALL), 8, SEQ, logs.append)
     assert cfg == before
-    assert (out["long_context"]["attention"]["heads_per_chunk"], out["long_context"]["tiled_mlp"]["shards"]) == (2, 4)
-    assert out["long_context"]["tiled_loss"] == before["long_context"]["tiled_loss"]
+    # the chosen values only (tiled_loss is not "auto": not among them)
+    assert out == {"attention.heads_per_chunk": 2, "tiled_mlp.shards": 4, KAO: False}
     assert [(c["long_context"]["attention"]["heads_per_chunk"], c["long_context"]["tiled_mlp"]["shards"])
             for c, _ in handed] == [(1, 4), (2, 4), (1, 4), (2, 1), (2, 2), (2, 4)]
     assert all(c == snap for c, snap in handed)  # nothing edited a configuration after handing it over
-    assert len({id(c) for c, _ in handed} | {id(out), id(cfg)}) == len(handed) + 2
+    assert len({id(c) for c, _ in handed} | {id(cfg)}) == len(handed) + 1
     assert logs == [
         "ds_longctx auto: long_context.attention.heads_per_chunk=2: the first in speed order whose step fits at "
         f"65536 tokens on 8 ranks (predicted step {fast:.4g} s; candidates in speed order: [2, 1])",

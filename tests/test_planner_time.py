@@ -106,7 +106,7 @@ def test_counted_calls_match_a_real_cpu_step():
 
     from ds_longctx.config import parse
     from ds_longctx.measure.flops import op_cost
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
     from ds_longctx.planner import load_model_config
     from ds_longctx.planner.simulate import simulate_step
 
@@ -126,7 +126,7 @@ def test_counted_calls_match_a_real_cpu_step():
     for variant in ("full", "untied-u2"):
         ds = pt.ds_config(seq, variant)
         model = pt._build(seq, variant)
-        patched = patch_model(model, parse(ds), None, 1.0)
+        patched = patch(model, parse(ds), None, 1.0)
         ids = torch.randint(0, pt.MODEL["vocab_size"], (1, seq))
         try:
             with Count() as real:

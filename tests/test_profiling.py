@@ -52,7 +52,7 @@ def test_profiler_reports_measured_flops_per_category_next_to_the_planners(tmp_p
     planner's tiled ops run one representative tile), and the table prints every category."""
     from ds_longctx.config import parse
     from ds_longctx.measure.profiler import format_flops
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
     from ds_longctx.planner import planned_work
 
     cfg = tiny_config(heads=4, kv_heads=2, head_dim=8, layers=2)
@@ -64,7 +64,7 @@ def test_profiler_reports_measured_flops_per_category_next_to_the_planners(tmp_p
                            "tiled_mlp": {"enabled": True, "shards": 4}, "tiled_loss": {"enabled": True, "shards": 4},
                            "rms_norm": {"enabled": True}}}
     model = build(cfg)
-    patched = patch_model(model, parse(ds), None, 1.0)
+    patched = patch(model, parse(ds), None, 1.0)
     prof = StepProfiler(ProfileConfig(enabled=True, steps=[1], output_dir=str(tmp_path)), cfg, world_size=1,
                         sp_size=1, model=model, seq_len=seq, plan_work=functools.partial(planned_work, ds, cfg, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

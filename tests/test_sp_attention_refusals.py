@@ -22,7 +22,7 @@ def _lc(impl, sp=2, seq=None, **extra):
 
 
 def _check(impl, cfg, sp=2, seq=None, attn="sdpa"):
-    from ds_longctx.config import check_against
+    from ds_longctx.checks import check_against
 
     cfg._attn_implementation = attn
     return config_error(check_against, _lc(impl, sp, seq), cfg, sp)
@@ -85,11 +85,11 @@ def test_gemma3_tiled_mlp_and_windows_under_sp():
     at SP=1 on 'none' the stack applies, and under SP its windows pass the check (they are applied)."""
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_gemma3(), attn_implementation="sdpa")
-    handle = patch_model(model, _lc("none", sp=1, tiled_mlp={"enabled": True}))
+    handle = patch(model, _lc("none", sp=1, tiled_mlp={"enabled": True}))
     assert len(handle.memory.tiled_mlps) == 2
     handle.remove()
     assert _check("ulysses", _gemma3(), seq=32) is None
@@ -108,7 +108,7 @@ def test_untied_kernel_without_windows_names_the_layer(fuse):
     forward, naming it and the fix; with the fix ('auto') the loss is HF's."""
     from transformers import MistralConfig
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = _tiny(MistralConfig(**SMALL, sliding_window=8))
     ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -117,7 +117,7 @@ def test_untied_kernel_without_windows_names_the_layer(fuse):
     for kernel in ("sdpa", "auto"):
         lc = _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses", "heads_per_chunk": 1,
                                                     "fuse_projections": fuse, "kernel": kernel})
-        handle = patch_model(model, lc)
+        handle = patch(model, lc)
         try:
             with torch.no_grad():
                 e = config_error(lambda: model(input_ids=ids, labels=ids))
@@ -154,7 +154,7 @@ def test_custom_4d_mask_at_sp1_none_is_hf_exact():
     transformers, and the loss equals the unpatched model's."""
     from transformers import LlamaConfig
 
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
 
     model = _tiny(LlamaConfig(**SMALL))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -163,14 +163,14 @@ def test_custom_4d_mask_at_sp1_none_is_hf_exact():
         ref = model(input_ids=ids, attention_mask=mask, labels=ids).loss
         causal = model(input_ids=ids, labels=ids).loss
     assert abs(ref.item() - causal.item()) > 1e-4  # the mask matters
-    handle = patch_model(model, _lc("none", sp=1))
+    handle = patch(model, _lc("none", sp=1))
     try:
         with torch.no_grad():
             got = model(input_ids=ids, attention_mask=mask, labels=ids).loss
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     finally:
         handle.remove()
-    handle = patch_model(model, _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses",
+    handle = patch(model, _lc("untied_ulysses", sp=1, attention={"implementation": "untied_ulysses",
                                                                        "heads_per_chunk": 1}))
     try:  # our own attention (untied, even at SP=1) cannot apply it: refused, not dropped
         e = config_error(lambda: model(input_ids=ids, attention_mask=mask, labels=ids))
@@ -186,7 +186,7 @@ def _sp2_worker(rank, world):
     import ds_longctx
     from ds_longctx import comm
     from ds_longctx.data import shard_batch
-    from ds_longctx.patch import patch_model
+    from tiny_models import patch
     from sp_cases import ds_config
 
     out = {}
@@ -205,26 +205,26 @@ def _sp2_worker(rank, world):
     model = _tiny(MistralConfig(**SMALL, sliding_window=8))
     untied_sdpa = _lc("untied_ulysses", sp=2, attention={"implementation": "untied_ulysses", "heads_per_chunk": 1,
                                                          "kernel": "sdpa"})
-    handle = patch_model(model, untied_sdpa, group)
+    handle = patch(model, untied_sdpa, group)
     out["runtime_window"] = config_error(lambda: model(**shard))
     handle.remove()
     # a hand-cut shard with a custom 4-D mask (was a raw RuntimeError in the contiguity check)
     model = _tiny(LlamaConfig(**SMALL))
-    handle = patch_model(model, lc, group)
+    handle = patch(model, lc, group)
     mask = _prefix_lm_mask(1, 8, 3)
     out["mask_4d"] = config_error(lambda: model(**shard, attention_mask=mask))
     out["ok_loss"] = model(**shard).loss.item()  # and the plain shard still trains
     handle.remove()
     flex = _tiny(LlamaConfig(**SMALL))
     flex.config._attn_implementation = "flex_attention"
-    out["flex"] = config_error(patch_model, flex, _lc("untied_ulysses", sp=2), group)
+    out["flex"] = config_error(patch, flex, _lc("untied_ulysses", sp=2), group)
     # GPT-OSS: windows would run, but its attention sinks (s_aux) would be dropped by the SP kernels
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     torch.manual_seed(0)
     oss = AutoModelForCausalLM.from_config(GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2,
                                                         sliding_window=4), attn_implementation="flex_attention")
-    handle = patch_model(oss, lc, group)
+    handle = patch(oss, lc, group)
     out["sinks"] = config_error(lambda: oss(**shard))
     handle.remove()
     return out

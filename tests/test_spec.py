@@ -28,9 +28,11 @@ def test_spec_is_built_from_config_layout_and_model_and_is_frozen():
     spec = build_spec(lc, tiny_config(heads=4, kv_heads=2, head_dim=8, layers=2, vocab=64))
     assert (spec.sp, spec.dp, spec.grad_scale, spec.group) == (1, 1, 1.0, None)
     assert (spec.model.heads, spec.model.kv_heads, spec.model.head_dim, spec.model.layers, spec.model.hidden,
-            spec.model.vocab) == (4, 2, 8, 2, 32, 64)
+            spec.model.vocab, spec.model.model_type) == (4, 2, 8, 2, 32, 64, "llama")
     assert (spec.schedule.heads, spec.schedule.kv_heads, spec.schedule.sp, spec.schedule.heads_per_chunk) == (4, 2, 1, 2)
     assert spec.kernel.name == "auto" and (spec.mlp_shards, spec.loss_shards) == (2, 2)
+    assert spec.fused is True  # fuse_projections 'auto' on an architecture of ds_longctx.models
+    assert (spec.keep_on_device, spec.offloaded_layers, spec.kept_attention_layers) == (0, 0, 0)  # no offload
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.group = object()
     lc.attention.heads_per_chunk = 1  # the caller's config is not the spec's
@@ -39,6 +41,26 @@ def test_spec_is_built_from_config_layout_and_model_and_is_frozen():
     wide = build_spec(_lc(sequence_parallel_size=2), tiny_config(), Layout(world=8, sp=2, rank=5, grad_scale=2.0))
     assert (wide.sp, wide.dp, wide.layout.sp_rank, wide.layout.dp_rank, wide.grad_scale) == (2, 4, 1, 2, 2.0)
     assert wide.with_group("g").group == "g" and wide.group is None
+
+
+@pytest.mark.parametrize("keep,kod,offload,want", [
+    (True, 1, "cpu", (1, 3, 4, 3)),     # every layer keeps; the last keeps its input on the device
+    (2, 0, "cpu", (0, 4, 2, 2)),        # the first 2 keep their attention output, all 4 inputs offloaded
+    (9, 3, "cpu", (3, 1, 4, 1)),        # a count above the depth is every layer
+    (False, 2, "none", (0, 0, 0, 0)),   # no offload: keep_on_device says nothing
+])
+def test_spec_holds_every_resolved_count_as_an_int(keep, kod, offload, want):
+    """keep_on_device, the offloaded layers, the layers keeping their attention output and those of them that are
+    offloaded: resolved once, here, as plain ints that the installs, the planner and train.py read."""
+    from ds_longctx.spec import build_spec
+
+    section = {"attention": {"implementation": "untied_ulysses"},
+               "activation_checkpointing": {"enabled": True, "offload": offload, "keep_on_device": kod,
+                                            "keep_attention_output": keep}}
+    spec = build_spec(_lc(section), tiny_config(layers=4))
+    got = (spec.keep_on_device, spec.offloaded_layers, spec.kept_attention_layers, spec.offloaded_kept_attention_layers)
+    assert got == want and all(type(v) is int for v in got)
+    assert spec.heads_per_chunk == 1 and (spec.mlp_shards, spec.loss_shards) == (None, None)
 
 
 def test_builder_refuses_what_the_installs_now_trust():
@@ -57,13 +79,29 @@ def test_builder_refuses_what_the_installs_now_trust():
         build_spec(_lc(sequence_parallel_size=2), tiny_config(), Layout(world=2, sp=1))
     with pytest.raises(ConfigError, match=r"^sequence_parallel_size: 2 does not divide the world size 3"):
         build_spec(_lc(sequence_parallel_size=2), tiny_config(), Layout(world=3, sp=2))
-    with pytest.raises(ValueError, match="check="):
-        build_spec(_lc(), tiny_config(), check="twice")
+    with pytest.raises(ConfigError, match=r"^model\.config: is needed by attention\.implementation 'untied_ulysses'"):
+        build_spec(_lc(), None)
+
+
+def test_patch_model_takes_a_spec_of_this_model_only():
+    """One signature: patch_model(model, spec). A parsed section is refused with the builder to call, and a spec
+    built for another model config (its facts differ) is refused before anything is installed."""
+    from ds_longctx.config import ConfigError
+    from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
+
+    model = build(tiny_config(), seed=0)
+    with pytest.raises(TypeError, match=r"spec must be a ds_longctx\.spec\.LongContextSpec, got LongContextConfig "
+                                        r"\(build one with ds_longctx\.spec\.build_spec"):
+        patch_model(model, _lc())
+    with pytest.raises(ConfigError, match=r"^spec: was built for another model"):
+        patch_model(model, build_spec(_lc(), tiny_config(layers=3)))
+    assert getattr(model, "_ds_longctx_patch", None) is None and "forward" not in model.__dict__
 
 
 def _counting(monkeypatch):
     """Count the user-facing checks of heads_per_chunk and the kernel name, and every Schedule built."""
-    from ds_longctx import config, spec
+    from ds_longctx import checks, spec
     from ds_longctx.attention import untied
 
     calls = {"heads_per_chunk": 0, "kernel": 0, "schedule": 0}
@@ -74,52 +112,26 @@ def _counting(monkeypatch):
             return fn(*a, **k)
         return wrapper
 
-    monkeypatch.setattr(config, "check_heads_per_chunk", counted("heads_per_chunk", config.check_heads_per_chunk))
-    kernel_check = counted("kernel", config.check_kernel)
-    monkeypatch.setattr(config, "check_kernel", kernel_check)
-    monkeypatch.setattr(spec, "check_kernel", kernel_check)
+    monkeypatch.setattr(checks, "check_heads_per_chunk", counted("heads_per_chunk", checks.check_heads_per_chunk))
+    monkeypatch.setattr(spec, "check_kernel", counted("kernel", checks.check_kernel))
     monkeypatch.setattr(untied.Schedule, "__post_init__", counted("schedule", untied.Schedule.__post_init__))
     return calls
 
 
-@pytest.mark.parametrize("form", ["spec", "config"])
-def test_heads_per_chunk_and_kernel_are_checked_once_and_trusted_per_forward(form, monkeypatch):
-    """Both forms of patch_model go through the one builder; a training step checks nothing again."""
+def test_heads_per_chunk_and_kernel_are_checked_once_and_trusted_per_forward(monkeypatch):
+    """The one builder checks them once; patching and a training step check nothing again."""
     from ds_longctx.patch import patch_model
     from ds_longctx.spec import build_spec
 
     calls = _counting(monkeypatch)
     model = build(tiny_config(), seed=0)
-    lc = _lc()
-    handle = patch_model(model, build_spec(lc, model.config) if form == "spec" else lc)
+    handle = patch_model(model, build_spec(_lc(), model.config))
     assert calls == {"heads_per_chunk": 1, "kernel": 1, "schedule": 1}
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model(input_ids=ids, labels=ids).loss.backward()
     assert calls == {"heads_per_chunk": 1, "kernel": 1, "schedule": 1}
     handle.remove()
-
-
-def test_spec_and_config_forms_train_the_same():
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
-
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    out = {}
-    for form in ("spec", "config"):
-        model = build(tiny_config(), seed=0)
-        lc = _lc()
-        handle = patch_model(model, build_spec(lc, model.config) if form == "spec" else lc)
-        assert handle.spec.schedule.heads_per_chunk == 2
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        out[form] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    assert torch.equal(out["spec"][0], out["config"][0])
-    for n, g in out["spec"][1].items():
-        assert torch.equal(g, out["config"][1][n]), n
-    model = build(tiny_config(), seed=0)
-    with pytest.raises(TypeError, match="the SP group travels in the spec"):
-        patch_model(model, build_spec(_lc(), model.config), object())
 
 
 def test_error_types_share_one_base_and_cross_ranks_whole():

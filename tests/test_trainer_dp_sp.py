@@ -1,13 +1,14 @@
 """SP x DP under the HF Trainer (world 4 = 2 SP groups x 2 data-parallel replicas, the shape of a
 multi-node run): equals a one-process Trainer that sees each optimizer step's two samples as one batch
-of 2; and a ParallelismConfig that leaves the replicas undeclared is a clear error on every rank
+of 2; a run resumed from a save_steps checkpoint equals the uninterrupted one (as tests/test_trainer_resume.py
+at SP=2); and a ParallelismConfig that leaves the replicas undeclared is a clear error on every rank
 (Accelerate would hand DeepSpeed a batch size that fails its own assertion, naming neither)."""
 import math
 
 import pytest
 
 from dist_utils import run_distributed_side_by_side
-from eco_cases import delta_errors, deltas
+from eco_cases import assert_resumed_equal, delta_errors, deltas
 
 STEPS = 2
 # the Trainer shards the loader over all 4 ranks (sample i to rank i % 4) and each SP group takes turns
@@ -31,6 +32,23 @@ def _dp_sp(rank, world):
               output_dir=f"/tmp/ds_longctx_test_dpsp{rank}")
     out = {"trained": hf_trainer.train(dp_replicate_size=2, **kw)}  # untied attention + memory stack
     state.reset()
+    # resume: 8 samples = 2 per rank = 4 SP turns per epoch; after step 3, 1 batch + 1 turn to skip; 5 steps
+    # cross into epoch 2. AdamW + a linear schedule (moments and rates must come back)
+    import shutil
+
+    import torch.distributed as dist
+
+    from eco_cases import shared_tmpdir
+
+    rkw = dict(sp=2, dp_replicate_size=2, record_params=True, steps=5, save_steps=3, samples=8, lr=0.01,
+               optim="adamw_torch", lr_scheduler_type="linear", warmup_steps=1, output_dir=shared_tmpdir(rank))
+    out["resume_full"] = hf_trainer.train(**rkw)
+    state.reset()
+    out["resumed"] = hf_trainer.train(**rkw, resume_from_checkpoint=f"{rkw['output_dir']}/checkpoint-3")
+    state.reset()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(rkw["output_dir"], ignore_errors=True)
     out["undeclared"] = config_error(hf_trainer.train, **kw)
     state.reset()
     return out
@@ -52,5 +70,6 @@ def test_trainer_sp2_dp2_equals_one_process_batch_of_two():
         errs, _ = delta_errors(ref, got)
         worst = max(errs, key=errs.get)
         assert errs[worst] < 1e-5, (worst, errs[worst])  # measured 1.5e-7
+        assert_resumed_equal(r["resume_full"], r["resumed"], 3, f"SP x DP rank {rank}", epoch_items=4)
         assert r["undeclared"] and "dp_replicate_size=2" in r["undeclared"] and "covers 2 of the 4 ranks" in \
             r["undeclared"], r["undeclared"]

@@ -2,17 +2,16 @@
 checkpointing flag and function, and the input-gradient hooks (on only if they were on before)."""
 import functools
 
-from tiny_models import build, tiny_config
+from tiny_models import build, memory_stack, tiny_config
 
 from ds_longctx.config import parse
-from ds_longctx.memory import apply_memory_stack
 
 _AC = {"activation_checkpointing": {"enabled": True, "use_reentrant": True}}
 
 
 def test_remove_restores_a_plain_model():
     model = build(tiny_config(layers=2))
-    handle = apply_memory_stack(model, parse({"long_context": _AC}))
+    handle = memory_stack(model, parse({"long_context": _AC}))
     assert model._require_grads_hooks and all(layer.gradient_checkpointing for layer in handle.checkpointed_layers)
     layers = handle.checkpointed_layers
     handle.remove()
@@ -29,7 +28,7 @@ def test_remove_keeps_what_the_user_had():
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     funcs = [layer._gradient_checkpointing_func for layer in layers]
     assert layers and all(isinstance(f, functools.partial) for f in funcs)
-    apply_memory_stack(model, parse({"long_context": _AC})).remove()
+    memory_stack(model, parse({"long_context": _AC})).remove()
     assert model._require_grads_hooks == hooks
     for layer, f in zip(layers, funcs):
         assert layer.gradient_checkpointing is True and layer._gradient_checkpointing_func is f

@@ -141,7 +141,7 @@ def _run_matrix(rank, world, sp):
 
         # untied
         uq, uk, uv = leaves()
-        un_out, un_lse = untied_attention_qkv(uq, uk, uv, group=group, heads_per_chunk=u, backend=backend,
+        un_out, un_lse = untied_attention_qkv(uq, uk, uv, Schedule(H, G, sp, u), group=group, backend=backend,
                                               causal=causal, scale=SCALE)
         un_out.backward(do)
         untied = [un_out.detach(), uq.grad, uk.grad, uv.grad]
@@ -171,7 +171,7 @@ def _run_fused(rank, world, sp):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from ds_longctx.attention.kernels import get_backend, reference_attention
-    from ds_longctx.attention.untied import ProjectionSpec, untied_attention_fused
+    from ds_longctx.attention.untied import ProjectionSpec, Schedule, untied_attention_fused
     from ds_longctx.models import rms_norm, rope_bshd
 
     backend = get_backend("sdpa", "cpu")
@@ -241,10 +241,10 @@ def _run_fused(rank, world, sp):
 
                 ux, up = local_leaves()
                 spec = ProjectionSpec(head_dim=D_HEAD, rope=rope_bshd, norm=norm)
-                uo, _ = untied_attention_fused(ux, cos, sin, up["wq"], up["wk"], up["wv"], heads=H, kv_heads=G,
+                uo, _ = untied_attention_fused(ux, cos, sin, up["wq"], up["wk"], up["wv"], schedule=Schedule(H, G, sp, u),
                                                spec=spec, bq=up.get("bq"), bk=up.get("bk"), bv=up.get("bv"),
                                                q_norm=up.get("qn"), k_norm=up.get("kn"), group=group,
-                                               heads_per_chunk=u, backend=backend, causal=True, scale=SCALE)
+                                               backend=backend, causal=True, scale=SCALE)
                 uo.backward(do)
                 untied = {"out": uo.detach(), "dx": ux.grad, **{f"d{k}": t.grad for k, t in up.items()}}
                 for name in [n for n in untied if n.startswith("d") and n != "dx"]:
@@ -370,6 +370,6 @@ def test_bad_heads_per_chunk_is_rejected():
     q = torch.randn(1, 4, 4, 8)
     k = torch.randn(1, 4, 2, 8)
     with pytest.raises(ValueError, match="heads_per_chunk=3"):
-        untied_attention_qkv(q, k, k, heads_per_chunk=3)
+        untied_attention_qkv(q, k, k, Schedule(4, 2, 1, 3))
     with pytest.raises(ValueError, match="disagree"):
-        untied_attention_qkv(q, k, k[:, :2], heads_per_chunk=1)
+        untied_attention_qkv(q, k, k[:, :2], Schedule(4, 2, 1, 1))

@@ -38,10 +38,14 @@ def _model(arch, seed=0, **kw):
     return build(tiny_config(arch, **SHAPE, **kw), seed=seed)
 
 
-def _attn_cfg(hpc=1, fuse=True, kernel="auto"):
-    from ds_longctx.config import AttentionConfig
+def _spec(model, hpc=1, fuse=True, kernel="auto", group=None):
+    """The spec of untied attention with these keys for ``model`` (spec.build_spec: checked there)."""
+    from tiny_models import spec_for
 
-    return AttentionConfig(implementation="untied_ulysses", heads_per_chunk=hpc, fuse_projections=fuse, kernel=kernel)
+    from ds_longctx.config import AttentionConfig, LongContextConfig
+
+    attn = AttentionConfig(implementation="untied_ulysses", heads_per_chunk=hpc, fuse_projections=fuse, kernel=kernel)
+    return spec_for(model, LongContextConfig(attention=attn), group)
 
 
 def _ids(seed=123):
@@ -75,7 +79,7 @@ def test_sp1_patched_equals_unpatched(arch, fuse, hpc):
     ids = _ids()
     ref_loss, ref_grads, ref_logits = _reference(arch, ids)
     model = _model(arch)
-    install_untied(model, _attn_cfg(hpc, fuse), None)
+    install_untied(model, _spec(model, hpc, fuse))
     model.train()
     out = model(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
@@ -95,7 +99,7 @@ def test_unpatched_model_in_same_process_is_untouched():
 
     ids = _ids(7)
     patched = _model("llama")
-    install_untied(patched, _attn_cfg(1, fuse=False), None)
+    install_untied(patched, _spec(patched, 1, fuse=False))
     other = _model("llama", seed=1)
     calls = []
     from ds_longctx.attention import untied
@@ -117,25 +121,24 @@ def test_unpatched_model_in_same_process_is_untouched():
 
 
 def test_fused_on_unsupported_architecture_names_the_key():
-    from ds_longctx.attention.hf import install_untied
+    """fuse_projections true (not the default 'auto') on an architecture ds_longctx.models has no fused path for:
+    refused when the spec is built, naming the key."""
     from ds_longctx.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"long_context\.attention\.fuse_projections.*'phi3'.*set "
-                                          r"long_context\.attention\.fuse_projections to false"):
-        install_untied(_model("phi3"), _attn_cfg(1, fuse=True), None)
+    with pytest.raises(ConfigError, match=r"long_context\.attention\.fuse_projections: architecture 'phi3' has no "
+                                          r"fused untied attention.*Fix: set it to 'auto' \(the default\) or false"):
+        _spec(_model("phi3"), 1, fuse=True)
 
 
 def test_heads_per_chunk_not_dividing_is_a_config_error():
-    from ds_longctx.attention.hf import install_untied
     from ds_longctx.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"long_context\.attention\.heads_per_chunk.*3 does not divide the 4 "
                                           r"query heads.*\[1, 2, 4\]"):
-        install_untied(_model("llama"), _attn_cfg(3), None)
+        _spec(_model("llama"), 3)
 
 
 def test_unavailable_kernel_is_a_config_error_not_a_fallback():
-    from ds_longctx.attention.hf import install_untied
     from ds_longctx.attention.kernels import BACKENDS
     from ds_longctx.config import ConfigError
 
@@ -143,7 +146,7 @@ def test_unavailable_kernel_is_a_config_error_not_a_fallback():
     if not missing:
         pytest.skip("every flash kernel is installed here")
     with pytest.raises(ConfigError, match=r"long_context\.attention\.kernel.*not available.*set it to 'auto'"):
-        install_untied(_model("llama"), _attn_cfg(1, kernel=missing[0]), None)
+        _spec(_model("llama"), 1, kernel=missing[0])
 
 
 @pytest.mark.parametrize("fuse", [True, False])
@@ -151,7 +154,7 @@ def test_padding_mask_is_rejected(fuse):
     from ds_longctx.attention.hf import install_untied
 
     model = _model("llama")
-    install_untied(model, _attn_cfg(1, fuse), None)
+    install_untied(model, _spec(model, 1, fuse))
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
@@ -183,7 +186,7 @@ def _sp2_worker(rank, world):
     res = {"manual": {}, "zero3": {}}
     for arch, fuse, hpc in SP2:
         model = _model(arch)
-        install_untied(model, _attn_cfg(hpc, fuse), group)
+        install_untied(model, _spec(model, hpc, fuse, group=group))
         model.train()
         pos = torch.arange(lo, hi).unsqueeze(0).expand(ids.shape[0], -1)
         logits = model(input_ids=ids[:, lo:hi], position_ids=pos, use_cache=False).logits
@@ -266,11 +269,12 @@ def test_zero3_sp2_initialize_matches_single_process(arch, fuse):
 def test_attention_dropout_is_refused_saying_what_the_fix_changes(fuse):
     """Untied attention applies no attention dropout: training with it is refused, and the message says that
     setting it to 0 changes the regularisation (the fix must not read as 'the same training')."""
+    from tiny_models import patch
+
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
 
     model = _model("llama", attention_dropout=0.1)
-    patch_model(model, parse({"long_context": {"attention": {"implementation": "untied_ulysses",
+    patch(model, parse({"long_context": {"attention": {"implementation": "untied_ulysses",
                                                              "fuse_projections": fuse}}}))
     model.train()
     with pytest.raises(ValueError, match="does not apply attention dropout.*different regularisation.*'ulysses'"):

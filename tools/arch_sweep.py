@@ -142,9 +142,11 @@ def run_one(model_type: str, stack: dict, attention: str = "none", group=None):
     one-process reference every rank computes on the full sample."""
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.config import check_against, parse
+    from ds_longctx.config import parse
     from ds_longctx.errors import ConfigError
+    from ds_longctx.layout import Layout
     from ds_longctx.patch import patch_model
+    from ds_longctx.spec import build_spec
 
     try:
         cfg = tiny_config(model_type)
@@ -177,8 +179,10 @@ def run_one(model_type: str, stack: dict, attention: str = "none", group=None):
     sp = 1 if group is None else torch.distributed.get_world_size(group)
     lc = parse({"sequence_parallel_size": sp, "long_context": {"attention": ATTENTION[attention], **stack}})
     try:
-        check_against(lc, model.config, sp)  # what ds_longctx.initialize checks before it patches
-        handle = patch_model(model, lc, group)
+        # what ds_longctx.initialize builds and checks before it patches
+        spec = build_spec(lc, model.config, Layout(world=sp, sp=sp, rank=0 if group is None else
+                                                   torch.distributed.get_rank(group)), group)
+        handle = patch_model(model, spec)
         if group is None:
             got = _loss_and_grads(model, batch)
         else:

@@ -24,8 +24,9 @@ import torch
 from ..memory.keep import kept_or_computed
 from ..memory.norm import _rows_per_tile, rms_norm_rows, rms_norm_rows_backward, rms_norm_tile, tile_starts
 from .documents import with_documents
-from .untied import (ProjectionSpec, Schedule, StageSpec, _add_gt_x, _check_weights, _ProjSource, _sp,
-                     _staged_backward, _staged_forward)
+from .kernels import get_backend
+from .untied import (ProjectionSpec, Schedule, StageSpec, _add_gt_x, _check_weights, _ProjSource, _staged_backward,
+                     _staged_forward)
 
 
 class _NormedProjSource(_ProjSource):
@@ -145,30 +146,25 @@ class UntiedAttentionBlock(torch.autograd.Function):
         return dx, gnw, None, None, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn, gwo, gbo, None, None
 
 
-def untied_attention_block(x, cos, sin, wq, wk, wv, wo, *, heads: int, kv_heads: int, spec: ProjectionSpec,
+def untied_attention_block(x, cos, sin, wq, wk, wv, wo, *, schedule: Schedule, spec: ProjectionSpec,
                            norm_weight=None, norm_eps: float = 1e-6, bq=None, bk=None, bv=None, bo=None,
-                           q_norm=None, k_norm=None, group=None, heads_per_chunk: int = 1, backend=None,
-                           causal: bool = True, scale: Optional[float] = None, docs=None,
-                           schedule: Optional[Schedule] = None) -> torch.Tensor:
+                           q_norm=None, k_norm=None, group=None, backend=None, causal: bool = True,
+                           scale: Optional[float] = None, docs=None) -> torch.Tensor:
     """``o_proj(attention(rms_norm(x)))`` for the sequence-sharded layer input x [b, s, D] (``norm_weight``
-    None: no norm). Returns [b, s, D]; the residual add is the caller's. ``docs``: packed-document
-    structure of the gathered sequence (attention/documents.py), None for one causal sequence.
-    ``schedule``: a Schedule built (and validated) once by the caller for ``heads``, ``kv_heads`` and
-    ``group``, used as given (the installed path builds it at install, not per forward)."""
-    if backend is None:
-        from .kernels import get_backend
-
-        backend = get_backend("auto", x.device)
-    backend = with_documents(backend, docs)
+    None: no norm). Returns [b, s, D]; the residual add is the caller's. ``schedule``: the Schedule of the layer's
+    heads over ``group``'s SP degree, built (and validated) once by the caller (the install builds it at install,
+    not per forward). ``docs``: packed-document structure of the gathered sequence (attention/documents.py), None
+    for one causal sequence."""
+    backend = with_documents(backend if backend is not None else get_backend("auto", x.device), docs)
     scale = spec.head_dim ** -0.5 if scale is None else scale
+    heads = schedule.heads
     if tuple(wo.shape) != (x.shape[-1], heads * spec.head_dim):
         raise ValueError(f"untied attention block: o_proj weight is {tuple(wo.shape)}, expected "
                          f"{(x.shape[-1], heads * spec.head_dim)}; under ZeRO-3 the weights must be gathered")
     if norm_weight is not None and tuple(norm_weight.shape) != (x.shape[-1],):
         raise ValueError(f"untied attention block: input norm weight is {tuple(norm_weight.shape)}, expected "
                          f"({x.shape[-1]},)")
-    sched = schedule if schedule is not None else Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
-    stage = StageSpec(sched, group, backend, causal, scale, spec)
+    stage = StageSpec(schedule, group, backend, causal, scale, spec)
     return UntiedAttentionBlock.apply(x, norm_weight, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, wo, bo, stage,
                                       norm_eps)
 

@@ -25,7 +25,7 @@ import torch
 
 from ..batch import BATCH_KEY
 from ..errors import BatchError
-from .kernels import Backend, Windowed
+from .kernels import Backend, Windowed, _call_by_name, flash_pattern_kwargs, torch_flash_window_kwargs
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
 
@@ -246,7 +246,6 @@ def _lse_from_bhs(lse, like_shape, docs, b, S, h):
 
 def _torch_varlen_forward(q, k, v, docs, causal, scale, window=0):
     # k/v expanded to q's heads (like TorchCUDAFlash: native GQA of the aten op is not part of its contract)
-    from .kernels import torch_flash_window_kwargs
 
     b, S, h, d = q.shape
     cu, mx = docs.varlen_args(q.device)
@@ -258,8 +257,6 @@ def _torch_varlen_forward(q, k, v, docs, causal, scale, window=0):
 
 
 def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale, window=0):
-    from .kernels import torch_flash_window_kwargs
-
     b, S, h, d = q.shape
     hk = k.shape[2]
     cu, mx = docs.varlen_args(q.device)
@@ -283,8 +280,6 @@ def _torch_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale, window=
 def _fa2_varlen_forward(q, k, v, docs, causal, scale, window=0, softcap=0.0):
     from flash_attn import flash_attn_interface as fa
 
-    from .kernels import _call_by_name, flash_pattern_kwargs
-
     b, S, h, d = q.shape
     cu, mx = docs.varlen_args(q.device)
     qf, kf, vf = (t.reshape(b * S, t.shape[2], d) for t in (q, k, v))
@@ -302,8 +297,6 @@ def _fa2_varlen_forward(q, k, v, docs, causal, scale, window=0, softcap=0.0):
 
 def _fa2_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale, window=0, softcap=0.0):
     from flash_attn import flash_attn_interface as fa
-
-    from .kernels import _call_by_name, flash_pattern_kwargs
 
     b, S, h, d = q.shape
     cu, mx = docs.varlen_args(q.device)

@@ -1,13 +1,14 @@
 """Hooking untied Ulysses attention into Hugging Face models.
 
-Two ways in, picked by ``long_context.attention.fuse_projections``:
+Two ways in, picked by ``long_context.attention.fuse_projections`` (resolved in the spec, ``spec.fused``: 'auto'
+is fused where ds_longctx.models has the architecture):
 
-* fused (true): the attention module's forward is replaced for the architectures in
+* fused: the attention module's forward is replaced for the architectures in
   ``ds_longctx.models`` (Llama, Mistral, Qwen2, Qwen3). The layer's input RMSNorm, q/k/v projections,
   attention and o_proj run as one Function (attention/block.py): q/k/v are projected per head chunk
   from the layer input, so the full q/k/v, the normed input and the full attention-output gradient
   never exist.
-* attention-function level (false): any model that calls transformers' attention interface. HF
+* attention-function level: any model that calls transformers' attention interface. HF
   computes q/k/v for all heads (local sequence), we chunk the all-to-all + kernel over heads.
 
 The model sees per-rank local position_ids (the loader shards input_ids and position_ids), so HF's
@@ -30,16 +31,15 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..config import FUSE_KEY, KERNEL_KEY
 from ..errors import ConfigError, naming
-from ..models import (FUSED_ARCHITECTURES, AttentionFacts, AttentionShape, attention_shape, facts_for,
-                      is_llama_style_rmsnorm, rms_norm, rope_bshd, text_config)
-from ..models.windows import sinks_error
+from ..models import (AttentionFacts, AttentionShape, attention_shape, facts_for, is_llama_style_rmsnorm, rms_norm,
+                      rope_bshd, text_config)
+from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG, is_no_mask
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
-
-FUSE_KEY = "long_context.attention.fuse_projections"
 
 
 @contextlib.contextmanager
@@ -48,8 +48,6 @@ def naming_kernel_key():
     kernel cannot apply, a build that drops them, another device's tensors) as the ConfigError naming
     ``long_context.attention.kernel``: the kernel name came from the config. Same verdict on every rank (one
     kernel name, one model config), raised before the layer's first all-to-all or at the kernel's first call."""
-    from ..config import KERNEL_KEY  # config imports attention.kernels: not at module level
-
     with naming(KERNEL_KEY, kernels.KernelError):
         yield
 
@@ -114,33 +112,21 @@ def _dropout_message(p) -> str:
             "attention function, dropout included, on full-attention layers) or 'none' at SP=1")
 
 
-def install_untied(model, spec, group=None) -> UntiedInstall:
+def install_untied(model, spec) -> UntiedInstall:
     """Patch ``model`` (a built HF PreTrainedModel, possibly ZeRO-3 partitioned) to use untied Ulysses.
 
-    ``spec``: the :class:`ds_longctx.spec.LongContextSpec` (its schedule, kernel, SP group and degree are
-    used as given: checked when the spec was built). The older form ``install_untied(model, attn_cfg,
-    group)`` (a ``config.AttentionConfig`` and the SP group or None) builds the spec through the same
-    builder first. Runs no collectives (the planner calls it under a fake process group). Returns the undo
-    handle.
+    ``spec``: the :class:`ds_longctx.spec.LongContextSpec` built for this model (its schedule, kernel, fused path,
+    SP group and degree are used as given: checked when the spec was built, the model's attention pattern
+    included). Runs no collectives (the planner calls it under a fake process group). Returns the undo handle.
     """
-    if not hasattr(spec, "schedule"):  # the (model, attn_cfg, group) form
-        from ..spec import spec_for_attention
-
-        spec = spec_for_attention(spec, model.config, group)
     tc = text_config(model.config)
-    from ..config import check_sp_attention_pattern
-    from ..models.windows import layer_attention
-
-    # for callers of patch_model without initialize's check: flex_attention and bidirectional models are
-    # refused here; windows and soft-caps are applied; chunked layers are checked per forward (their length)
-    check_sp_attention_pattern("untied_ulysses", model.config, 10 ** 18, layer_kinds=False)
     facts = spec.model
     shape = AttentionShape(facts.heads, facts.kv_heads, facts.head_dim)
     state = _State(group=spec.group, sp=spec.sp, heads_per_chunk=spec.schedule.heads_per_chunk,
                    kernel=spec.kernel.name, backend=spec.kernel, schedule=spec.schedule, shape=shape,
                    layers=tuple(layer_attention(tc)))
     handle = UntiedInstall()
-    if spec.attention.fuse_projections:
+    if spec.fused:
         _install_fused(model, tc, state, handle)
     else:
         handle.function_level = _install_function_level(model, state)
@@ -154,11 +140,7 @@ def install_untied(model, spec, group=None) -> UntiedInstall:
 
 def _install_fused(model, tc, state: _State, handle: UntiedInstall):
     model_type = getattr(tc, "model_type", None)
-    facts = facts_for(model_type)
-    if facts is None:
-        raise ConfigError(FUSE_KEY, f"architecture {model_type!r} has no fused untied attention (supported: "
-                          f"{', '.join(FUSED_ARCHITECTURES)})", f"set {FUSE_KEY} to false to chunk heads at the attention-"
-                          "function level, which works for any model using transformers' attention interface")
+    facts = facts_for(model_type)  # the spec's fused path exists only for these (checks.check_against)
     mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = getattr(mod, facts.attention_class)
     found = [m for m in model.modules() if isinstance(m, cls)]
@@ -312,11 +294,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
         out = untied_attention_block(
             hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
-            o.weight, heads=layer.heads, kv_heads=layer.kv_heads, spec=layer.spec, norm_weight=norm_w,
+            o.weight, schedule=state.schedule, spec=layer.spec, norm_weight=norm_w,
             norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias,
             bo=o.bias, q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
-            group=state.group, heads_per_chunk=state.heads_per_chunk, backend=backend, causal=True,
-            scale=self.scaling, docs=docs, schedule=state.schedule)
+            group=state.group, backend=backend, causal=True, scale=self.scaling, docs=docs)
     return out, None
 
 
@@ -363,14 +344,13 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s, window)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    sc = state.schedule
-    # the install's schedule is for the config's head counts; a module attending over others gets its own
-    sched = sc if (q.shape[2], k.shape[2]) == (sc.heads, sc.kv_heads) else None
+    sched = state.schedule
+    if (q.shape[2], k.shape[2]) != (sched.heads, sched.kv_heads):
+        # the install's schedule is for the config's head counts; a module attending over others gets its own
+        sched = Schedule(q.shape[2], k.shape[2], state.sp, state.heads_per_chunk)
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
-        out, _ = untied_attention_qkv(q, k, v, group=state.group, heads_per_chunk=state.heads_per_chunk,
-                                      backend=backend, causal=True,
-                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
-                                      schedule=sched)
+        out, _ = untied_attention_qkv(q, k, v, sched, group=state.group, backend=backend, causal=True,
+                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs)
     return out, None
 
 
@@ -392,8 +372,6 @@ def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNS
     sequence is exactly causal attention): which kernel signatures a rank meets must not depend on its batch's
     length, or 'auto''s measuring collective (kernels.MeasuredChoice) would pair different layers of ranks
     with different lengths. Same verdict on every rank, raised before the layer's first all-to-all."""
-    from ..models.windows import LayerAttention, not_runnable
-
     idx = getattr(module, "layer_idx", None)
     layers = state.layers
     facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()

@@ -28,6 +28,10 @@ import importlib.util
 from typing import Dict, Optional, Tuple, Type
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from ..config import KERNEL_NAMES
+from ..measure.flops import attention_flops, register_attention
 
 aten = torch.ops.aten
 
@@ -35,7 +39,7 @@ aten = torch.ops.aten
 class KernelError(ValueError):
     """A kernel that cannot run what it is asked (a window or soft-cap it does not apply, a build that drops
     them, another device's tensors), in op terms: ``problem`` and ``fix`` name kernels, not a config key. The
-    layer that took the kernel name from the config (config.get_backend, the attention installs) re-raises it
+    layer that took the kernel name from the config (checks.get_backend, the attention installs) re-raises it
     as the ConfigError naming ``long_context.attention.kernel`` (errors.naming)."""
 
     def __init__(self, problem: str, fix: str):
@@ -651,10 +655,6 @@ def backward_workspace_bytes(q_shape, k_shape, itemsize: int) -> int:
 
 
 def _register_flop_formulas():
-    from torch.utils.flop_counter import register_flop_formula
-
-    from ..measure.flops import attention_flops, register_attention
-
     fwd, bwd = torch.ops.ds_longctx.attention_forward, torch.ops.ds_longctx.attention_backward
 
     @register_flop_formula(fwd)
@@ -688,8 +688,12 @@ _CONFIG_NAMES: Tuple[str, ...] = ()  # backends a config may name (the rest are 
 def register_backend(cls: Type[Backend], auto: bool = False, config_name: bool = False) -> Type[Backend]:
     """Register ``cls`` under ``cls.name``. ``auto=True`` appends it to the "auto" order of its device type
     (earlier registrations are preferred); ``config_name=True`` lets ``long_context.attention.kernel`` name
-    it (config.py takes its allowed values from :func:`kernel_names`, at import)."""
+    it: config.KERNEL_NAMES lists the names a config accepts (config.py is a leaf: it imports no op), so a name
+    missing there is refused here)."""
     global _CONFIG_NAMES
+    if config_name and cls.name not in KERNEL_NAMES:
+        raise ValueError(f"register_backend: {cls.name!r} is not in ds_longctx.config.KERNEL_NAMES; add it there for "
+                         "long_context.attention.kernel to accept it")
     BACKENDS[cls.name] = cls
     if config_name and cls.name not in _CONFIG_NAMES:
         _CONFIG_NAMES += (cls.name,)
@@ -902,7 +906,7 @@ def is_available(name: str) -> bool:
 
 def backend_for(name: str, device) -> Backend:
     """The backend for ``name`` ('auto' | 'sdpa' | a backend's name) on ``device``; KernelError when there is
-    none (config.get_backend checks a config value first and names the key)."""
+    none (checks.get_backend checks a config value first and names the key)."""
     dev = torch.device(device).type
     if dev in _OVERRIDES:
         return _instance(_OVERRIDES[dev])
@@ -917,7 +921,7 @@ get_backend = backend_for  # the op-level name tests and benches use
 
 
 class KernelChoice:
-    """One kernel name, checked before (config.check_kernel, called by the spec builder) and trusted here,
+    """One kernel name, checked before (checks.check_kernel, called by the spec builder) and trusted here,
     resolved once per device type (at its first use): what an install holds instead of resolving the name per
     forward. An :func:`overridden` device type still wins at every call (the planner's stand-in)."""
 

@@ -22,6 +22,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from ..errors import ConfigError
+
 
 def _table():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -111,8 +113,6 @@ def _check_own_tables(mods, impl: str, table, label: str) -> None:
     ``impl`` up there and would never reach our dispatcher: its attention would run as is, on the local
     sequence shard. Refused, before anything is routed."""
     import sys
-
-    from ..errors import ConfigError
 
     for cls in {type(m) for m in mods}:
         own = getattr(sys.modules.get(cls.__module__), "ALL_ATTENTION_FUNCTIONS", None)

@@ -19,10 +19,13 @@ from typing import List
 
 import torch
 
-from ..models.windows import sinks_error
+from ..errors import ConfigError
+from ..models import text_config
+from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
 from . import registry
 from .documents import document_core, is_no_mask
 from .hf import _check_mask as check_mask, naming_kernel_key
+from .kernels import KernelChoice
 
 
 class _PatternAttention(torch.autograd.Function):
@@ -51,9 +54,6 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
     ``layers``: models.windows.layer_attention of the model (per layer_idx); ``kernel``: a
     kernels.KernelChoice for the banded kernel. The window and soft-cap come from the model config per
     layer; what transformers passes (``sliding_window``, ``softcap``) must agree, else an error."""
-    from ..errors import ConfigError
-    from ..models.windows import LayerAttention, not_runnable
-
     flash = impl.startswith("flash_attention")
     sdpa = registry.original("sdpa") if impl == "flex_attention" else None
 
@@ -97,20 +97,12 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
 
 def install_ulysses(model, spec) -> registry.Installation:
     """Route ``model``'s attention through DeepSpeed's Ulysses for the spec's SP group (SP > 1), with the head
-    counts of the spec's model facts (``ds_longctx.spec.LongContextSpec``, trusted as built). No collectives."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-    from ..errors import ConfigError
-    from ..models import text_config
-    from ..models.windows import layer_attention
-    from .kernels import KernelChoice
-
-    from ..config import check_sp_attention_pattern
+    counts of the spec's model facts (``ds_longctx.spec.LongContextSpec``, trusted as built: the model's attention
+    pattern was checked then). No collectives."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # DeepSpeed only where used
 
     impl = model.config._attn_implementation
     tc = text_config(model.config)
-    # for callers of patch_model without initialize's check (bidirectional models); layer types per forward
-    check_sp_attention_pattern("ulysses", model.config, 10 ** 18, layer_kinds=False)
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     facts = spec.model
     layers = layer_attention(tc)

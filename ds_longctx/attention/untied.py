@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..memory.keep import kept_or_computed
+from ..models._common import rope_bshd, rope_bshd_backward
 from .documents import with_documents
-from .kernels import Backend
+from .kernels import Backend, get_backend
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,8 +258,6 @@ def _add_gt_x(gw_rows, g, x2):
 def _rope_grad_of(spec: ProjectionSpec):
     if spec.rope_grad is not None:
         return spec.rope_grad
-    from ..models._common import rope_bshd, rope_bshd_backward
-
     return rope_bshd_backward if spec.rope is rope_bshd else None
 
 
@@ -580,10 +579,6 @@ def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scal
     return src.grads()
 
 
-def _sp(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 @dataclass(frozen=True)
 class StageSpec:
     """Everything about a call of the staged Functions that is not a tensor (one typed argument instead
@@ -673,43 +668,30 @@ def _check_weights(x, wq, wk, wv, heads, kv_heads, d):
                              f"(heads={n}, head_dim={d}, hidden={D}); under ZeRO-3 the weights must be gathered")
 
 
-def untied_attention_qkv(q, k, v, group=None, heads_per_chunk: int = 1, backend: Backend = None,
-                         causal: bool = True, scale: Optional[float] = None, docs=None,
-                         schedule: Optional[Schedule] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def untied_attention_qkv(q, k, v, schedule: Schedule, group=None, backend: Backend = None, causal: bool = True,
+                         scale: Optional[float] = None, docs=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention on sequence-sharded q [b, s, H, d], k/v [b, s, G, d] over the SP ``group``.
 
-    Returns (out [b, s, H, d], lse [stages, b, heads_per_chunk, S]); ``Schedule.lse_heads(rank)`` names
-    the query head of each LSE row. ``docs`` (``documents.Documents`` of the gathered sequence):
-    attention is causal within each document. ``schedule``: a Schedule the caller built (and so
-    validated) once for these head counts and ``group``, used as given instead of one built from
-    ``heads_per_chunk`` on every call (the installed path builds it at install).
+    ``schedule``: the :class:`Schedule` of these head counts (H, G) over ``group``'s SP degree with its heads per
+    chunk, built (and so validated) once by the caller (the install builds it at install). Returns (out
+    [b, s, H, d], lse [stages, b, heads_per_chunk, S]); ``Schedule.lse_heads(rank)`` names the query head of each
+    LSE row. ``docs`` (``documents.Documents`` of the gathered sequence): attention is causal within each
+    document. ``backend``: a kernels.Backend (default: 'auto' for the tensors' device).
     """
-    if backend is None:
-        from .kernels import get_backend
-
-        backend = get_backend("auto", q.device)
-    backend = with_documents(backend, docs)
+    backend = with_documents(backend if backend is not None else get_backend("auto", q.device), docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    sched = schedule if schedule is not None else Schedule(q.shape[2], k.shape[2], _sp(group), heads_per_chunk)
-    return UntiedQKVAttention.apply(q, k, v, StageSpec(sched, group, backend, causal, scale))
+    return UntiedQKVAttention.apply(q, k, v, StageSpec(schedule, group, backend, causal, scale))
 
 
-def untied_attention_fused(x, cos, sin, wq, wk, wv, *, heads: int, kv_heads: int, spec: ProjectionSpec,
-                           bq=None, bk=None, bv=None, q_norm=None, k_norm=None, group=None,
-                           heads_per_chunk: int = 1, backend: Backend = None, causal: bool = True,
-                           scale: Optional[float] = None, docs=None, schedule: Optional[Schedule] = None
-                           ) -> Tuple[torch.Tensor, torch.Tensor]:
+def untied_attention_fused(x, cos, sin, wq, wk, wv, *, schedule: Schedule, spec: ProjectionSpec, bq=None, bk=None,
+                           bv=None, q_norm=None, k_norm=None, group=None, backend: Backend = None, causal: bool = True,
+                           scale: Optional[float] = None, docs=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Project, rotate and attend per head chunk from the sequence-sharded layer input x [b, s, D].
 
-    Returns (out [b, s, H, d], lse) like :func:`untied_attention_qkv`; o_proj is the caller's.
-    ``schedule``: as in :func:`untied_attention_qkv`.
+    Returns (out [b, s, H, d], lse) like :func:`untied_attention_qkv` (the heads are the schedule's); o_proj is the
+    caller's.
     """
-    if backend is None:
-        from .kernels import get_backend
-
-        backend = get_backend("auto", x.device)
-    backend = with_documents(backend, docs)
+    backend = with_documents(backend if backend is not None else get_backend("auto", x.device), docs)
     scale = spec.head_dim ** -0.5 if scale is None else scale
-    sched = schedule if schedule is not None else Schedule(heads, kv_heads, _sp(group), heads_per_chunk)
-    stage = StageSpec(sched, group, backend, causal, scale, spec)
+    stage = StageSpec(schedule, group, backend, causal, scale, spec)
     return UntiedFusedAttention.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, q_norm, k_norm, stage)

@@ -151,16 +151,20 @@ def by_category(work: dict) -> dict:
 class WorkCounter(TorchDispatchMode):
     """The planner's counting on a real step: every dispatched op's FLOPs, bytes and calls by (kind, phase,
     key), phase by :func:`phase` (backward = inside the autograd engine). ``with WorkCounter() as c: step()``;
-    then ``c.work`` / ``by_category(c.work)``. Counts every op while active (an optimizer step's too: "other")."""
+    then ``c.work`` / ``by_category(c.work)``. Counts every op while active (an optimizer step's too: "other").
+
+    A checkpointed layer's recompute is told apart only when :meth:`layer_run` wraps each run of a checkpointed
+    layer's function: ``with around_checkpointed_runs(c.layer_run), c: step()`` (memory.checkpointing's seam; the
+    planner's simulation marks its step the same way). measure/ sits below memory/, so the counter does not join
+    the seam itself."""
 
     def __init__(self):
         super().__init__()
         self.work: dict = {}
         self.recomputing = 0
-        self._seam = None
 
     @contextlib.contextmanager
-    def _layer_run(self):
+    def layer_run(self):
         # a checkpointed layer's run inside backward is its recompute, no_grad parts (a tiled MLP's forward)
         # included: the planner's simulation marks it the same way (the same seam)
         inside = torch._C._current_graph_task_id() != -1
@@ -169,19 +173,6 @@ class WorkCounter(TorchDispatchMode):
             yield
         finally:
             self.recomputing -= inside
-
-    def __enter__(self):
-        from ..memory.checkpointing import around_checkpointed_runs
-
-        self._seam = around_checkpointed_runs(self._layer_run)
-        self._seam.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._seam.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -41,7 +41,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..models import text_config
+from ..memory.checkpointing import around_checkpointed_runs
+from ..models import attention_shape, text_config
+from .allocator import check_step
+from .flops import WorkCounter, by_category
 
 
 def _cfg_get(cfg, key, default):
@@ -67,8 +70,6 @@ def count_params(model) -> Dict[str, int]:
 
 def attention_width(tc) -> int:
     """Query heads x head_dim: the width of QK^T and PV (equals hidden_size only when head_dim does)."""
-    from ..models import attention_shape
-
     shape = attention_shape(tc)
     return shape.heads * shape.head_dim
 
@@ -148,8 +149,6 @@ class StepProfiler:
         if tc is None:
             return 0
         h, L = tc.hidden_size, tc.num_hidden_layers
-        from ..models import attention_shape
-
         shape = attention_shape(tc)
         heads, d, kv = shape.heads, shape.head_dim, shape.kv_heads
         inter = getattr(tc, "intermediate_size", 4 * h)
@@ -182,9 +181,9 @@ class StepProfiler:
             self._sampler = _Sampler(self.cuda)
             self._sampler.start()
             if self.plan_work is not None:
-                from .flops import WorkCounter
-
                 self._counter = WorkCounter()
+                self._seam = around_checkpointed_runs(self._counter.layer_run)  # recomputes told apart
+                self._seam.__enter__()
                 self._counter.__enter__()
         self._t0 = time.perf_counter()
 
@@ -205,6 +204,7 @@ class StepProfiler:
         counter, self._counter = self._counter, None
         if counter is not None:
             counter.__exit__(None, None, None)
+            self._seam.__exit__(None, None, None)
         peak, source = self._peak_memory()
         seq = self.seq_len or tokens  # FLOPs scale with S^2 per sample, not per step
         samples = tokens / seq
@@ -217,8 +217,6 @@ class StepProfiler:
         if self.cuda:  # what the caching allocator held (allocated + its slack): what an OOM is about
             rec["peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved())
         if self._alloc_start is not None:
-            from .allocator import check_step
-
             end = torch.cuda.memory._snapshot()
             if not self._snapshot:
                 torch.cuda.memory._record_memory_history(enabled=None)
@@ -241,8 +239,6 @@ class StepProfiler:
         return self._planned[seq_len]
 
     def _compare(self, work: dict, seq_len: int, samples: float) -> Dict[str, Any]:
-        from .flops import by_category
-
         measured = by_category(work)["flops"]
         plan = self.planned_work(seq_len)
         per = samples / plan["micro_batch"]  # the planner's step is one micro batch

@@ -7,9 +7,12 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+from ..config import AC_KEY, TILED_MLP_KEY
+from ..errors import ConfigError, naming
 from .checkpointing import decoder_layers, install_checkpointing, uninstall_checkpointing
 from .norm import (MemoryEfficientRMSNorm, install_memory_efficient_rmsnorm,
                    uninstall_memory_efficient_rmsnorm)
+from .nvme import NVMeError, NVMeTarget
 from .offload import (AutoTarget, CheckpointInputOffloader, HostCopyTarget, OffloadTarget, PinnedHostTarget)
 from .tiling import (TilingError, TilingState, agree_max, auto_shards, install_tiled_mlp, resolve_shards,
                      tiled_causal_lm_loss_sum, uninstall_tiled_mlp)
@@ -46,8 +49,7 @@ class MemoryStackHandle:
             out.update(offloaded_tensors=s.offloaded_tensors, offloaded_bytes=s.offloaded_bytes,
                        restored_tensors=s.restored_tensors, restored_bytes=s.restored_bytes,
                        prefetched_tensors=s.prefetched_tensors)
-            target_stats = getattr(self.offloader.target, "memory_stats", None)  # duck-typed targets
-            out.update(target_stats() if target_stats is not None else {})
+            out.update(self.offloader.target.memory_stats())
         return out
 
     def set_offload_target(self, target: OffloadTarget) -> None:
@@ -71,13 +73,13 @@ class MemoryStackHandle:
 
 def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = None) -> MemoryStackHandle:
     """Install activation checkpointing (with optional host offload), the tiled MLP and the
-    memory-efficient RMSNorm on ``model`` per ``spec`` (a :class:`ds_longctx.spec.LongContextSpec`, or the
-    parsed :class:`ds_longctx.config.LongContextConfig` alone: nothing here depends on the SP group).
-    Call after the model is built and before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP
-    shard count is agreed at run time, once per forward, over every rank: see tiling.agree_max).
-    ``offload_target`` replaces the default host target (tests, CPU).
+    memory-efficient RMSNorm on ``model`` per ``spec`` (a :class:`ds_longctx.spec.LongContextSpec`: its switches,
+    its resolved ``keep_on_device``, ``kept_attention_layers`` and ``mlp_shards``). Call after the model is built
+    and before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP shard count is agreed at run time,
+    once per forward, over every rank: see tiling.agree_max). ``offload_target`` replaces the default host target
+    (tests, CPU).
     """
-    lc_cfg = getattr(spec, "config", spec)  # the spec's (resolved) section, or the section itself
+    lc_cfg = spec.config
     handle = MemoryStackHandle()
     ac, tm = lc_cfg.activation_checkpointing, lc_cfg.tiled_mlp
     if ac.enabled:
@@ -85,20 +87,16 @@ def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = No
             refusals = contextlib.nullcontext
             if offload_target is None and ac.offload == "nvme":
                 # built now, before deepspeed.initialize: a missing aio op or a bad path fails here
-                from .nvme import NVMeTarget
-
                 with naming_nvme_keys():
                     offload_target = NVMeTarget(ac.nvme_path, ring=ac.nvme_buffer_count, pin_memory=ac.pin_memory)
                 refusals = naming_nvme_keys  # a drive that fills up at a forward
             handle.offloader = CheckpointInputOffloader(target=offload_target, pin_memory=ac.pin_memory,
                                                         prefetch=ac.prefetch, refusals=refusals)
-        handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(model, ac, handle.offloader)
+        handle.checkpointed_layers, handle._ckpt_hooks = install_checkpointing(
+            model, ac.use_reentrant, handle.offloader, spec.keep_on_device, spec.kept_attention_layers)
     if tm.enabled:
-        # agreement over every rank (None), not the SP group: see tiling.agree_max. The op's refusals
+        # "auto" (None) is agreed over every rank, not the SP group: see tiling.agree_max. The op's refusals
         # (tiling.TilingError: no supported MLP here, router noise at a training forward) name the config switch
-        from ..config import TILED_MLP_KEY
-        from ..errors import naming
-
         def untiled_fix(e: TilingError) -> str:
             return f"set {TILED_MLP_KEY}=false {e.untiled}" + (f", or {e.other}" if e.other else "")
 
@@ -106,10 +104,8 @@ def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = No
             return naming(TILED_MLP_KEY, TilingError, untiled_fix)
 
         with refusals():
-            handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, tm.shards, None,
-                                                                                   refusals)
-    rn = getattr(lc_cfg, "rms_norm", None)
-    if rn is not None and rn.enabled:
+            handle.tiling, handle.tiled_mlps, handle._mlp_hooks = install_tiled_mlp(model, spec.mlp_shards, refusals)
+    if lc_cfg.rms_norm.enabled:
         handle.rms_norms = install_memory_efficient_rmsnorm(model)
     return handle
 
@@ -120,10 +116,6 @@ def naming_nvme_keys():
     full) as the ConfigError naming the activation_checkpointing key, with the fix in config terms. Used
     around building the target, around its writes, and by train.py around the all-rank reservation
     (nvme.reserve_on_every_rank: the same error on every rank)."""
-    from ..config import AC_KEY
-    from ..errors import ConfigError
-    from .nvme import NVMeError
-
     try:
         yield
     except NVMeError as e:

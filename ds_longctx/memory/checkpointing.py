@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..models import layer_role, supported_names
-from .keep import KeptAttention, kept_attention_layers
+from .keep import KeptAttention
 from .offload import CheckpointInputOffloader
 
 
@@ -75,26 +75,29 @@ def _checkpoint_fn(use_reentrant: bool, offloader: Optional[CheckpointInputOfflo
     return run
 
 
-def install_checkpointing(model, ac_cfg, offloader: Optional[CheckpointInputOffloader] = None):
-    """Checkpoint every decoder layer of ``model``; returns (layers, hook handles). No collectives."""
+def install_checkpointing(model, use_reentrant: bool = False, offloader: Optional[CheckpointInputOffloader] = None,
+                          keep_on_device: int = 0, kept_attention_layers: int = 0):
+    """Checkpoint every decoder layer of ``model``; returns (layers, hook handles). No collectives.
+
+    ``use_reentrant``: torch.utils.checkpoint's; ``offloader``: where the layers' inputs go (None: they stay);
+    with it, the last ``keep_on_device`` layers keep their input on the device (backward needs them first); the
+    first ``kept_attention_layers`` keep their attention output and LSE (memory/keep.py). The counts are the spec's
+    (``LongContextSpec.keep_on_device``, ``kept_attention_layers``), resolved and checked there."""
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"activation checkpointing: {type(model).__name__} has no transformers "
                          f"GradientCheckpointingLayer blocks to checkpoint; use a transformers decoder model (e.g. "
                          f"{supported_names()}) or turn activation checkpointing off")
-    # the first n layers keep their attention output (memory/keep.py); the last `keep` layers' inputs stay on
-    # the device (backward needs them first)
-    n_attn = kept_attention_layers(getattr(ac_cfg, "keep_attention_output", False), len(layers))
-    keep = min(len(layers), getattr(ac_cfg, "keep_on_device", 0)) if offloader is not None else 0
-    fns = {(off, k): _checkpoint_fn(ac_cfg.use_reentrant, offloader if off else None, k)
+    keep = min(keep_on_device, len(layers)) if offloader is not None else 0
+    fns = {(off, k): _checkpoint_fn(use_reentrant, offloader if off else None, k)
            for off in (True, False) for k in (True, False)}
     for i, layer in enumerate(layers):
         _PREVIOUS.setdefault(layer, (layer.__dict__.get("gradient_checkpointing", _ABSENT),
                                      layer.__dict__.get("_gradient_checkpointing_func", _ABSENT)))
-        layer._gradient_checkpointing_func = fns[i < len(layers) - keep, i < n_attn]
+        layer._gradient_checkpointing_func = fns[i < len(layers) - keep, i < kept_attention_layers]
         layer.gradient_checkpointing = True
     hooks = []
-    if (ac_cfg.use_reentrant and hasattr(model, "enable_input_require_grads")
+    if (use_reentrant and hasattr(model, "enable_input_require_grads")
             and not getattr(model, "_require_grads_hooks", None)):
         # reentrant checkpoint only backpropagates into a block whose tensor input requires grad;
         # with frozen embeddings (PEFT) it would silently drop every parameter gradient. Undone with

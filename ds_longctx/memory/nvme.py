@@ -35,11 +35,13 @@ import socket
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from typing import List, Optional
 
 import torch
 
+from ..runtime import _proc_start_time, cancel_on_exit, on_exit
 from .arena import HostBlock
 from .offload import OffloadTarget, _dispatch_free
 
@@ -78,6 +80,7 @@ def load_aio():
         raise NVMeError(f"'nvme' needs DeepSpeed's async_io op and deepspeed cannot be imported ({e})",
                         "install deepspeed", "aio", True) from None
     builder = AsyncIOBuilder()
+    check_op_build_lock(builder.name)  # a killed build's lock: every load would wait on it forever
     if not builder.is_compatible(verbose=False):
         raise NVMeError("'nvme' needs DeepSpeed's async_io op, which cannot be built here: the libaio library and "
                         "headers (libaio.h, -laio) or a C++ compiler were not found",
@@ -88,6 +91,63 @@ def load_aio():
     except Exception as e:
         raise NVMeError(f"DeepSpeed's async_io op failed to build or load ({type(e).__name__}: {e})",
                         "check the build log above (TORCH_EXTENSIONS_DIR), install libaio-dev", "aio", True) from None
+
+
+# how long a build lock may stand with no process building next to it before it is called stale: a live build runs
+# ninja and the compiler with the build directory as their working directory for all but a few milliseconds
+STALE_LOCK_WINDOW_S = 20.0
+
+
+def op_build_directory(name: str) -> str:
+    """Where torch's JIT build of DeepSpeed's op ``name`` (e.g. "async_io") puts its files and its ``lock``
+    (TORCH_EXTENSIONS_DIR, else torch's default: torch.utils.cpp_extension's own choice)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, verbose=False)
+
+
+def _building_in(directory: str) -> bool:
+    """A process on this machine has ``directory`` as its working directory (ninja and the compiler of a build)."""
+    want = os.path.realpath(directory)
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.path.realpath(os.readlink(f"/proc/{pid}/cwd")) == want:
+                    return True
+            except OSError:  # gone, or another user's
+                continue
+    return False
+
+
+def check_op_build_lock(name: str, window_s: Optional[float] = None) -> None:
+    """Refuse to load op ``name`` behind a stale build lock. torch's JIT build holds ``<build dir>/lock`` while it
+    builds, and every later load of the op (an already built one too) waits until the file is gone, silently and
+    without end: a build that was killed (Ctrl-C, a job's time limit) leaves it. When the lock stands for
+    ``window_s`` (default :data:`STALE_LOCK_WINDOW_S`) while no process here builds in that directory, this is an
+    NVMeError (kind "aio") naming the lock, its age and the fix; a live build (another rank building it now) is
+    waited for as before, with one line saying so."""
+    lock = os.path.join(op_build_directory(name), "lock")
+    if not os.path.exists(lock):
+        return
+    window = STALE_LOCK_WINDOW_S if window_s is None else window_s
+    deadline = time.monotonic() + window
+    while time.monotonic() < deadline:
+        if not os.path.exists(lock):
+            return
+        if _building_in(os.path.dirname(lock)):
+            print(f"ds_longctx: waiting for the build of DeepSpeed's {name} op that another process is running "
+                  f"({lock})", flush=True)
+            return
+        time.sleep(min(1.0, window / 10))
+    try:
+        age = time.time() - os.stat(lock).st_mtime
+    except FileNotFoundError:
+        return
+    raise NVMeError(f"DeepSpeed's {name} op is locked by {lock} (made {age:.0f} s ago) and no process on this machine "
+                    f"has built in its directory for {window:.0f} s: a build that was killed left the lock, and every "
+                    "load of the op would wait on it forever", f"remove it (rm {lock}) and run again: the op then "
+                    "builds once (minutes) or loads; if a process on another machine sharing that directory is "
+                    "building it, wait for that build instead", "aio", True)
 
 
 def _align(n: int) -> int:
@@ -108,8 +168,6 @@ def free_bytes(path: str) -> int:
 
 
 def _owner() -> dict:
-    from ..runtime import _proc_start_time
-
     return {"host": socket.gethostname(), "uid": os.getuid(), "pid": os.getpid(),
             "start_time": _proc_start_time(os.getpid())}
 
@@ -117,8 +175,6 @@ def _owner() -> dict:
 def remove_stale_dirs(base: str) -> List[str]:
     """Remove the activation directories under ``base`` left by dead processes of this user on this
     host (identified by their owner.json); returns the removed paths."""
-    from ..runtime import _proc_start_time
-
     me, removed = _owner(), []
     try:
         names = os.listdir(base)
@@ -255,7 +311,6 @@ class NVMeTarget(OffloadTarget):
                        "free_locked": None if self.pin else self.handle.free_cpu_locked_tensor}
         self._finalizer = weakref.finalize(self, _cleanup, self._state)  # also runs at exit
         # os._exit paths (error exits, signals, the launcher's death) skip atexit: remove the files there too
-        from ..runtime import cancel_on_exit, on_exit
 
         state = self._state
         key = on_exit(lambda: _exit_cleanup(state))

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterable, Iterator, Sequence, TypeVar
 
+from ..measure.flops import representing
+
 T = TypeVar("T")
 
 _REPRESENTATIVE = [False]  # the seam's one state; set only by representative()
@@ -44,7 +46,6 @@ def each_tile(tiles: Sequence[T], total_rows: int, first_rows: int) -> Iterator[
     if not _REPRESENTATIVE[0] or len(tiles) <= 1:
         yield from tiles
         return
-    from ..measure.flops import representing
 
     with representing(total_rows / max(1, first_rows)):
         yield tiles[0]

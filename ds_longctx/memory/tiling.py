@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import List, Sequence, Union
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
+from .checkpointing import decoder_layers
 from .tiles import each_tile
 
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
@@ -51,29 +53,25 @@ def auto_shards(local_seq: int, hidden: int) -> int:
     return max(1, math.ceil(local_seq / max(1, hidden)))
 
 
-def agree_max(local: int, group=None) -> int:
-    """MAX of ``local`` over ``group`` (None: every rank). Every rank must call it at the same point.
+def agree_max(local: int) -> int:
+    """MAX of ``local`` over every rank. Every rank must call it at the same point.
 
-    The group must cover every rank that shares ZeRO-3 parameter all-gathers with this one: with
-    DP x SP that is the whole world, not the SP group, so callers pass None. Under the planner the
-    same all-reduce runs on its fake process group (comm.max_int: control data, outside tensor modes).
+    Over every rank, not the SP group: the agreement must cover every rank that shares ZeRO-3 parameter
+    all-gathers with this one, which with DP x SP is the whole world. Under the planner the same all-reduce runs
+    on its fake process group (comm.max_int: control data, outside tensor modes).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return int(local)
-    from ..comm import max_int
-
-    return max_int(local, group)
+    return max_int(local)
 
 
-def resolve_shards(shards: Union[int, str], local_seq: int, hidden: int, group=None) -> int:
-    """An integer is taken as is (identical config on every rank, no collective); "auto" is
-    ceil(local_seq / hidden) agreed by MAX over ``group``."""
-    if isinstance(shards, bool) or not (isinstance(shards, int) or shards == "auto"):
-        raise ValueError(f"shards: {shards!r} is not a shard count; use a positive integer or 'auto'")
-    if shards == "auto":
-        return agree_max(auto_shards(local_seq, hidden), group)
-    if shards < 1:
-        raise ValueError(f"shards must be positive, got {shards}; use a positive integer or 'auto'")
+def resolve_shards(shards: Optional[int], local_seq: int, hidden: int) -> int:
+    """An integer is taken as is (identical config on every rank, no collective); None ("auto") is
+    ceil(local_seq / hidden) agreed by MAX over every rank."""
+    if shards is None:
+        return agree_max(auto_shards(local_seq, hidden))
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards: {shards!r} is not a shard count; use a positive integer or None (auto)")
     return shards
 
 
@@ -157,9 +155,8 @@ class TilingState:
     """Shard count of the tiled MLPs, agreed once per model forward (one all-reduce, not one per layer
     per forward and again per recompute) and reused by every layer and by the backward recompute."""
 
-    def __init__(self, shards: Union[int, str], group=None):
-        self.shards = shards
-        self.group = group
+    def __init__(self, shards: Optional[int]):
+        self.shards = shards  # None: "auto", agreed per forward
         self.forward_id = 0
         self._cached = None  # (forward_id, shards)
 
@@ -167,12 +164,12 @@ class TilingState:
         self.forward_id += 1
 
     def mlp_shards(self, x: torch.Tensor) -> int:
-        if self.shards != "auto":
-            return resolve_shards(self.shards, 0, 1)
+        if self.shards is not None:
+            return self.shards
         if self._cached is not None and self._cached[0] == self.forward_id:
             return self._cached[1]
         local_seq = x.shape[-2] if x.dim() >= 3 else x.shape[0]
-        n = resolve_shards("auto", local_seq, x.shape[-1], self.group)
+        n = resolve_shards(None, local_seq, x.shape[-1])
         self._cached = (self.forward_id, n)
         return n
 
@@ -238,8 +235,6 @@ def find_mlps(model) -> List[torch.nn.Module]:
 
 def _untiled_layer_mlps(model, mlps) -> List[str]:
     """"layer i's name (Class)" for each decoder layer's MLP child (by HF's naming) that is not tiled."""
-    from .checkpointing import decoder_layers
-
     tiled = {id(m) for m in mlps}
     out = []
     for i, layer in enumerate(decoder_layers(model)):
@@ -249,9 +244,9 @@ def _untiled_layer_mlps(model, mlps) -> List[str]:
     return out
 
 
-def install_tiled_mlp(model, shards: Union[int, str], group=None, refusals=contextlib.nullcontext):
+def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcontext):
     """Patch the forward of every supported MLP *instance* (the class stays untouched, so other models
-    in the process are unaffected) to run in ``shards`` row tiles (an int, or "auto": agreed per forward).
+    in the process are unaffected) to run in ``shards`` row tiles (an int, or None: "auto", agreed per forward).
     ``refusals``: a context manager factory around each tiled forward (the install's translation of a
     :class:`TilingError` raised there). Returns (state, modules, hook handles). Issues no collectives.
     A model without a supported MLP is a TilingError."""
@@ -268,7 +263,7 @@ def install_tiled_mlp(model, shards: Union[int, str], group=None, refusals=conte
                           f"pointwise over tokens: {', '.join(untiled)} (supported: {SUPPORTED_TEXT})",
                           "for this model (its MLPs then run untiled: exact, with the whole shard's MLP activations "
                           "in memory)")
-    state = TilingState(shards, group)
+    state = TilingState(shards)
 
     def tiled(mod):
         batched, randomness = _mlp_facts(mod)
@@ -417,7 +412,7 @@ def _apply_tiled(function, name, hidden, lm_head, shift_labels, shards, logit_fn
         raise ValueError(f"{name}: hidden {tuple(hidden.shape)} must be [b, s, h] and "
                          f"shift_labels {tuple(shift_labels.shape)} must be [b, s]")
     labels = shift_labels.to(hidden.device)
-    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1], None)
+    n = resolve_shards(shards, hidden.shape[1], hidden.shape[-1])
     params = [p for p in lm_head.parameters() if p.requires_grad]
     anchor = ()
     if params and not hidden.requires_grad and torch.is_grad_enabled():
@@ -426,7 +421,7 @@ def _apply_tiled(function, name, hidden, lm_head, shift_labels, shards, logit_fn
 
 
 def tiled_token_fields(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
-                       shards: Union[int, str] = "auto", logit_fn=None, shared: Sequence[torch.Tensor] = ()) -> dict:
+                       shards: Optional[int] = None, logit_fn=None, shared: Sequence[torch.Tensor] = ()) -> dict:
     """TRL's fused LM head fields ({log_probs, entropy, is_top1, label_mask}, each [b, s_local]) without
     [seq, vocab] logits: what ``loss.fused_token_fields`` gives from full logits, tile by tile. Arguments as
     :func:`tiled_causal_lm_loss_sum`."""
@@ -436,11 +431,11 @@ def tiled_token_fields(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_lab
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
-                             shards: Union[int, str] = "auto", logit_fn=None, shared: Sequence[torch.Tensor] = ()):
+                             shards: Optional[int] = None, logit_fn=None, shared: Sequence[torch.Tensor] = ()):
     """(fp32 sum of CE over valid tokens, number of valid tokens) without [seq, vocab] logits.
 
     hidden [b, s_local, h]; shift_labels [b, s_local] with -100 = ignore. Shards with no valid label
-    contribute exactly 0 (a CE *sum*, never a mean, so never NaN). ``shards`` "auto" is
+    contribute exactly 0 (a CE *sum*, never a mean, so never NaN). ``shards`` None ("auto") is
     ceil(s_local / h) MAX-agreed over every rank (world-wide, not the SP group: ZeRO-3's lm_head
     all-gathers span DP x SP).
     ``logit_fn``: the model's own logit transform (``models.logits.logit_transform``), None = identity.

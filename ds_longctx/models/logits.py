@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import ConfigError
+from ._common import text_config
 
 LogitFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -137,7 +138,6 @@ def describe_logit_path(model) -> str:
     loss_type = getattr(model, "loss_type", None)
     if loss_type not in (None, "ForCausalLM"):
         _refuse(name, f"its loss_type is {loss_type!r}, not the causal-LM cross entropy")
-    from ._common import text_config
 
     tc = text_config(model.config)
     if any("aux_loss" in line for line in rest if line.startswith("loss +=")) and getattr(

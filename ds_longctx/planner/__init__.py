@@ -1,35 +1,35 @@
 """The memory planner: one rank's training step simulated on fake tensors, plus model-state arithmetic.
 
 ``plan(ds_config, model_config, world_size=8, gpu_mem="80GiB", seq_len=...)`` -> :class:`PlanResult`;
-``max_context(...)``; ``resolve_auto(ds_config, model_config, world_size, gpu_mem_bytes)`` -> ds_config
-with "auto" heads_per_chunk / tiled shards / keep_attention_output / keep_on_device replaced. CLI:
-``ds-longctx plan`` (cli.py).
+``max_context(...)``; ``resolve_auto(ds_config, model_config, world_size, gpu_mem_bytes)`` -> the values of the
+"auto" keys (config.AUTO_KEYS, and tiled shards) the planner picks, which ``config.with_values`` applies to the
+parsed section. CLI: ``ds-longctx plan`` (cli.py).
 """
 from __future__ import annotations
 
+import copy
 import logging
+import multiprocessing as mp
 from typing import Optional
 
-from .core import PlanResult, Planner, load_model_config, max_context, plan
+from ..config import ConfigError, load_ds_config
+from .core import PlanResult, Planner, _micro_batch, load_model_config, max_context, plan
+from .search import resolve
+from .simulate import NeedsOwnProcess
 
 
 def resolve_auto(ds_config, model_config, world_size: int, gpu_mem_bytes, seq_len: Optional[int] = None,
                  host_mem=None, reserve="0", log=None, gpus_per_node: Optional[int] = None) -> dict:
-    """A copy of ``ds_config`` with "auto" values (heads_per_chunk, tiled shard counts,
-    activation_checkpointing.keep_attention_output / keep_on_device) replaced by the fastest values whose
-    simulated step fits ``gpu_mem_bytes`` per device and ``host_mem`` per node of ``gpus_per_node`` ranks
-    (default min(world, 8)); each choice is logged with its reason (planner/search.resolve).
+    """The values for the "auto" settings of ``ds_config`` (``config.AUTO_KEYS``, and enabled tiled shard counts)
+    as {key inside the section: value}, e.g. {"attention.heads_per_chunk": 4, "tiled_mlp.shards": 2}: the fastest
+    whose simulated step fits ``gpu_mem_bytes`` per device and ``host_mem`` per node of ``gpus_per_node`` ranks
+    (default min(world, 8)); each choice is logged with its reason (planner/search.resolve). ``config.with_values``
+    applies them to the parsed section (what ds_longctx.initialize does).
 
     Pure (same answer on every rank). Inside a process that already runs a real process group the
     simulation runs in a child process (the fake group needs the default group to itself); its log lines
     come back and go through ``log`` here.
     """
-    import copy
-
-    from ..config import ConfigError, load_ds_config
-    from .search import resolve
-    from .simulate import NeedsOwnProcess
-
     cfg = copy.deepcopy(load_ds_config(ds_config))
     mc = load_model_config(model_config)
     seq = seq_len or (cfg.get("long_context") or {}).get("sequence_length")
@@ -58,25 +58,17 @@ def planned_work(ds_config, model_config, world_size: int, seq_len: int) -> dict
     StepTime's, and "micro_batch"),
     for the profiler's measured-vs-planned table. No budget applies (only the work is wanted). In a process
     with a real process group the simulation runs in a child process."""
-    from .simulate import NeedsOwnProcess
-
     mc = load_model_config(model_config)
     try:
         p = Planner(ds_config, mc, world_size, gpu_mem=1 << 60, reserve="0")
         t = p.run(int(seq_len)).time
-        from .core import _micro_batch
-
         return {"flops": t["flops"], "calls": t["calls"], "micro_batch": _micro_batch(p.ds_config)}
     except NeedsOwnProcess:
-        import multiprocessing as mp
-
         with mp.get_context("spawn").Pool(1) as pool:
             return pool.apply(planned_work, (ds_config, mc.to_dict(), world_size, seq_len))
 
 
 def _resolve_in_child(cfg, mc, world_size, gpu_mem_bytes, seq, host_mem, reserve, gpus_per_node=None):
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     with ctx.Pool(1) as pool:
         return pool.apply(_child, (cfg, mc.to_dict(), world_size, gpu_mem_bytes, seq, host_mem, reserve,

@@ -14,6 +14,8 @@ from typing import Optional
 
 from ..config import ConfigError, load_ds_config
 from .core import DEFAULT_RESERVE, RESERVE_WHAT, PlanResult, Planner, load_model_config
+from .host import describe, machine_ram_bytes
+from .search import ladder
 from .units import fmt_bytes, fmt_tokens
 
 CATS = ("model_states", "attention", "mlp", "loss", "other")
@@ -89,8 +91,6 @@ def _detail(r: PlanResult) -> str:
                      + (f" of {fmt_bytes(r.host_budget_bytes)}" if r.host_budget_bytes else "")
                      + f" (host budget: {r.host_budget_source})")
     if r.offload:
-        from .host import describe
-
         lines += describe(r.offload)
     lines += _time_lines(r.time)
     lines.append(f"binding limit: {r.binding_detail}")
@@ -265,8 +265,6 @@ def _run_plan(a, out) -> int:
         raise ConfigError("--gpus", f"must be positive, got {a.gpus}", "pass the world size")
     configs = [("config", ds)]
     if a.compare:
-        from .search import ladder
-
         configs = ladder(ds, mc, a.gpus)
     rows, params = [], None
     host_mem, host_source = _host_mem(a.host_mem, a.config)
@@ -335,8 +333,6 @@ def _host_mem(value, config_path=None):
     if str(value).lower() == "none":
         return None, "not checked (--host-mem none)"
     if str(value).lower() in ("machine", "auto"):
-        from .host import machine_ram_bytes
-
         ram = machine_ram_bytes()
         return ram, f"--host-mem {value}: this machine's RAM ({fmt_bytes(ram)})"
     return value, f"--host-mem {value}"

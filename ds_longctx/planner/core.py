@@ -13,13 +13,16 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
-from ..config import ConfigError, check_against, load_ds_config, parse
-from ..memory.keep import kept_attention_layers
-from . import model_states as ms
-from . import host as host_plan
+from ..config import SECTION, ConfigError, auto_keys, load_ds_config, parse
+from ..layout import Layout
+from ..measure.profiler import attention_width, flops_per_sample
 from ..models import text_config
 from ..models.loading import load_model_config
-from .simulate import CATEGORIES, simulate_step
+from ..spec import build_spec
+from . import host as host_plan
+from . import model_states as ms
+from .rates import step_time, target_rates
+from .simulate import CATEGORIES, build_model, simulate_step, with_layers
 from .units import fmt_bytes, parse_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
@@ -106,7 +109,6 @@ def param_info(model_config) -> ms.ParamInfo:
     """Parameter counts from fake 1- and 2-layer builds (no allocation), extended to full depth."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .simulate import build_model, with_layers
     import torch
 
     def count(n):
@@ -142,17 +144,19 @@ def _micro_batch(ds_config: dict) -> int:
     return 1 if mb in (None, "auto") else int(mb)
 
 
-def _steps(model_config, ds_config, lc, world, seq, device, full_depth) -> tuple:
-    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work)."""
-    L = text_config(model_config).num_hidden_layers
+def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) -> tuple:
+    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work). ``lc``:
+    the section simulated (planner/host.simulation_lc); ``spec``: the run's resolved counts (its keep_on_device and
+    kept_attention_layers, for the model's full depth)."""
+    L = spec.model.layers
     bs = _micro_batch(ds_config)
     # keep_on_device=k: the last k layers differ from the rest, so extrapolate from k+2 and k+3 layers
-    shift = host_plan.extrapolation_shift(lc)
+    shift = spec.keep_on_device
     lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
     if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
         return r.breakdown, r.peak_host, [L], False, r.seconds, r.work
-    n = kept_attention_layers(lc.activation_checkpointing.keep_attention_output, L)
+    n = spec.kept_attention_layers
     off = L - shift  # the offloaded layers: the first ones
     if 0 < n < L:
         # the first n layers keep their attention output: not affine in depth from two shallow models. Blend per
@@ -212,19 +216,20 @@ class Planner:
             raise ConfigError("--gpu-mem", f"the budget {fmt_bytes(self.budget)} leaves nothing after the "
                               f"reserve {fmt_bytes(self.reserve)}", "give the device memory, e.g. 80GiB")
         self.gpus_per_node = gpus_per_node or min(self.world, 8)
-        from .rates import target_rates
 
         self.rates = target_rates(target) if target else None
         self.device = device
         self.full_depth = full_depth
         self.lc = parse(self.ds_config)
-        check_against(self.lc, self.model_config, self.world)
-        for key in ("keep_attention_output", "keep_on_device"):
-            if getattr(self.lc.activation_checkpointing, key) == "auto":
-                raise ConfigError(f"long_context.activation_checkpointing.{key}", "'auto' is a choice the planner "
-                                  "makes (ds_longctx.planner.resolve_auto, run by ds_longctx.initialize), not a "
-                                  "setting one step can be planned with", "plan with true/false (a number of "
-                                  "layers for keep_on_device: the plan lists the options that fit), or resolve first")
+        for key in auto_keys(self.lc):
+            raise ConfigError(f"{SECTION}.{key}", "'auto' is a choice the planner makes (ds_longctx.planner."
+                              "resolve_auto, run by ds_longctx.initialize), not a setting one step can be planned with",
+                              "plan with a value (true/false or a number of layers for keep_attention_output, a number "
+                              "for keep_on_device and heads_per_chunk: the plan lists the offload options that fit), "
+                              "or resolve first")
+        # the run's resolved counts (keep_on_device, kept attention layers) at full depth; checks the section against
+        # the model and the world (each simulated step's spec checks it again with its sequence length)
+        self.spec = build_spec(self.lc, self.model_config, Layout(world=self.world, sp=self.lc.sequence_parallel_size))
         self.sim_lc = host_plan.simulation_lc(self.lc)  # every input to host; targets by arithmetic
         self.params = _persistent(self.ds_config, params or param_info(model_config))
         self.states = ms.compute(self.ds_config, self.params, self.world)
@@ -240,18 +245,17 @@ class Planner:
         return self.states.device_total + self.states.step_transient_device
 
     def run(self, seq_len: int, label: str = "", full_depth: Optional[bool] = None) -> PlanResult:
-        lc, sp = self.lc, self.lc.sequence_parallel_size
-        check_against(lc, self.model_config, self.world, seq_len)
+        sp = self.lc.sequence_parallel_size
         fd = self.full_depth if full_depth is None else full_depth
-        br, host_act, layers, extrap, secs, work = _steps(self.model_config, self.ds_config, self.sim_lc, self.world,
-                                                          seq_len, self.device, fd)
+        br, host_act, layers, extrap, secs, work = _steps(self.model_config, self.ds_config, self.sim_lc, self.spec,
+                                                          self.world, seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
         act_peak = sum(breakdown.values())
         # the activations are gone before optimizer.step() allocates its step-only buffers
         peak = max(act_peak, self.step_peak)
-        num_layers = text_config(self.model_config).num_hidden_layers
-        hs = host_plan.host_side(lc, self.states, int(host_act), host_plan.offloaded_bytes_per_layer(
-            self.model_config, self.ds_config, lc, seq_len, _micro_batch(self.ds_config)), num_layers, act_peak,
+        num_layers = self.spec.model.layers
+        hs = host_plan.host_side(self.spec, self.states, int(host_act), host_plan.offloaded_bytes_per_layer(
+            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_peak,
             self.budget, self.reserve, self.host_budget, self.gpus_per_node, step_peak=self.step_peak)
         host = hs.host
         host_total = sum(host.values())
@@ -283,7 +287,7 @@ class Planner:
                           host_bytes=int(host_total), host_bytes_per_node=int(host_node),
                           host_budget_bytes=self.host_budget, breakdown={k: int(v) for k, v in breakdown.items()},
                           model_states=dict(self.states.device), host={k: int(v) for k, v in host.items()},
-                          layers_simulated=layers, num_layers=text_config(self.model_config).num_hidden_layers,
+                          layers_simulated=layers, num_layers=num_layers,
                           extrapolated=extrap, sim_seconds=round(secs, 3), notes=notes, label=label,
                           nvme_bytes_per_node=int(sum(hs.nvme.values()) * self.gpus_per_node), offload=hs.offload,
                           activation_peak_bytes=int(act_peak), step_peak_bytes=int(self.step_peak),
@@ -293,9 +297,6 @@ class Planner:
 
     def _step_time(self, work, hs, seq_len: int):
         """Predicted step seconds, MFU and tokens/s on ``self.rates`` (planner/rates.py)."""
-        from ..measure.profiler import attention_width, flops_per_sample
-        from .rates import step_time
-
         tc = text_config(self.model_config)
         lc, W, per_node = self.lc, self.world, self.gpus_per_node
         sp = lc.sequence_parallel_size

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
 from ..errors import ConfigError
-from ..memory.keep import kept_attention_layers
 from ..memory.nvme import CHUNK_BYTES
+from ..models import attention_shape, text_config
+from .model_states import _DTYPE_BYTES, model_dtype
 from .units import fmt_bytes
 
 ALIGN = 4096  # memory/nvme.py: O_DIRECT slots and staging buffers
@@ -56,46 +57,27 @@ def with_checkpointing(lc, **values):
     return out
 
 
-def extrapolation_shift(lc) -> int:
-    """Layers to add to the extrapolation points: the last ``keep_on_device`` layers are not offloaded,
-    so the step is affine in depth only past them."""
-    ac = lc.activation_checkpointing
-    return ac.keep_on_device if ac.enabled and ac.offload != "none" else 0
-
-
 def layer_input_bytes(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
     """One decoder layer's input on one rank: micro_batch x (seq / SP) x hidden, in the model dtype."""
-    from .model_states import _DTYPE_BYTES, model_dtype
-    from ..models import text_config
-
     hidden = text_config(model_config).hidden_size
     return micro_batch * (seq_len // lc.sequence_parallel_size) * hidden * _DTYPE_BYTES[model_dtype(ds_config)]
 
 
 def kept_attention_bytes(model_config, lc, seq_len: int, micro_batch: int, dtype_bytes: int) -> int:
-    """keep_attention_output (memory/keep.py): what each layer keeps besides its input, where the input goes:
+    """keep_attention_output (memory/keep.py): what one keeping layer keeps besides its input, where the input goes:
     the attention output [micro_batch, seq / SP, heads x head_dim] in the model dtype and the fp32 LSE
-    [micro_batch, heads / SP, seq]. 0 with the switch off."""
-    from ..models import text_config
-
-    if not getattr(lc.activation_checkpointing, "keep_attention_output", False):
-        return 0
-    tc = text_config(model_config)
-    heads = tc.num_attention_heads
-    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // heads
+    [micro_batch, heads / SP, seq] (for the run: times the spec's ``kept_attention_layers``)."""
+    shape = attention_shape(model_config)
+    heads, head_dim = shape.heads, shape.head_dim
     sp = lc.sequence_parallel_size
     return micro_batch * (seq_len // sp) * heads * head_dim * dtype_bytes + micro_batch * (heads // sp) * seq_len * 4
 
 
-def offloaded_bytes_per_layer(model_config, ds_config: dict, lc, seq_len: int, micro_batch: int) -> int:
+def offloaded_bytes_per_layer(model_config, ds_config: dict, spec, seq_len: int, micro_batch: int) -> int:
     """What one checkpointed layer sends to its offload target: its input, plus its attention output and LSE
-    with keep_attention_output (a count of layers: their share, averaged over the layers)."""
-    from ..models import text_config
-    from .model_states import _DTYPE_BYTES, model_dtype
-
-    L = text_config(model_config).num_hidden_layers
-    n = kept_attention_layers(lc.activation_checkpointing.keep_attention_output, L)
-    kept = kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)])
+    for the spec's ``kept_attention_layers`` (their share, averaged over the layers)."""
+    L, n, lc = spec.model.layers, spec.kept_attention_layers, spec.config
+    kept = kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)]) if n else 0
     return layer_input_bytes(model_config, ds_config, lc, seq_len, micro_batch) + kept * n // max(1, L)
 
 
@@ -128,16 +110,18 @@ class HostSide:
     offload: dict                    # configured target, options per target, the recommended one
 
 
-def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_layers: int, peak_device: int,
+def host_side(spec, states, offloaded_host_per_rank: int, layer_bytes: int, peak_device: int,
               budget: int, reserve: int, host_budget: Optional[int], gpus_per_node: int,
               step_peak: int = 0) -> HostSide:
     """Host/NVMe bytes of the configured target (from the simulated bytes of its offloaded layer inputs,
-    ``offloaded_host_per_rank``) and of the alternatives. ``peak_device``: the activation peak (kept
-    inputs add to it); ``step_peak``: the optimizer step's peak (no activations, so kept inputs do not)."""
-    ac = lc.activation_checkpointing
+    ``offloaded_host_per_rank``) and of the alternatives. ``spec``: the run's (its switches and resolved counts at
+    full depth); ``peak_device``: the activation peak (kept inputs add to it); ``step_peak``: the optimizer step's
+    peak (no activations, so kept inputs do not)."""
+    ac = spec.config.activation_checkpointing
+    num_layers = spec.model.layers
     offloading = ac.enabled and ac.offload != "none"
-    keep = min(ac.keep_on_device, num_layers) if offloading else 0
-    n_off = num_layers - keep if offloading else 0
+    keep = spec.keep_on_device
+    n_off = spec.offloaded_layers
     per_layer = layer_bytes
     ring = ac.nvme_buffer_count
 
@@ -184,8 +168,7 @@ def host_side(lc, states, offloaded_host_per_rank: int, layer_bytes: int, num_la
                "host_bytes_per_node": sum(conf_host.values()) * gpus_per_node,
                "nvme_bytes_per_node": sum(conf_nvme.values()) * gpus_per_node,
                "layer_input_bytes": per_layer, "offloaded_layers": n_off,
-               "kept_attention_output": kept_attention_layers(getattr(ac, "keep_attention_output", False),
-                                                              num_layers),
+               "kept_attention_output": spec.kept_attention_layers,
                "options": [asdict(o) for o in ranked],
                "recommended": None if best is None else dict(asdict(best), keys=best.keys())}
     return HostSide(conf_host, conf_nvme, 0, offload)

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import SECTION
+from ..config import SECTION, auto_keys, parse
 from ..models import attention_shape, text_config
 
 logger = logging.getLogger("ds_longctx.planner")
@@ -108,7 +108,7 @@ class Knob:
     values: Tuple = ()
 
 
-def with_values(ds_config: dict, values: Mapping[str, object]) -> dict:
+def ds_config_with(ds_config: dict, values: Mapping[str, object]) -> dict:
     """A new ds_config: ``ds_config`` with the ``long_context`` values ``values`` ({"attention.heads_per_chunk":
     4, "tiled_mlp.shards": 2, ...}) set, as one new section; ``ds_config`` is not modified."""
     patch: Dict[str, dict] = {}
@@ -120,12 +120,12 @@ def with_values(ds_config: dict, values: Mapping[str, object]) -> dict:
     return out
 
 
-def auto_knobs(section: dict, model_config, sp: int, seq_len: int) -> List[Knob]:
+def auto_knobs(section: dict, model_config, sp: int, seq_len: int, auto: Sequence[str] = ()) -> List[Knob]:
     """The speed knobs the section leaves to "auto", with their candidates: attention.heads_per_chunk (the
-    divisors of the local query heads, most first) and the shards of an enabled tiled_mlp / tiled_loss
-    ("auto" or absent: one up to DeepSpeed's rule, fewest first)."""
+    divisors of the local query heads, most first) when ``auto`` (config.auto_keys of the section) has it, and the
+    shards of an enabled tiled_mlp / tiled_loss ("auto" or absent: one up to DeepSpeed's rule, fewest first)."""
     knobs = []
-    if (section.get("attention") or {}).get("heads_per_chunk") == "auto":
+    if "attention.heads_per_chunk" in auto:
         local = _local_heads(model_config, sp)
         knobs.append(Knob("attention.heads_per_chunk",
                           tuple(sorted([d for d in range(1, local + 1) if local % d == 0], reverse=True))))
@@ -138,8 +138,10 @@ def auto_knobs(section: dict, model_config, sp: int, seq_len: int) -> List[Knob]
     return knobs
 
 
-def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None) -> dict:
-    """Replace "auto" values by the fastest settings whose step fits, by the planner's predicted step time.
+def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None) -> Dict[str, object]:
+    """The values for the "auto" settings of ``ds_config``: the fastest whose step fits, by the planner's predicted
+    step time, as {key inside the section: value} (e.g. {"attention.heads_per_chunk": 4, "tiled_mlp.shards": 2};
+    config.with_values applies them to the parsed section).
 
     Knobs: attention.heads_per_chunk and tiled_mlp/tiled_loss shards ("auto" or, for shards, absent);
     activation_checkpointing.keep_attention_output and keep_on_device when set to "auto" (reinvest memory
@@ -150,9 +152,8 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     to the next fitting value while the predicted step time (PlanResult.time) is lower: ties between
     fitting settings go to the faster prediction, at one extra simulation per knob in the usual case.
 
-    The choices are a flat mapping of values (``chosen``); every simulated configuration, and the returned
-    one, is a new ds_config built from ``ds_config`` and them (:func:`with_values`). ``ds_config`` is not
-    modified.
+    The choices are a flat mapping of values (``chosen``, the return value); every simulated configuration is a
+    new ds_config built from ``ds_config`` and them (:func:`ds_config_with`). ``ds_config`` is not modified.
     """
     log = log or logger.info
     base = copy.deepcopy(ds_config)
@@ -161,16 +162,17 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     base[SECTION] = section
     sp = base.get("sequence_parallel_size", 1)
     ac = section.get("activation_checkpointing") or {}
-    knobs = auto_knobs(section, model_config, sp, seq_len)
-    reinvest = [k for k in ("keep_attention_output", "keep_on_device") if ac.get(k) == "auto"]
+    auto = auto_keys(parse(base))  # config.AUTO_KEYS: the one list of the keys resolved here
+    knobs = auto_knobs(section, model_config, sp, seq_len, auto)
+    reinvest = [k.split(".")[1] for k in auto if k.startswith("activation_checkpointing.")]
     # memory-safest first: the last candidate of each knob, nothing reinvested
     chosen: Dict[str, object] = {k.key: k.values[-1] for k in knobs}
     chosen.update({f"activation_checkpointing.{k}": False if k == "keep_attention_output" else 0 for k in reinvest})
     if not knobs and not reinvest:
-        return base
+        return {}
 
     def run(values: Mapping[str, object]):
-        return planner_factory(with_values(base, values)).run(seq_len)
+        return planner_factory(ds_config_with(base, values)).run(seq_len)
 
     r = run(chosen)
     if not r.fits:
@@ -178,7 +180,7 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
             f"({r.binding_detail}); keeping them: "
             + ", ".join([f"{k.key}={chosen[k.key]}" for k in knobs]
                         + [f"{k}={chosen[f'activation_checkpointing.{k}']}" for k in reinvest]))
-        return with_values(base, chosen)
+        return chosen
     best = r
     for knob in knobs:
         value, best, why = _choose(knob, chosen, best, run)
@@ -192,7 +194,7 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     if "keep_on_device" in reinvest:
         value, best = _keep_on_device(run, ac, chosen, best, log)
         chosen = {**chosen, "activation_checkpointing.keep_on_device": value}
-    return with_values(base, chosen)
+    return chosen
 
 
 def _choose(knob: Knob, chosen: Mapping[str, object], best, run):

@@ -30,9 +30,20 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..attention import kernels, registry
 from ..attention.kernels import backward_workspace_bytes  # (importing it registers the ds_longctx attention ops)
+from ..batch import BATCH_KEY
+from ..comm import disable_cpu_shm_allreduce
+from ..layout import Layout
 from ..measure import flops as _flops
+from ..memory.checkpointing import around_checkpointed_runs
+from ..memory.offload import OffloadTarget
+from ..memory.tiles import representative
 from ..models import layer_role, text_config
+from ..patch import patch_model
+from ..sp_batch import hands_hf_no_mask
+from ..spec import build_spec
+from .model_states import model_dtype
 
 CATEGORIES = ("attention", "mlp", "loss", "other")
 _TAG = "ds_longctx_planner_tag"
@@ -60,7 +71,6 @@ def fake_world(world_size: int):
     import deepspeed.comm as ds_comm
 
     # DeepSpeed's comm wrapper (used by its Ulysses attention) must see a backend; it wraps ours.
-    from ..comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()
     ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, dist_init_required=False,
@@ -286,7 +296,7 @@ def _mutated_results(func, written, args, kwargs):
     return res[0] if len(res) == 1 else tuple(res)
 
 
-class _SimHostTarget:
+class _SimHostTarget(OffloadTarget):
     """Offload target for the simulation: the host copy is a fake CPU tensor made inside the modes and
     counted as host memory (the memory stack's CPU target makes real copies outside every mode, which
     under fake tensors would allocate real memory). Same shapes and lifetimes as the pinned target."""
@@ -313,9 +323,6 @@ class _SimHostTarget:
         finally:
             self.acct.stack.pop()
         return out, None
-
-    def wait(self, event):
-        pass
 
 
 def _grad_fns(obj):
@@ -461,8 +468,6 @@ def _flash_sdpa_on_meta(device: str):
 def _meta_backend_class():
     """A backend for ds_longctx.attention.kernels on the meta stand-in device, with flash-attention-2's
     memory (native GQA). Registered only while a simulation runs."""
-    from ..attention import kernels
-
     class MetaFlash(kernels.Backend):
         name = _SIM_KERNEL
         native_gqa = True
@@ -483,7 +488,6 @@ def _meta_kernels(device: str):
     if device != "meta":
         yield
         return
-    from ..attention import kernels
 
     with kernels.overridden("meta", _meta_backend_class()):
         yield
@@ -519,8 +523,6 @@ def with_layers(model_config, num_layers: int):
 
 
 def dtype_of(ds_config: dict) -> torch.dtype:
-    from .model_states import model_dtype
-
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[model_dtype(ds_config)]
 
 
@@ -546,14 +548,6 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..attention import registry
-    from ..batch import BATCH_KEY
-    from ..memory.checkpointing import around_checkpointed_runs
-    from ..layout import Layout
-    from ..memory.tiles import representative
-    from ..patch import hands_hf_no_mask, patch_model
-    from ..spec import build_spec
-
     sp = lc.sequence_parallel_size
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -567,8 +561,7 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
                 # DeepSpeed moves each full grad into its bucket/partition as soon as it is ready;
                 # the partitions are model states, counted by arithmetic.
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        # Planner.run checked this config against the model and the world (config.check_against)
-        spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len, check="done")
+        spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len)
         patched = patch_model(model, spec)
         if not hands_hf_no_mask(model, spec.owns_attention):  # else HF gets a 4-D no-mask and looks at nothing
             hf_attention.enter_context(_contiguous_positions())
@@ -598,7 +591,6 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
         res = StepMemory(acct.peak_device, acct.peak_breakdown, acct.host_at_peak, acct.peak_host, num_layers,
                          time.perf_counter() - t0)
         res.work = {k: tuple(v) for k, v in acct.work.items()}
-        res.memory_stats = handle.stats() if handle is not None else {}
         patched.remove()
         del model, patched
     return res
