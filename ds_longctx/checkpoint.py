@@ -180,7 +180,8 @@ def _raise_everywhere(outcome) -> None:
 # Test hooks (tests and bench/fault_rerun.py only), for faults at a repeatable moment of a save (points:
 # SAVE_POINTS; fileN counts the files DeepSpeed writes on that rank): DS_LONGCTX_TEST_KILL_AT="RANK:POINT" makes
 # that rank SIGKILL itself there; DS_LONGCTX_TEST_FILL_AT="RANK:POINT" makes it fill the save directory's
-# filesystem there (a real full disk: a file of zeros until ENOSPC). Unset (always, outside tests), nothing changes.
+# filesystem there (a real full disk: a file of zeros until ENOSPC). "RANK:POINT@STEP": only in the save of that
+# step. Unset (always, outside tests), nothing changes.
 TEST_KILL_ENV = "DS_LONGCTX_TEST_KILL_AT"
 TEST_FILL_ENV = "DS_LONGCTX_TEST_FILL_AT"
 TEST_FILLER = ".ds_longctx-test-filler"
@@ -189,8 +190,20 @@ SAVE_POINTS = ("before_fileN", "after_fileN", "after_files", "before_record", "a
 _saving_into: Optional[str] = None
 
 
+_saving_step: Optional[int] = None
+
+
+def _hook_on(env: str, rank: int, point: str) -> bool:
+    """``env`` is "RANK:POINT", or "RANK:POINT@STEP" for the save of that step only."""
+    value = os.environ.get(env)
+    if not value:
+        return False
+    where, _, step = value.partition("@")
+    return where == f"{rank}:{point}" and (not step or str(_saving_step) == step)
+
+
 def _kill_point(rank: int, point: str) -> None:
-    if _saving_into and os.environ.get(TEST_FILL_ENV) == f"{rank}:{point}":
+    if _saving_into and _hook_on(TEST_FILL_ENV, rank, point):
         try:
             with open(os.path.join(_saving_into, TEST_FILLER), "ab") as f:
                 block = b"\0" * (1 << 16)
@@ -199,7 +212,7 @@ def _kill_point(rank: int, point: str) -> None:
                     f.flush()
         except OSError:
             pass
-    if os.environ.get(TEST_KILL_ENV) == f"{rank}:{point}":
+    if _hook_on(TEST_KILL_ENV, rank, point):
         import signal
 
         for stream in (sys.stdout, sys.stderr):
@@ -509,12 +522,12 @@ class SaveDir:
              tokenizer=None) -> str:
         """Save ``step`` as tag ``step<step>`` (every rank). ``record``: the run's layout and data position (JSON);
         ``hf_config``/``tokenizer``: saved into the tag so that ``ds-longctx export`` needs nothing else."""
-        global _saving_into
-        _saving_into = self.path  # for the test hooks only
+        global _saving_into, _saving_step
+        _saving_into, _saving_step = self.path, step  # for the test hooks only
         try:
             return self._save(engine, step, record, client_state, hf_config, tokenizer)
         finally:
-            _saving_into = None
+            _saving_into = _saving_step = None
 
     def _save(self, engine, step, record, client_state, hf_config, tokenizer) -> str:
         rank, _ = _rank_world()
@@ -542,7 +555,8 @@ class SaveDir:
         if rank == 0:
             if failed:
                 shutil.rmtree(os.path.join(self.path, tmp), ignore_errors=True)
-                outcome = self._failure(step, failed, gathered)
+                group = next(g for g in self.groups if failed[0][0] in g)
+                outcome = self._failure(step, failed, facts[failed[0][0]]["free"], sum(facts[r]["bytes"] for r in group))
             else:
                 outcome = self._publish(tag, tmp, dict(record, step=step), hf_config, tokenizer, rank)
         outcome = _broadcast(outcome)
@@ -552,17 +566,16 @@ class SaveDir:
         _kill_point(rank, "done")
         return tag
 
-    def _failure(self, step: int, failed, gathered):
+    def _failure(self, step: int, failed, free_before: int, need: int):
         r, first = failed[0]
         latest = os.path.join(self.path, "latest")
         prev = open(latest).read().strip() if os.path.isfile(latest) else None
         keep = (f"the previous checkpoint {prev!r} and 'latest' are intact: --resume {self.path} continues from it"
                 if prev else "no earlier checkpoint exists in this directory")
-        need = sum(g["bytes"] for g in gathered)
         return (self.name, f"saving step {step} to {self.path!r} failed on rank {r}: {first}"
                 + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
-                + f"; {_fmt(gathered[r]['free'])} was free there before the save, which needed about "
-                  f"{_fmt(need if need else self.per_rank_bytes)}; {keep}",
+                + f"; {_fmt(free_before)} was free there before the save, which needed about {_fmt(need)} (something "
+                  f"else filled the filesystem meanwhile, or it failed); the partial save is removed; {keep}",
                 "free space on that filesystem (or save elsewhere), then resume")
 
     def _publish(self, tag: str, tmp: str, record: dict, hf_config, tokenizer, rank: int):
@@ -645,7 +658,11 @@ def _save_files(engine, path: str, tag: str, client_state: dict, rank: int) -> T
             out = original_save(*a, **k)
         except Exception as e:  # OSError, or torch's zip writer: "unexpected pos ..." on a full disk
             reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
-            errors.append(f"writing {path_!r}: {str(reason)[:300]}")
+            try:
+                free = f"{_fmt(_free_bytes(os.path.dirname(path_)))} free there now"
+            except OSError:
+                free = "free space unknown"
+            errors.append(f"writing {path_!r}: {str(reason).strip()[:300]} ({free})")
             try:
                 os.remove(path_)
             except OSError:

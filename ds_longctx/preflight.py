@@ -12,7 +12,6 @@ def reserve_offload_storage(engine, seq_len: int) -> None:
     """Every rank, after ``ds_longctx.initialize`` and before step 1 (a collective when offloading to NVMe; a
     no-op otherwise). ``seq_len``: the global tokens per sample this run trains."""
     from .memory import get_memory_handle, naming_nvme_keys
-    from .memory.keep import kept_attention_layers
     from .memory.nvme import ALIGN, NVMeTarget, _align, reserve_on_every_rank
     from .planner.host import kept_attention_bytes, layer_input_bytes
     from .planner.model_states import _DTYPE_BYTES, model_dtype
@@ -23,11 +22,9 @@ def reserve_offload_storage(engine, seq_len: int) -> None:
         return
     model_config, ds_config = engine.module.config, engine.config
     micro = engine.train_micro_batch_size_per_gpu()
-    lc = engine.long_context  # its "auto" values resolved by initialize
-    ac = lc.activation_checkpointing
-    layers = len(handle.checkpointed_layers)
-    offloaded = max(0, layers - ac.keep_on_device)
-    kept = min(kept_attention_layers(ac.keep_attention_output, layers), offloaded)  # the first layers keep theirs
+    spec = engine.long_context_spec  # every count resolved by initialize
+    lc = spec.config
+    offloaded, kept = spec.offloaded_layers, spec.offloaded_kept_attention_layers  # the first layers keep theirs
     per_input = _align(layer_input_bytes(model_config, ds_config, lc, seq_len, micro))
     # output and LSE, each in its own aligned slot
     per_kept = kept_attention_bytes(model_config, lc, seq_len, micro, _DTYPE_BYTES[model_dtype(ds_config)]) + 2 * ALIGN

@@ -110,9 +110,16 @@ def parse_args(argv=None):
                    "run trains the steps past its checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init and the copy task's data: the same "
                    "seed gives the same weights and samples for every SP degree, ZeRO stage and process count")
-    p.add_argument("--data", default="copy", help="built-in task name ('copy') or a .jsonl/.txt file")
+    p.add_argument("--data", default="copy", help="built-in task name ('copy'), or a .txt/.jsonl/.parquet/.arrow file "
+                   "or a datasets save_to_disk directory: tokenized once into a token cache beside it (corpus.py)")
+    p.add_argument("--data-column", default="text", help="the text column of --data/--eval-data (.jsonl key or "
+                   "table column; default: text)")
     p.add_argument("--concat-documents", action="store_true", help="--data FILE: plain concatenation, attention "
                    "across documents (default: packed, position_ids restart per document, document-masked attention)")
+    p.add_argument("--eval-data", help="held-out data (same kinds as --data): its loss and perplexity under SP, equal "
+                   "to one process's, at the end and every --eval-every steps")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate --eval-data every this many steps (0: at the "
+                   "end only)")
     p.add_argument("--metrics", help="write one JSON object per step to this file (rank 0; appended on a resume)")
     p.add_argument("--log-every", type=int, default=10, help="without a terminal (SLURM, nohup): one plain line every "
                    "this many steps (0: none; default 10)")
@@ -183,7 +190,8 @@ def validate_args(args, lc):
                                     ("--log-every", args.log_every, 0, "use 0 for no plain lines"),
                                     ("--save-every", args.save_every, 0, "use 0 to save only at the end"),
                                     ("--save-interval", args.save_interval, 0, "use 0 for no wall-clock saves"),
-                                    ("--keep-last", args.keep_last, 0, "use 0 to keep every checkpoint")):
+                                    ("--keep-last", args.keep_last, 0, "use 0 to keep every checkpoint"),
+                                    ("--eval-every", args.eval_every, 0, "use 0 to evaluate at the end only")):
         if value < least:
             raise _config_error(flag, f"must be >= {least}, got {value}", fix)
     if not args.save:
@@ -202,18 +210,24 @@ def validate_args(args, lc):
     if seq_len % sp:
         raise _config_error(flag, f"{seq_len} is not divisible by sequence_parallel_size={sp}",
                             f"use a multiple of {sp}, e.g. {(seq_len // sp + 1) * sp}")
+    from .corpus import check_data_path
+
     if args.data in TASKS:
         if args.data == "copy" and (seq_len < 4 or seq_len % 2):
             raise _config_error(flag, f"the copy task needs an even length >= 4, got {seq_len}",
                                 "use an even sequence length")
-    else:
-        if not os.path.isfile(args.data):
-            raise _config_error("--data", f"{args.data!r} is neither a task ({sorted(TASKS)}) nor an existing file",
-                                "give a task name or the path of a .txt/.jsonl file")
-        if not args.data.endswith((".txt", ".jsonl")):
-            raise _config_error("--data", f"unsupported file type {args.data!r}", "use a .txt or .jsonl file")
-        if not (args.tokenizer or args.model):
-            raise _config_error("--data", "a file needs a tokenizer", "pass --tokenizer (or --model)")
+    elif not os.path.exists(args.data):
+        raise _config_error("--data", f"{args.data!r} is neither a task ({sorted(TASKS)}) nor an existing path",
+                            "give a task name, a .txt/.jsonl/.parquet/.arrow file or a datasets save_to_disk "
+                            "directory")
+    for f, path in (("--data", None if args.data in TASKS else args.data), ("--eval-data", args.eval_data)):
+        if path is not None:
+            check_data_path(f, path, args.data_column)
+            if not (args.tokenizer or args.model):
+                raise _config_error(f, "a file needs a tokenizer", "pass --tokenizer (or --model)")
+    if args.eval_every and not args.eval_data:
+        raise _config_error("--eval-every", "needs --eval-data (what to evaluate)", "add --eval-data PATH or drop "
+                            "--eval-every")
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
         raise _config_error("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")
@@ -323,32 +337,32 @@ def load_tokenizer(args):
     return hub_load("--tokenizer" if args.tokenizer else "--model", name, lambda: AutoTokenizer.from_pretrained(name))
 
 
-def build_dataset(args, model_config, seq_len, tokenizer):
-    from .data import TASKS, TokenFileDataset
+def build_dataset(args, model_config, seq_len, tokenizer, path=None, flag="--data"):
+    """--data's samples (or ``path``'s: --eval-data): the built-in task, or the file's tokens from its cache
+    (tokenized once, by one process per cache; corpus.open_corpus)."""
+    from .corpus import open_corpus
+    from .data import TASKS
     from .models import text_config
 
-    if args.data in TASKS:
-        return TASKS[args.data](seq_len=seq_len, vocab_size=model_config.vocab_size, seed=args.seed)
+    path = path or args.data
+    if path in TASKS:
+        return TASKS[path](seq_len=seq_len, vocab_size=model_config.vocab_size, seed=args.seed)
     # the tokenizer is checked against the embedding before the engine starts (an id past it is an IndexError
     # deep in the forward); the error names the largest id it produced from the file
-    return TokenFileDataset(args.data, tokenizer, seq_len, documents=not args.concat_documents,
-                            vocab_size=text_config(model_config).vocab_size,
-                            tokenizer_name=args.tokenizer or args.model)
+    return open_corpus(path, tokenizer, seq_len, documents=not args.concat_documents, column=args.data_column,
+                       vocab_size=text_config(model_config).vocab_size, tokenizer_name=args.tokenizer or args.model,
+                       flag=flag)
 
 
 def data_identity(args):
-    """What a resume must find unchanged about the data (the samples and their order follow from it)."""
+    """What a resume must find unchanged about the data (the samples and their order follow from it): the task,
+    or the file's content hash and size (corpus.data_identity: hashed once per file version) and the column."""
+    from .corpus import data_identity as identity
     from .data import TASKS
 
     if args.data in TASKS:
         return {"task": args.data}
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(args.data, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return {"path": os.path.abspath(args.data), "bytes": os.path.getsize(args.data), "sha256": h.hexdigest()}
+    return dict(identity(args.data), column=args.data_column)
 
 
 @torch.no_grad()
@@ -375,19 +389,6 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     return float(t[0] / max(t[1], 1))
 
 
-def _resolved_config(ds_config: dict, lc) -> dict:
-    """``ds_config`` with the "auto" values initialize resolved (``engine.long_context``) written in."""
-    import copy
-
-    cfg = copy.deepcopy(ds_config)
-    sec = cfg.get("long_context") or {}
-    for part, key in (("attention", "heads_per_chunk"), ("activation_checkpointing", "keep_attention_output"),
-                      ("activation_checkpointing", "keep_on_device")):
-        if (sec.get(part) or {}).get(key) == "auto":
-            sec[part][key] = getattr(getattr(lc, part), key)
-    return cfg
-
-
 def _agree(flags):
     """Every rank's flags combined (MAX): one small all-reduce, so that every rank takes the same branch."""
     t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
@@ -408,7 +409,7 @@ def main(argv=None):
     import ds_longctx
     from . import checkpoint as ckpt
     from . import comm
-    from .config import check_train_batch_size, load_ds_config, parse
+    from .config import check_train_batch_size, load_ds_config, parse, resolved_ds_config
     from .data import SampleStream
     from .initialize import init_distributed
     from .launch import check_launch
@@ -467,6 +468,8 @@ def main(argv=None):
     # ---- model, data, engine ----
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len, tokenizer)
+    eval_set = build_dataset(args, model.config, seq_len, tokenizer, path=args.eval_data, flag="--eval-data") \
+        if args.eval_data else None
     engine, _, _, _ = ds_longctx.initialize(args=args, model=model, config=ds_config,
                                             model_parameters=[p for p in model.parameters() if p.requires_grad])
     layout = engine.long_context_layout
@@ -488,7 +491,8 @@ def main(argv=None):
     # per category next to the planner's (the config as initialize resolved it)
     profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=rank, model=engine.module,
                             seq_len=seq_len, plan_work=functools.partial(
-                                planned_work, _resolved_config(ds_config, engine.long_context), model.config, world)
+                                planned_work, resolved_ds_config(ds_config, engine.long_context), model.config,
+                                world)
                             if rank == 0 and lc.profile.enabled else None)
     steplog = StepLog(engine, args.steps, start_step=start, metrics_path=args.metrics, append=bool(plan),
                       log_every=args.log_every, progress=not args.no_progress, rank=rank, print_line=info)
@@ -498,6 +502,14 @@ def main(argv=None):
         info(f"world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
              f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
              f"zero_stage={engine.zero_optimization_stage()}")
+
+    def evaluate_now(step):
+        from .evaluate import eval_loader, evaluate
+
+        stats = evaluate(engine, eval_loader(eval_set, engine))  # every rank: a collective
+        steplog.note(f"eval after step {step} ({args.eval_data}): loss {stats['loss']:.4f}, perplexity "
+                     f"{stats['perplexity']:.4g} over {stats['tokens']} tokens")
+        return {"eval_loss": stats["loss"], "eval_perplexity": stats["perplexity"], "eval_tokens": stats["tokens"]}
 
     def save(step, why):
         t0 = time.monotonic()
@@ -527,6 +539,8 @@ def main(argv=None):
             loss_value = loss_t.item()
             prof = profiler.end_step(step, tokens=seq_len * micro * gas)  # this rank's SP group's tokens
             rec = step_record(step, loss_value, prof, engine, tokens=seq_len * micro * gas * dp, peak=peak)
+            if eval_set is not None and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
+                rec.update(evaluate_now(step))
             steplog.step(rec)
             if "flops_by_category" in rec:
                 from .measure.profiler import format_flops

@@ -70,7 +70,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
     from ds_longctx import train
 
     args = argparse.Namespace(data=str(tmp_path / "docs.jsonl"), tokenizer=str(tmp_path / "tok"), model=None,
-                              concat_documents=False, seed=0)
+                              concat_documents=False, seed=0, data_column="text")
 
     class Cfg:
         vocab_size = 64
@@ -87,11 +87,17 @@ def test_train_py_packed_documents(tmp_path):
     write_docs(tmp_path / "docs.jsonl")
     losses = {}
     flags = ([], ["--concat-documents"])
+    # the packed job also evaluates held-out data (--eval-data: here the same documents) after every step
     side_by_side(*[(run_train, ("--data", str(tmp_path / "docs.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--steps",
                                 "2", "--seq-len", "32", "--metrics", str(tmp_path / f"m{len(flag)}.jsonl"),
-                                "--eval-samples", "0", *flag), {}) for flag in flags])  # two jobs, started together
+                                "--eval-samples", "0", *(flag or ["--eval-data", str(tmp_path / "docs.jsonl"),
+                                                                  "--eval-every", "1"])), {})
+                   for flag in flags])  # two jobs, started together
     for flag in flags:
         recs = read_metrics(tmp_path / f"m{len(flag)}.jsonl")
         assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
         losses[len(flag)] = recs[0]["loss"]
     assert losses[0] != losses[1]  # document masking changes the function (same weights, same tokens)
+    evals = read_metrics(tmp_path / "m0.jsonl")
+    assert all(r["eval_tokens"] > 0 and r["eval_perplexity"] == pytest.approx(math.exp(r["eval_loss"])) for r in evals)
+    assert evals[0]["eval_loss"] != evals[1]["eval_loss"]  # evaluated after each step's update

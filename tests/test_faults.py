@@ -321,7 +321,7 @@ for argv in (["--model", "meta-llama/Llama-3.1-8B"], ["--model", "no-such-org/no
     except ConfigError as e:
         print("ERR", e)
 args = types.SimpleNamespace(data={str(data)!r}, tokenizer="no-such-org/no-such-tokenizer", model=None,
-                             concat_documents=False, seed=0)
+                             concat_documents=False, seed=0, data_column="text")
 try:
     train.build_dataset(args, types.SimpleNamespace(vocab_size=64), 8, train.load_tokenizer(args))
 except ConfigError as e:

@@ -16,8 +16,7 @@ from dist_utils import free_port
 from launch_utils import ROOT, TINY_CPU, TRAIN, _env, run_train
 from test_faults import _aio_available, small_tmpfs  # noqa: F401  (fixture)
 
-sys.path.insert(0, ROOT)
-import train  # noqa: E402
+from ds_longctx import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -93,28 +92,29 @@ def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path, save
     ck = tmp_path / "ck"
     args = ("--seq-len", "64", "--eval-samples", "0", "--save", str(ck))
     shutil.copytree(saved_step2, ck)  # what run_train("--steps", "2", *args) leaves
-    rec = json.loads((ck / "step2" / train.LAYOUT_FILE).read_text())
+    rec = json.loads((ck / "step2" / checkpoint.RECORD_FILE).read_text())
     assert rec["model"] == {"model_type": "llama", "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
                             "hidden": 64, "vocab": 64}
     assert rec["files"] and all(os.path.getsize(ck / "step2" / f) == n for f, n in rec["files"].items())
     # a save killed after 'latest' moved but before the record (the old order): an incomplete newest tag
     shutil.copytree(ck / "step2", ck / "step3")
-    (ck / "step3" / train.LAYOUT_FILE).unlink()
+    (ck / "step3" / checkpoint.RECORD_FILE).unlink()
     (ck / "latest").write_text("step3")
     proc = run_train("--steps", "3", "--resume", str(ck), *args, timeout=300)
     out = proc.stdout + proc.stderr
-    assert (f"--resume: {str(ck / 'step3' / train.LAYOUT_FILE)!r} is missing (the save did not finish, or the "
-            f"checkpoint was not saved by this train.py); resuming from {str(ck / 'step2')!r} (step 2)") in out, \
+    assert (f"--resume: {str(ck / 'step3' / checkpoint.RECORD_FILE)!r} is missing (the save did not finish, or the "
+            f"checkpoint was not saved by ds_longctx); resuming from {str(ck / 'step2')!r} (step 2)") in out, \
         out[-3000:]
-    assert (ck / "latest").read_text() == "step3" and (ck / "step3" / train.LAYOUT_FILE).exists()
-    assert train.find_resume_tag(str(ck))[0::2] == ("step3", None)
+    assert (ck / "latest").read_text() == "step3" and (ck / "step3" / checkpoint.RECORD_FILE).exists()
+    assert checkpoint.find_resume_tag(str(ck))[0::2] == ("step3", None)
 
 
 def test_kill9_during_the_save_leaves_latest_on_a_complete_tag(tmp_path, saved_step2):
-    """kill -9 of rank 1 between the two files DeepSpeed writes for it (train.py's test hook
+    """kill -9 of rank 1 between the two files DeepSpeed writes for it (ds_longctx.checkpoint's test hook
     DS_LONGCTX_TEST_KILL_AT): the launcher ends rank 0 in the save's barrier, 'latest' stays on the previous
-    tag, which --resume loads without a warning; the incomplete tag has no record. (Every point of the save,
-    both ranks, both launchers, each with a launched --resume: bench/fault_rerun.py --group kill_save.)"""
+    tag, which --resume loads without a warning; the incomplete save is a .tmp- tag with no record. (Every point
+    of the save, both ranks, both launchers, each with a launched --resume: bench/fault_rerun.py --group
+    kill_save.)"""
     ck = tmp_path / "ck"
     shutil.copytree(saved_step2, ck)  # a complete save at step 2; the killed save is step 3's
     port = free_port()
@@ -125,8 +125,9 @@ def test_kill9_during_the_save_leaves_latest_on_a_complete_tag(tmp_path, saved_s
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
-    files = sorted(os.listdir(ck / "step3"))
+    # the killed save's files are in its temporary tag (never under a tag's name), which the next run removes
+    files = sorted(os.listdir(ck / (checkpoint.TMP_PREFIX + "step3")))
     complete = sorted(os.listdir(ck / "step2"))
-    assert train.LAYOUT_FILE not in files and 0 < len(files) < len(complete) - 1, (files, complete)
-    assert (ck / "latest").read_text() == "step2"
-    assert train.find_resume_tag(str(ck))[0::2] == ("step2", None)
+    assert checkpoint.RECORD_FILE not in files and 0 < len(files) < len(complete) - 1, (files, complete)
+    assert not (ck / "step3").exists() and (ck / "latest").read_text() == "step2"
+    assert checkpoint.find_resume_tag(str(ck))[0::2] == ("step2", None)
