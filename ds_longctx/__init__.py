@@ -5,8 +5,12 @@ Public API: ``initialize`` (drop-in for ``deepspeed.initialize``), ``enable``/``
 partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planner); ``patch_model`` and
 ``LongContextSpec`` (the resolved setup every install trusts); ``ConfigError`` (bad config) and ``BatchError``
 (bad batch), both a ``LongContextError`` (a ``ValueError``); ``shutdown`` (end every rank's script with it),
-``main_guard``/``run`` (an error on any rank ends the whole job).
+``main_guard``/``run`` (an error on any rank ends the whole job); for runs of days, ``resume`` (before
+``initialize``: what a checkpoint continues, on any layout), ``open_checkpoints`` (after it: the checked, locked save
+directory whose ``save`` writes a tag that cannot be lost), ``export_hf`` (a model ``from_pretrained`` loads) and
+``reserve_offload_storage`` (NVMe offload's bytes, before step 1).
 """
+from .checkpoint import export_hf, open_checkpoints, resume
 from .config import LongContextConfig
 from .errors import BatchError, ConfigError, LongContextError
 # Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
@@ -14,6 +18,7 @@ from .errors import BatchError, ConfigError, LongContextError
 from .initialize import initialize, model_init
 from .patch import patch_model
 from .runtime import main_guard, run, shutdown
+from .preflight import reserve_offload_storage
 from .spec import LongContextSpec
 
 __version__ = "0.1.0"
@@ -50,5 +55,6 @@ def plan(*args, **kwargs):
 
 
 __all__ = ["initialize", "model_init", "enable", "disable", "plan", "shutdown", "main_guard", "run", "LongContextConfig",
-           "ConfigError", "BatchError", "LongContextError", "LongContextSpec", "patch_model",
+           "ConfigError", "BatchError", "LongContextError", "LongContextSpec", "patch_model", "resume",
+           "open_checkpoints", "export_hf", "reserve_offload_storage",
            "__version__"]

@@ -327,20 +327,29 @@ def model_facts(model_config) -> dict:
 # bytes a save writes
 # ---------------------------------------------------------------------------------------------
 
-# optimizer state tensors per parameter (each the size of the fp32 partition) of the optimizers DeepSpeed
-# builds from a ds_config (lower-cased "optimizer.type"); unknown types are estimated as Adam's (and said)
-_STATES_PER_PARAM = {"adam": 2, "adamw": 2, "fusedadam": 2, "cpuadam": 2, "deepspeedcpuadam": 2, "lamb": 2,
-                     "onebitadam": 2, "zerooneadam": 2, "onebitlamb": 2, "adagrad": 1, "lion": 1, "muon": 1,
-                     "sgd": 1}
-_RECORD_SLACK = 64 << 10  # the record, the HF config, zero_to_fp32.py, torch's archive overhead per file
+_RECORD_SLACK = 64 << 10  # the record, the HF config, torch's archive overhead per file (zero_to_fp32.py: in it)
+
+
+def checkpoint_bytes(ds_config: dict, n_params: int, lp_bytes: int = 2) -> int:
+    """Bytes of one checkpoint of the whole job (every rank) by arithmetic: ZeRO's fp32 master weights and the
+    optimizer's states (planner.model_states.optimizer_states_per_param: AdamW 2) for every parameter, plus the
+    16-bit (``lp_bytes``) module that rank 0 saves without ZeRO-3. ZeRO-3's model-state files hold shapes only."""
+    from .layout import zero_stage
+    from .planner.model_states import optimizer_states_per_param
+
+    total = n_params * 4 * (1 + optimizer_states_per_param(ds_config))
+    if zero_stage(ds_config) != 3:
+        total += n_params * lp_bytes
+    return int(total)
 
 
 def estimate_bytes(engine) -> int:
-    """Bytes this rank writes for one checkpoint, from its model states: the fp32 master partition plus the
-    optimizer's state tensors of the same size (ZeRO-1/2/3; Adam: 2), plus the 16-bit module on the ranks that
-    save it (no ZeRO-3), plus a small allowance. Measured against real saves in tests/test_checkpoint.py."""
-    opt_type = str(((engine.config or {}).get("optimizer") or {}).get("type", "adam")).lower()
-    states = _STATES_PER_PARAM.get(opt_type, 2)
+    """Bytes this rank writes for one checkpoint, from its model states: its fp32 master partition and the
+    optimizer's states of the same size (:func:`checkpoint_bytes`' rule, on this rank's partition), the module's
+    weights on the rank that saves them (no ZeRO-3), plus a small allowance. Checked against real saves in
+    tests/test_long_runs.py."""
+    from .planner.model_states import optimizer_states_per_param
+
     stage = engine.zero_optimization_stage()
     opt = engine.optimizer
     if stage == 3:
@@ -349,10 +358,9 @@ def estimate_bytes(engine) -> int:
         numel = sum(t.numel() for t in getattr(opt, "single_partition_of_fp32_groups", []))
     else:
         numel = sum(p.numel() for p in engine.module.parameters()) if engine.global_rank == 0 else 0
-    total = numel * 4 * (1 + states)
+    total = numel * 4 * (1 + optimizer_states_per_param(engine.config or {}))
     if stage != 3 and engine.global_rank == 0:  # the module's own (16-bit or fp32) weights in the model states
         total += sum(p.numel() * p.element_size() for p in engine.module.parameters())
-    # (ZeRO-3's model states hold the parameter shapes and empty tensors: in the allowance)
     return int(total + _RECORD_SLACK)
 
 
@@ -752,6 +760,7 @@ class ResumePlan:
 
     def load(self, engine, log=print) -> dict:
         """Load into ``engine`` (every rank); returns the client state saved with it (``step``, ...)."""
+        t0 = time.monotonic()
         try:
             path, client = engine.load_checkpoint(self.path, tag=self.load_tag)
         except Exception as e:  # DeepSpeed's and torch's load errors name no file
@@ -768,7 +777,7 @@ class ResumePlan:
                 log(f"warning: {self.note}")
             how = " through DeepSpeed's universal checkpoint" if self.universal else ""
             log(f"resumed from {os.path.join(self.path, self.tag)} (step {self.step}, {self.samples_consumed} "
-                f"samples consumed){how}" + "".join(f"\n  {c}" for c in self.changes))
+                f"samples consumed){how} in {time.monotonic() - t0:.2f} s" + "".join(f"\n  {c}" for c in self.changes))
         return client
 
 
@@ -903,7 +912,7 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
         if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not os.path.isfile(marker):
             raise
     _fsync_dir(path)
-    log(f"converted {src} to DeepSpeed's universal checkpoint {out} in {time.monotonic() - t0:.1f} s")
+    log(f"converted {src} to DeepSpeed's universal checkpoint {out} in {time.monotonic() - t0:.2f} s")
     return out_tag
 
 
@@ -941,6 +950,59 @@ def run_record(*, world_size: int, sp: int, dp: int, zero_stage: int, micro_batc
             "model": model_facts(model_config), "optimizer": ds_config.get("optimizer"),
             "scheduler": ds_config.get("scheduler"), "gradient_clipping": ds_config.get("gradient_clipping"),
             "dtype": _train_dtype(ds_config), "ds_longctx_version": _version()}
+
+
+def batch_sizes(ds_config: dict, dp: int) -> Tuple[int, int]:
+    """(micro batch, gradient accumulation steps) as DeepSpeed derives them from the batch keys."""
+    tbs, micro = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    if micro is None:
+        micro = tbs // ((gas or 1) * dp) if tbs else 1
+    if gas is None:
+        gas = tbs // (micro * dp) if tbs else 1
+    return int(micro), int(gas)
+
+
+def layout_record(ds_config: dict, world_size: int, model_config=None, **extra) -> dict:
+    """A custom loop's record from its ds_config and world size (the layout, ZeRO stage, optimizer; the model's
+    facts when ``model_config`` is given); ``extra`` adds what the loop's data position depends on (``seq_len``,
+    ``seed``, ``data``: a resume refuses a change of any key both records hold)."""
+    from .layout import zero_stage
+
+    sp = int(ds_config.get("sequence_parallel_size") or 1)
+    dp = world_size // sp
+    micro, gas = batch_sizes(ds_config, dp)
+    rec = {"world_size": world_size, "sequence_parallel_size": sp, "data_parallel_size": dp,
+           "zero_stage": zero_stage(ds_config), "micro_batch": micro, "gradient_accumulation_steps": gas,
+           "optimizer": ds_config.get("optimizer"), "scheduler": ds_config.get("scheduler"),
+           "gradient_clipping": ds_config.get("gradient_clipping"), "dtype": _train_dtype(ds_config),
+           "ds_longctx_version": _version()}
+    if model_config is not None:
+        rec["model"] = model_facts(model_config)
+    rec.update(extra)
+    return rec
+
+
+def resume(path: str, record: dict, name: str = "resume", log=print) -> ResumePlan:
+    """Every rank, after the process group exists and before ``ds_longctx.initialize``: what resuming from
+    ``path`` means for this run (``record``: :func:`layout_record`'s, or train's :func:`run_record`), converted to
+    DeepSpeed's universal checkpoint when the world size, SP or DP degree changed (rank 0, once). Then::
+
+        engine, *_ = ds_longctx.initialize(..., config=plan.ds_config(ds_config))
+        client_state = plan.load(engine)        # plan.step, plan.samples_consumed: where to continue
+    """
+    plan = plan_resume(path, record, name=name, log=log)
+    ensure_universal(plan, log=log)
+    return plan
+
+
+def open_checkpoints(engine, save_dir: str, keep_last: Optional[int] = None, name: str = "save_dir",
+                     log=print) -> SaveDir:
+    """Every rank, after ``initialize`` and before step 1: the save directory checked (created, writable on every
+    rank, room for one checkpoint, this run's lock), partial saves of killed runs removed. Then
+    ``saves.save(engine, step, record)`` on every rank whenever the loop saves (``record``: the run's record with
+    ``samples_consumed``), and ``saves.close()`` at the end."""
+    return SaveDir.open(engine, save_dir, keep_last=keep_last, name=name, log=log)
 
 
 def _train_dtype(ds_config: dict) -> str:
@@ -1087,10 +1149,10 @@ def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype:
 
         generation_config = GenerationConfig.from_pretrained(side)
     _write_hf(out_dir, dict(sd), model_config, tokenizer=tokenizer, dtype=target, generation_config=generation_config)
-    log(f"exported {os.path.join(path, tag)} to {out_dir} in {time.monotonic() - t0:.1f} s")
+    log(f"exported {os.path.join(path, tag)} to {out_dir} in {time.monotonic() - t0:.2f} s")
     return tag
 
 
-__all__ = ["SaveDir", "ResumePlan", "plan_resume", "ensure_universal", "convert_to_universal", "export_hf",
-           "export_checkpoint", "find_resume_tag", "check_tag", "estimate_bytes", "run_record", "model_facts",
-           "RECORD_FILE", "tag_for"]
+__all__ = ["SaveDir", "ResumePlan", "open_checkpoints", "resume", "plan_resume", "ensure_universal",
+           "convert_to_universal", "export_hf", "export_checkpoint", "find_resume_tag", "check_tag", "estimate_bytes",
+           "run_record", "layout_record", "batch_sizes", "model_facts", "RECORD_FILE", "tag_for"]

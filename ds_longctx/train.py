@@ -444,7 +444,7 @@ def main(argv=None):
     # assertion (every rank counted as data parallel, no key named) would come first
     check_train_batch_size(ds_config, world, sp)
     dp = world // sp
-    micro, gas = _batch_sizes(ds_config, dp)
+    micro, gas = ckpt.batch_sizes(ds_config, dp)
     from .layout import zero_stage
 
     record = ckpt.run_record(world_size=world, sp=sp, dp=dp, zero_stage=zero_stage(ds_config), micro_batch=micro,
@@ -458,11 +458,11 @@ def main(argv=None):
                  f"{'' if resume_dir else ': starting at step 1'}")
     plan = None
     if resume_dir:
-        plan = ckpt.plan_resume(resume_dir, record)  # same files, same verdict on every rank
+        # the same files, the same verdict on every rank; rank 0 converts to a universal checkpoint when needed
+        plan = ckpt.resume(resume_dir, record, name="--resume", log=info)
         if plan.step >= args.steps:
             raise _config_error("--steps", f"{args.steps} is not past the checkpoint's step {plan.step}",
                                 f"give --steps > {plan.step}")
-        ckpt.ensure_universal(plan, log=info)  # rank 0 converts once; every rank checks it sees the result
         ds_config = plan.ds_config(ds_config)
 
     # ---- model, data, engine ----
@@ -485,7 +485,8 @@ def main(argv=None):
 
     # ---- what could fail after hours, checked now ----
     reserve_offload_storage(engine, seq_len)  # offload="nvme": the drive holds this rank's layer inputs
-    saves = ckpt.SaveDir.open(engine, args.save, keep_last=args.keep_last or None, log=info) if args.save else None
+    saves = ckpt.open_checkpoints(engine, args.save, keep_last=args.keep_last or None, name="--save", log=info) \
+        if args.save else None
     # time, tokens/s, TFLOPs (the one formula) and peak memory of every step; with long_context.profile enabled
     # also a torch.profiler trace (+ CUDA memory snapshot) of the chosen steps, and on rank 0 the executed FLOPs
     # per category next to the planner's (the config as initialize resolved it)
@@ -515,7 +516,7 @@ def main(argv=None):
         t0 = time.monotonic()
         tag = saves.save(engine, step, dict(record, samples_consumed=consumed), client_state={"step": step},
                          hf_config=model.config, tokenizer=tokenizer)
-        steplog.note(f"saved {tag} ({why}) to {saves.path} in {time.monotonic() - t0:.1f} s")
+        steplog.note(f"saved {tag} ({why}) to {saves.path} in {time.monotonic() - t0:.2f} s")
         return time.monotonic()
 
     # ---- the loop ----
@@ -586,18 +587,6 @@ def main(argv=None):
             info(f"final loss {loss_value:.4f} (no-attention floor ln(V-2) = {dataset.chance_loss:.4f}); copy accuracy "
                  f"{acc:.3f} (chance {chance:.3f})")
     return loss_value
-
-
-def _batch_sizes(ds_config: dict, dp: int):
-    """(micro batch, gradient accumulation steps) as DeepSpeed derives them from the batch keys (checked by
-    config.check_train_batch_size)."""
-    tbs, micro = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
-    gas = ds_config.get("gradient_accumulation_steps")
-    if micro is None:
-        micro = tbs // ((gas or 1) * dp) if tbs else 1
-    if gas is None:
-        gas = tbs // (micro * dp) if tbs else 1
-    return int(micro), int(gas)
 
 
 def _has_checkpoint(path: str) -> bool:

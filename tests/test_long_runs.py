@@ -203,19 +203,27 @@ def test_a_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, small
     assert sorted(e for e in os.listdir(ck) if not e.startswith(".ds_longctx")) == \
         sorted(["latest", "step2", "zero_to_fp32.py", "zero_to_torch.py"]), os.listdir(ck)
     os.remove(os.path.join(ck, checkpoint.TEST_FILLER))
-    again = run_train(*args, "--steps", "3", "--resume", ck, "--metrics", str(tmp_path / "r.jsonl"), timeout=300)
-    assert "resumed from" in again.stdout and [r["step"] for r in read_metrics(tmp_path / "r.jsonl")] == [3]
+    # it resumes; a learning rate changed in the ds_config takes effect (DeepSpeed restores the checkpoint's) and
+    # is reported
+    cfg = json.load(open(TINY_CPU))
+    cfg["optimizer"]["params"]["lr"] = 0.001
+    again = run_train(*args, "--steps", "3", "--resume", ck, "--metrics", str(tmp_path / "r.jsonl"), timeout=300,
+                      config=_config(tmp_path, "lr.json", optimizer=cfg["optimizer"]))
+    assert f"resumed from {ck}/step2 (step 2, 8 samples consumed)" in again.stdout, again.stdout[-3000:]
+    assert "optimizer.params.lr: 0.003 in the checkpoint, 0.001 now: the ds_config's value takes effect" in \
+        again.stdout, again.stdout[-3000:]
+    assert [(r["step"], r["lr"]) for r in read_metrics(tmp_path / "r.jsonl")] == [(3, 0.001)]
 
 
 def _train_and_export(rank, world, tmp):
-    """2 ranks, SP 2, ZeRO-3, the whole stack of tiny-cpu.json: 2 steps, a checkpoint, --save-hf's export, and the
-    engine's own logits on one sample (each rank's sequence shard, gathered)."""
+    """2 ranks, SP 2, ZeRO-3, the whole stack of tiny-cpu.json, through the public API of a custom loop: 2 steps,
+    a checkpoint (open_checkpoints), the export (export_hf), and the engine's own logits on one sample (each
+    rank's sequence shard, gathered). Returns the bytes the save directory's check expected of this rank."""
     import torch
     import torch.distributed as dist
 
     import ds_longctx
     from ds_longctx import train
-    from ds_longctx.checkpoint import SaveDir, export_hf
     from ds_longctx.config import load_ds_config
     from ds_longctx.data import LongRangeCopy, SampleStream, shard_batch
 
@@ -229,10 +237,11 @@ def _train_and_export(rank, world, tmp):
         loss = engine(**next(stream)).loss
         engine.backward(loss)
         engine.step()
-    saves = SaveDir.open(engine, os.path.join(tmp, "ck"), log=lambda *_: None)
+    saves = ds_longctx.open_checkpoints(engine, os.path.join(tmp, "ck"), log=lambda *_: None)
+    estimate = saves.per_rank_bytes
     saves.save(engine, 2, {"step": 2, "dtype": "fp32"}, hf_config=model.config)
     saves.close()
-    export_hf(engine, os.path.join(tmp, "hf"), log=lambda *_: None)
+    ds_longctx.export_hf(engine, os.path.join(tmp, "hf"), log=lambda *_: None)
     sample = {k: v.unsqueeze(0) for k, v in data[5].items()}
     batch = shard_batch(sample, rank, 2)
     engine.eval()
@@ -243,7 +252,7 @@ def _train_and_export(rank, world, tmp):
     if rank == 0:
         torch.save({"logits": torch.cat(parts, dim=1), "input_ids": sample["input_ids"]},
                    os.path.join(tmp, "engine.pt"))
-    return True
+    return estimate
 
 
 _FROM_PRETRAINED = """
@@ -261,7 +270,11 @@ print("RESULT", json.dumps(out))
 
 
 def test_export_loads_without_ds_longctx_with_the_engines_logits(tmp_path):
-    run_distributed(_train_and_export, 2, str(tmp_path), timeout=240)
+    estimates = run_distributed(_train_and_export, 2, str(tmp_path), timeout=240)
+    for r, estimate in enumerate(estimates):  # the free-space check's bytes vs what each rank wrote
+        wrote = sum(os.path.getsize(tmp_path / "ck" / "step2" / f) for f in os.listdir(tmp_path / "ck" / "step2")
+                    if f.startswith(f"zero_pp_rank_{r}_"))
+        assert wrote <= estimate <= wrote + (64 << 10), (r, wrote, estimate)
     p = subprocess.run([sys.executable, "-m", "ds_longctx.cli", "export", str(tmp_path / "ck"), str(tmp_path / "hf2")],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -308,3 +321,34 @@ def test_the_wheel_runs_the_demo_with_a_shipped_config(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert "world=2 sp=2 dp=1 seq_len=64" in out and "final loss" in out, out[-3000:]
+
+
+_STOP = """
+import os, signal, sys, time
+from ds_longctx.runtime import graceful_stop, install_signal_handlers, stop_requested
+install_signal_handlers()
+first, second = signal.Signals[sys.argv[1]], signal.Signals[sys.argv[2]]
+with graceful_stop():
+    assert stop_requested() is None
+    os.kill(os.getpid(), first)
+    time.sleep(0.5)
+    print("STOP", stop_requested(), flush=True)
+    if sys.argv[3] == "inside":
+        os.kill(os.getpid(), second)  # a second signal ends the rank at once
+        time.sleep(10)
+        print("NOT REACHED", flush=True)
+print("OUTSIDE", stop_requested(), flush=True)
+os.kill(os.getpid(), second)  # outside: the handlers it replaced (SIGTERM ends the rank)
+time.sleep(10)
+"""
+
+
+def test_graceful_stop_records_the_first_signal_and_a_second_sigterm_ends_the_rank():
+    for first, second, where in (("SIGUSR1", "SIGTERM", "inside"), ("SIGTERM", "SIGTERM", "outside")):
+        p = subprocess.run([sys.executable, "-c", _STOP, first, second, where], cwd=ROOT, env=_env(),
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 143, (first, p.returncode, p.stdout, p.stderr[-2000:])
+        assert f"STOP {first}" in p.stdout and "NOT REACHED" not in p.stdout, p.stdout
+        assert ("OUTSIDE None" in p.stdout) == (where == "outside"), p.stdout
+        assert f"ds_longctx: received {first}: finishing this step, saving a checkpoint, then exiting" in p.stderr
+        assert "ds_longctx: received SIGTERM: ending this rank (exit 143)" in p.stderr, p.stderr[-2000:]
