@@ -383,8 +383,8 @@ def _holder_text(lock_path: str) -> str:
 class SaveDir:
     """The ``--save`` directory of one run (every rank holds one; rank 0 holds the lock).
 
-    ``SaveDir.open(engine, path, keep_last=K)`` runs the checks of :meth:`preflight` before step 1;
-    :meth:`save` writes a tag; :meth:`close` releases the lock."""
+    :meth:`acquire` (as soon as the process group exists) and :meth:`check_space` (after ``initialize``) run the
+    checks before step 1, :meth:`open` both; :meth:`save` writes a tag; :meth:`close` releases the lock."""
 
     path: str
     name: str = "--save"
@@ -397,52 +397,64 @@ class SaveDir:
     @classmethod
     def open(cls, engine, path: str, keep_last: Optional[int] = None, name: str = "--save",
              log=print) -> "SaveDir":
-        sd = cls(path=os.path.abspath(path), name=name, keep_last=keep_last)
-        sd.preflight(engine, log=log)
+        """:meth:`acquire` then :meth:`check_space` (a custom loop, after ``initialize``)."""
+        sd = cls.acquire(path, keep_last=keep_last, name=name)
+        sd.check_space(engine, log=log)
         return sd
 
-    # ---- before step 1 ------------------------------------------------------------------------
-    def preflight(self, engine, log=print) -> None:
-        """Every rank, before step 1: the directory exists (created) and is writable on every rank, this run
-        holds its lock (a second run is refused naming the holder), partial tags of killed runs are removed,
-        and each filesystem holding it has room for one checkpoint of every rank writing there."""
-        rank, world = _rank_world()
+    # ---- before the model is built, then before step 1 ---------------------------------------------------
+    @classmethod
+    def acquire(cls, path: str, keep_last: Optional[int] = None, name: str = "--save") -> "SaveDir":
+        """Every rank, as soon as the process group exists (before the model is built: a second run on the same
+        directory fails in seconds, not after loading the model): the directory exists (created) and is writable
+        on every rank, this run holds its lock (another run's is refused naming its holder), partial tags of
+        killed runs are removed, and which ranks share a filesystem is known (rank 0 drops a marker, each rank
+        looks for it)."""
+        sd = cls(path=os.path.abspath(path), name=name, keep_last=keep_last)
+        rank, _ = _rank_world()
         token = uuid.uuid4().hex
-        outcome = None
-        if rank == 0:
-            outcome = self._lock_and_clean(token)
+        outcome = sd._lock_and_clean(token) if rank == 0 else None
         outcome, token = _broadcast((outcome, token))
+        if outcome is not None:
+            sd.close()
         _raise_everywhere(outcome)
-        sees_marker = os.path.exists(os.path.join(self.path, f".ds_longctx.fs-{token}"))
+        sees_marker = os.path.exists(os.path.join(sd.path, f".ds_longctx.fs-{token}"))
         problem = None
         try:
-            os.makedirs(self.path, exist_ok=True)  # a node-local directory on another node
-            probe = os.path.join(self.path, f".ds_longctx.write-test-{rank}-{os.getpid()}")
+            os.makedirs(sd.path, exist_ok=True)  # a node-local directory on another node
+            probe = os.path.join(sd.path, f".ds_longctx.write-test-{rank}-{os.getpid()}")
             with open(probe, "w") as f:
                 f.write("ok")
             os.remove(probe)
-            free = _free_bytes(self.path)
         except OSError as e:
-            problem, free = f"{self.path!r} is not writable on rank {rank} ({socket.gethostname()}): {e.strerror}", 0
-        self.per_rank_bytes = estimate_bytes(engine)
-        facts = _all_gather({"host": socket.gethostname(), "shared": sees_marker, "free": free,
-                             "bytes": self.per_rank_bytes, "problem": problem})
+            problem = f"{sd.path!r} is not writable on rank {rank} ({socket.gethostname()}): {e.strerror}"
+        facts = _all_gather({"host": socket.gethostname(), "shared": sees_marker, "problem": problem})
         if rank == 0:
             try:
-                os.remove(os.path.join(self.path, f".ds_longctx.fs-{token}"))
+                os.remove(os.path.join(sd.path, f".ds_longctx.fs-{token}"))
             except OSError:
                 pass
         problems = [f["problem"] for f in facts if f["problem"]]
         if problems:
-            raise ConfigError(self.name, problems[0] + (f" (and {len(problems) - 1} more ranks)" if len(problems) > 1
-                                                        else ""), "give a directory every rank can write")
+            sd.close()
+            raise ConfigError(name, problems[0] + (f" (and {len(problems) - 1} more ranks)" if len(problems) > 1
+                                                   else ""), "give a directory every rank can write")
         # ranks that see rank 0's marker share its filesystem; the others are grouped by host (node-local)
-        shared = [r for r, f in enumerate(facts) if f["shared"]]
         local: Dict[str, List[int]] = {}
         for r, f in enumerate(facts):
             if not f["shared"]:
                 local.setdefault(f["host"], []).append(r)
-        self.groups = [shared] + list(local.values())
+        sd.groups = [[r for r, f in enumerate(facts) if f["shared"]]] + list(local.values())
+        return sd
+
+    def check_space(self, engine, log=print) -> None:
+        """Every rank, after ``initialize``, before step 1: each filesystem holding the directory has room for one
+        checkpoint of every rank writing there (this rank's bytes from its model states: :func:`estimate_bytes`);
+        says how many bytes a save writes."""
+        rank, _ = _rank_world()
+        self.per_rank_bytes = estimate_bytes(engine)
+        facts = _all_gather({"host": socket.gethostname(), "free": _free_bytes(self.path),
+                             "bytes": self.per_rank_bytes})
         self._check_space(facts, "one checkpoint")
         if rank == 0:
             total = sum(f["bytes"] for f in facts)

@@ -450,6 +450,8 @@ def main(argv=None):
     record = ckpt.run_record(world_size=world, sp=sp, dp=dp, zero_stage=zero_stage(ds_config), micro_batch=micro,
                              gas=gas, seq_len=seq_len, seed=args.seed, data=data_identity(args),
                              concat_documents=args.concat_documents, model_config=model_config, ds_config=ds_config)
+    # the save directory now, before the model is built: writable everywhere, not in use by another run
+    saves = ckpt.SaveDir.acquire(args.save, keep_last=args.keep_last or None, name="--save") if args.save else None
     resume_dir = args.resume
     if resume_dir == "auto":
         resume_dir = args.save if _has_checkpoint(args.save) else None
@@ -485,8 +487,8 @@ def main(argv=None):
 
     # ---- what could fail after hours, checked now ----
     reserve_offload_storage(engine, seq_len)  # offload="nvme": the drive holds this rank's layer inputs
-    saves = ckpt.open_checkpoints(engine, args.save, keep_last=args.keep_last or None, name="--save", log=info) \
-        if args.save else None
+    if saves:
+        saves.check_space(engine, log=info)  # room for one checkpoint of every rank, from the model states
     # time, tokens/s, TFLOPs (the one formula) and peak memory of every step; with long_context.profile enabled
     # also a torch.profiler trace (+ CUDA memory snapshot) of the chosen steps, and on rank 0 the executed FLOPs
     # per category next to the planner's (the config as initialize resolved it)
