@@ -645,8 +645,13 @@ class SaveDir:
         for _, entry in sorted(tags)[:-self.keep_last]:
             if entry == keep:
                 continue
-            shutil.rmtree(os.path.join(self.path, entry), ignore_errors=True)
-            shutil.rmtree(os.path.join(self.path, entry + UNIVERSAL_SUFFIX), ignore_errors=True)
+            for name in (entry, entry + UNIVERSAL_SUFFIX):  # renamed first: a kill mid-delete leaves no half tag
+                doomed = os.path.join(self.path, f"{TMP_PREFIX}pruned-{name}")
+                try:
+                    os.replace(os.path.join(self.path, name), doomed)
+                except OSError:
+                    continue
+                shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _ranks(group: List[int]) -> str:

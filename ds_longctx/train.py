@@ -19,15 +19,40 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
 import os
 import sys
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from . import comm
+from .checkpoint import find_resume_tag
+from .compat import check_model_scale
+from .config import check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
+from .corpus import check_data_path, open_corpus
+from .corpus import data_identity as corpus_identity
+from .data import TASKS, SampleStream, shard_batch
+from .errors import ConfigError
+from .evaluate import eval_loader, evaluate
+from .initialize import init_distributed, initialize, model_init
+from .launch import check_launch
+from .layout import zero_stage
+from .loss import IGNORE_INDEX
+from .measure.profiler import StepProfiler, format_flops
+from .metrics import StepLog, peak_tflops, step_record
+from .models import text_config
+from .models.loading import load_model_config as _load_model_config
+from .planner import planned_work
+from .preflight import reserve_offload_storage
+from .runtime import graceful_stop, stop_requested
+from .weights import deterministic_init
 
 
 def _logger():
@@ -144,8 +169,6 @@ def parse_args(argv=None):
 
 
 def _config_error(key, problem, fix):
-    from .errors import ConfigError
-
     return ConfigError(key, problem, fix)
 
 
@@ -181,8 +204,6 @@ def _model_config_path(path):
 def validate_args(args, lc):
     """Every CLI value, checked on every rank before any collective (a rank that raised alone would leave the
     others waiting). Returns the sequence length."""
-    from .data import TASKS
-
     sp = lc.sequence_parallel_size
     for flag, value, least, fix in (("--steps", args.steps, 1, "give the number of optimizer steps"),
                                     ("--seed", args.seed, 0, "give a non-negative seed"),
@@ -210,8 +231,6 @@ def validate_args(args, lc):
     if seq_len % sp:
         raise _config_error(flag, f"{seq_len} is not divisible by sequence_parallel_size={sp}",
                             f"use a multiple of {sp}, e.g. {(seq_len // sp + 1) * sp}")
-    from .corpus import check_data_path
-
     if args.data in TASKS:
         if args.data == "copy" and (seq_len < 4 or seq_len % 2):
             raise _config_error(flag, f"the copy task needs an even length >= 4, got {seq_len}",
@@ -245,11 +264,7 @@ def validate_args(args, lc):
             raise _config_error("--save-hf", f"{args.save_hf!r} is not empty", "give a new or empty directory (an "
                                 "export never mixes its files with another model's)")
     if args.resume and args.resume != "auto":
-        from .checkpoint import find_resume_tag
-
         find_resume_tag(args.resume)  # raises when there is no usable checkpoint
-    from .config import check_shards
-
     check_shards(lc, seq_len)  # against the length trained (--seq-len), not only the config's sequence_length
     return seq_len
 
@@ -288,8 +303,6 @@ def hub_load(flag, name, load):
 def check_max_position(args, model_config, seq_len):
     """--seq-len above the model's max_position_embeddings is refused unless asked for: RoPE models run but see
     positions they were never trained on (RoPE-scaled configs already state their scaled length)."""
-    from .models import text_config
-
     mpe = getattr(text_config(model_config), "max_position_embeddings", None)
     if isinstance(mpe, int) and seq_len > mpe and not args.allow_beyond_max_position:
         flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
@@ -305,16 +318,11 @@ def check_max_position(args, model_config, seq_len):
 
 def load_model_config(path):
     """The HF config of ``--model-config`` (a config.json or a directory holding one)."""
-    from .models.loading import load_model_config as load
-
-    return load(path)
+    return _load_model_config(path)
 
 
 def build_model(args, ds_config):
     from transformers import AutoModelForCausalLM
-
-    from . import model_init
-    from .weights import deterministic_init
 
     torch.manual_seed(args.seed)
     with model_init(ds_config):
@@ -340,10 +348,6 @@ def load_tokenizer(args):
 def build_dataset(args, model_config, seq_len, tokenizer, path=None, flag="--data"):
     """--data's samples (or ``path``'s: --eval-data): the built-in task, or the file's tokens from its cache
     (tokenized once, by one process per cache; corpus.open_corpus)."""
-    from .corpus import open_corpus
-    from .data import TASKS
-    from .models import text_config
-
     path = path or args.data
     if path in TASKS:
         return TASKS[path](seq_len=seq_len, vocab_size=model_config.vocab_size, seed=args.seed)
@@ -357,20 +361,14 @@ def build_dataset(args, model_config, seq_len, tokenizer, path=None, flag="--dat
 def data_identity(args):
     """What a resume must find unchanged about the data (the samples and their order follow from it): the task,
     or the file's content hash and size (corpus.data_identity: hashed once per file version) and the column."""
-    from .corpus import data_identity as identity
-    from .data import TASKS
-
     if args.data in TASKS:
         return {"task": args.data}
-    return dict(identity(args.data), column=args.data_column)
+    return dict(corpus_identity(args.data), column=args.data_column)
 
 
 @torch.no_grad()
 def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     """Argmax accuracy on scored tokens of held-out samples (the SP group evaluates together)."""
-    from .data import shard_batch
-    from .loss import IGNORE_INDEX
-
     engine.eval()
     correct = total = 0
     for i in range(n):
@@ -402,30 +400,43 @@ def _agree(flags):
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import time
+@dataclasses.dataclass
+class Job:
+    """Everything the loop uses, prepared and checked by :func:`prepare`."""
+    args: argparse.Namespace
+    lc: Any                      # the parsed long_context section
+    seq_len: int
+    world: int
+    sp: int
+    dp: int
+    micro: int
+    gas: int
+    record: dict                 # the run's record (checkpoint.run_record): what a resume compares
+    model: Any
+    tokenizer: Any
+    dataset: Any
+    eval_set: Any
+    engine: Any
+    batches: SampleStream        # the job's sample order from the next unseen sample
+    saves: Optional[ckpt.SaveDir]
+    profiler: StepProfiler
+    steplog: StepLog
+    start: int                   # the last step done (0, or the checkpoint's)
+    peak: Optional[float]        # the device's datasheet TFLOP/s (MFU), or None
 
-    import ds_longctx
-    from . import checkpoint as ckpt
-    from . import comm
-    from .config import check_train_batch_size, load_ds_config, parse, resolved_ds_config
-    from .data import SampleStream
-    from .initialize import init_distributed
-    from .launch import check_launch
-    from .measure.profiler import StepProfiler
-    from .metrics import StepLog, peak_tflops, step_record
-    from .planner import planned_work
-    from .preflight import reserve_offload_storage
-    from .runtime import graceful_stop, stop_requested
+    @property
+    def samples_consumed(self) -> int:
+        return self.batches.position
 
-    # ---- every check that needs no other rank, on every rank ----
+
+def prepare(args) -> Job:
+    """Every check that needs no other rank (on every rank), the process group, the save directory (locked before
+    the model is built), what a resume loads (converted to DeepSpeed's universal checkpoint on another layout),
+    the model, data and engine, then what could fail after hours (NVMe bytes, free space for a checkpoint)."""
     ds_config = load_ds_config(args.deepspeed_config)
     lc = parse(ds_config)
     seq_len = validate_args(args, lc)
     if not args.model:  # a config far beyond the model (the tiny preset given an 8B config): say so now
-        from .compat import check_model_scale
-
         model_config = load_model_config(args.model_config or default_model_config())
         check_model_scale(lc, model_config, seq_len,
                           f"--model-config {args.model_config}" if args.model_config else None)
@@ -436,7 +447,6 @@ def main(argv=None):
     check_max_position(args, model_config, seq_len)
     tokenizer = load_tokenizer(args)
 
-    # ---- the job's layout; what a resume loads (on another layout: DeepSpeed's universal checkpoint) ----
     init_distributed()
     sp = lc.sequence_parallel_size
     world = check_launch(sp)  # world vs SP, on every rank together, before the model is built
@@ -445,19 +455,16 @@ def main(argv=None):
     check_train_batch_size(ds_config, world, sp)
     dp = world // sp
     micro, gas = ckpt.batch_sizes(ds_config, dp)
-    from .layout import zero_stage
-
     record = ckpt.run_record(world_size=world, sp=sp, dp=dp, zero_stage=zero_stage(ds_config), micro_batch=micro,
                              gas=gas, seq_len=seq_len, seed=args.seed, data=data_identity(args),
                              concat_documents=args.concat_documents, model_config=model_config, ds_config=ds_config)
-    # the save directory now, before the model is built: writable everywhere, not in use by another run
     saves = ckpt.SaveDir.acquire(args.save, keep_last=args.keep_last or None, name="--save") if args.save else None
     resume_dir = args.resume
     if resume_dir == "auto":
         resume_dir = args.save if _has_checkpoint(args.save) else None
         if dist.get_rank() == 0:
-            info(f"--resume auto: {'resuming from ' + args.save if resume_dir else 'no checkpoint in ' + args.save}"
-                 f"{'' if resume_dir else ': starting at step 1'}")
+            info(f"--resume auto: resuming from {args.save}" if resume_dir else
+                 f"--resume auto: no checkpoint in {args.save}: starting at step 1")
     plan = None
     if resume_dir:
         # the same files, the same verdict on every rank; rank 0 converts to a universal checkpoint when needed
@@ -467,134 +474,146 @@ def main(argv=None):
                                 f"give --steps > {plan.step}")
         ds_config = plan.ds_config(ds_config)
 
-    # ---- model, data, engine ----
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len, tokenizer)
     eval_set = build_dataset(args, model.config, seq_len, tokenizer, path=args.eval_data, flag="--eval-data") \
         if args.eval_data else None
-    engine, _, _, _ = ds_longctx.initialize(args=args, model=model, config=ds_config,
-                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
+    engine, _, _, _ = initialize(args=args, model=model, config=ds_config,
+                                 model_parameters=[p for p in model.parameters() if p.requires_grad])
     layout = engine.long_context_layout
-    rank = layout.rank
-    group = comm.sp_group() if sp > 1 else None
     start, consumed = 0, 0
     if plan is not None:
         plan.load(engine, log=info)
         start, consumed = plan.step, plan.samples_consumed
-    per_step = micro * gas * dp  # samples of one optimizer step, the whole job
     batches = SampleStream(dataset, micro, sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=dp,
                            start=consumed)
 
-    # ---- what could fail after hours, checked now ----
     reserve_offload_storage(engine, seq_len)  # offload="nvme": the drive holds this rank's layer inputs
     if saves:
         saves.check_space(engine, log=info)  # room for one checkpoint of every rank, from the model states
     # time, tokens/s, TFLOPs (the one formula) and peak memory of every step; with long_context.profile enabled
     # also a torch.profiler trace (+ CUDA memory snapshot) of the chosen steps, and on rank 0 the executed FLOPs
     # per category next to the planner's (the config as initialize resolved it)
-    profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=rank, model=engine.module,
-                            seq_len=seq_len, plan_work=functools.partial(
-                                planned_work, resolved_ds_config(ds_config, engine.long_context), model.config,
-                                world)
-                            if rank == 0 and lc.profile.enabled else None)
-    steplog = StepLog(engine, args.steps, start_step=start, metrics_path=args.metrics, append=bool(plan),
-                      log_every=args.log_every, progress=not args.no_progress, rank=rank, print_line=info)
-    peak = peak_tflops(record["dtype"])
-    if rank == 0:
+    plan_work = functools.partial(planned_work, resolved_ds_config(ds_config, engine.long_context), model.config,
+                                  world) if layout.rank == 0 and lc.profile.enabled else None
+    profiler = StepProfiler(lc.profile, model.config, world_size=world, sp_size=sp, rank=layout.rank,
+                            model=engine.module, seq_len=seq_len, plan_work=plan_work)
+    steplog = StepLog(engine, args.steps, start_step=start, metrics_path=args.metrics, append=plan is not None,
+                      log_every=args.log_every, progress=not args.no_progress, rank=layout.rank, print_line=info)
+    if layout.rank == 0:
         n_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
         info(f"world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
              f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
              f"zero_stage={engine.zero_optimization_stage()}")
+    return Job(args=args, lc=lc, seq_len=seq_len, world=world, sp=sp, dp=dp, micro=micro, gas=gas, record=record,
+               model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, engine=engine, batches=batches,
+               saves=saves, profiler=profiler, steplog=steplog, start=start, peak=peak_tflops(record["dtype"]))
 
-    def evaluate_now(step):
-        from .evaluate import eval_loader, evaluate
 
-        stats = evaluate(engine, eval_loader(eval_set, engine))  # every rank: a collective
-        steplog.note(f"eval after step {step} ({args.eval_data}): loss {stats['loss']:.4f}, perplexity "
+def train_step(job: Job) -> float:
+    """One optimizer step: ``gas`` micro batches of this rank's shards; the loss averaged over them and over the
+    data-parallel replicas (the SP ranks of a group already agree)."""
+    engine, losses = job.engine, []
+    for _ in range(job.gas):
+        batch = {k: v.to(engine.device) for k, v in next(job.batches).items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().float())
+    loss_t = torch.stack(losses).mean()
+    if job.dp > 1:
+        dist.all_reduce(loss_t)
+        loss_t /= job.world
+    return loss_t.item()
+
+
+def evaluate_now(job: Job, step: int) -> dict:
+    """--eval-data's held-out loss and perplexity (every rank: a collective)."""
+    stats = evaluate(job.engine, eval_loader(job.eval_set, job.engine))
+    job.steplog.note(f"eval after step {step} ({job.args.eval_data}): loss {stats['loss']:.4f}, perplexity "
                      f"{stats['perplexity']:.4g} over {stats['tokens']} tokens")
-        return {"eval_loss": stats["loss"], "eval_perplexity": stats["perplexity"], "eval_tokens": stats["tokens"]}
+    return {"eval_loss": stats["loss"], "eval_perplexity": stats["perplexity"], "eval_tokens": stats["tokens"]}
 
-    def save(step, why):
-        t0 = time.monotonic()
-        tag = saves.save(engine, step, dict(record, samples_consumed=consumed), client_state={"step": step},
-                         hf_config=model.config, tokenizer=tokenizer)
-        steplog.note(f"saved {tag} ({why}) to {saves.path} in {time.monotonic() - t0:.2f} s")
-        return time.monotonic()
 
-    # ---- the loop ----
-    loss_value, last_finite, last_save = float("nan"), None, time.monotonic()
-    stop = None
-    with graceful_stop() if saves else contextlib.nullcontext():
-        for step in range(start + 1, args.steps + 1):
-            profiler.start_step(step)
-            losses = []
-            for _ in range(gas):
-                batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-                loss = engine(**batch).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach().float())
-            consumed += per_step
-            loss_t = torch.stack(losses).mean()
-            if dp > 1:  # the mean over data-parallel replicas (SP ranks already agree)
-                dist.all_reduce(loss_t)
-                loss_t /= world
-            loss_value = loss_t.item()
-            prof = profiler.end_step(step, tokens=seq_len * micro * gas)  # this rank's SP group's tokens
-            rec = step_record(step, loss_value, prof, engine, tokens=seq_len * micro * gas * dp, peak=peak)
-            if eval_set is not None and (step == args.steps or (args.eval_every and step % args.eval_every == 0)):
-                rec.update(evaluate_now(step))
-            steplog.step(rec)
+def save(job: Job, step: int, why: str) -> None:
+    t0 = time.monotonic()
+    tag = job.saves.save(job.engine, step, dict(job.record, samples_consumed=job.samples_consumed),
+                         client_state={"step": step}, hf_config=job.model.config, tokenizer=job.tokenizer)
+    job.steplog.note(f"saved {tag} ({why}) to {job.saves.path} in {time.monotonic() - t0:.2f} s")
+
+
+def train(job: Job):
+    """The loop. Returns (the last step's loss, None) or, after a preemption signal, (its loss, (step, signal))."""
+    args = job.args
+    loss, last_finite, last_save = float("nan"), None, time.monotonic()
+    with graceful_stop() if job.saves else contextlib.nullcontext():
+        for step in range(job.start + 1, args.steps + 1):
+            job.profiler.start_step(step)
+            loss = train_step(job)
+            prof = job.profiler.end_step(step, tokens=job.seq_len * job.micro * job.gas)  # this SP group's tokens
+            rec = step_record(step, loss, prof, job.engine, tokens=job.seq_len * job.micro * job.gas * job.dp,
+                              peak=job.peak)
+            if job.eval_set is not None and (step == args.steps or args.eval_every and step % args.eval_every == 0):
+                rec.update(evaluate_now(job, step))
+            job.steplog.step(rec)
             if "flops_by_category" in rec:
-                from .measure.profiler import format_flops
-
                 info(f"step {step}: executed FLOPs per category, measured vs the planner's (this rank):\n"
                      + "\n".join(format_flops(rec["flops_by_category"])))
-            if not math.isfinite(loss_value):  # the same value on every rank (all-reduced): every rank stops here
+            if not math.isfinite(loss):  # the same value on every rank (all-reduced): every rank stops here
                 last = f"step {last_finite[0]}: {last_finite[1]:.6g}" if last_finite else "none (the first step)"
-                raise _config_error(f"step {step}", f"the loss is {loss_value} (last finite loss: {last})",
+                raise _config_error(f"step {step}", f"the loss is {loss} (last finite loss: {last})",
                                     "lower the learning rate or check the data and the config (lr, loss scaling, "
                                     "bf16/fp16); --resume the last checkpoint to continue")
-            last_finite = (step, loss_value)
-            if saves:
+            last_finite = (step, loss)
+            if job.saves:
                 due = args.save_interval and time.monotonic() - last_save >= args.save_interval
                 stopping, due = _agree([stop_requested(), due])  # every rank takes the same branch
                 if stopping or step == args.steps or due or (args.save_every and step % args.save_every == 0):
-                    why = ("preemption signal" if stopping else "last step" if step == args.steps else
-                           "--save-interval" if due else "--save-every")
-                    last_save = save(step, why)
+                    save(job, step, "preemption signal" if stopping else "last step" if step == args.steps else
+                         "--save-interval" if due else "--save-every")
+                    last_save = time.monotonic()
                 if stopping:
-                    stop = (step, stop_requested() or "a signal on another rank")
-                    break
-    steplog.close()
-    if saves:
-        saves.close()
-    if stop:
+                    return loss, (step, stop_requested() or "a signal on another rank")
+    return loss, None
+
+
+def finish(job: Job, loss: float, stopped) -> None:
+    """After the loop: the save directory released; then, unless a signal stopped the run, the profile summary,
+    --save-hf's export and the copy task's accuracy."""
+    job.steplog.close()
+    if job.saves:
+        job.saves.close()
+    rank = job.engine.long_context_layout.rank
+    if stopped:
         if rank == 0:
-            info(f"stopped after step {stop[0]} on {stop[1]}: saved; continue with --resume {saves.path} "
+            info(f"stopped after step {stopped[0]} on {stopped[1]}: saved; continue with --resume {job.saves.path} "
                  "(or --resume auto)")
-        return loss_value
-    if lc.profile.enabled:
-        path = profiler.write_summary()
+        return
+    if job.lc.profile.enabled:
+        path = job.profiler.write_summary()
         if rank == 0:
-            info(f"profile: per-step records in {path}, traces of steps {sorted(lc.profile.steps)} in "
-                 f"{lc.profile.output_dir}")
-    if args.save_hf:
-        ckpt.export_hf(engine, args.save_hf, tokenizer=tokenizer, log=info)
-    if args.data in ("copy",) and args.eval_samples:
-        acc = copy_accuracy(engine, dataset, args.eval_samples, comm.sp_rank(group), sp, group,
-                            start_index=len(dataset) - args.eval_samples)
+            info(f"profile: per-step records in {path}, traces of steps {sorted(job.lc.profile.steps)} in "
+                 f"{job.lc.profile.output_dir}")
+    if job.args.save_hf:
+        ckpt.export_hf(job.engine, job.args.save_hf, tokenizer=job.tokenizer, log=info)
+    if job.args.data == "copy" and job.args.eval_samples:
+        group = comm.sp_group() if job.sp > 1 else None
+        acc = copy_accuracy(job.engine, job.dataset, job.args.eval_samples, comm.sp_rank(group), job.sp, group,
+                            start_index=len(job.dataset) - job.args.eval_samples)
         if rank == 0:
-            chance = 1.0 / (model.config.vocab_size - 2)
-            info(f"final loss {loss_value:.4f} (no-attention floor ln(V-2) = {dataset.chance_loss:.4f}); copy accuracy "
+            chance = 1.0 / (job.model.config.vocab_size - 2)
+            info(f"final loss {loss:.4f} (no-attention floor ln(V-2) = {job.dataset.chance_loss:.4f}); copy accuracy "
                  f"{acc:.3f} (chance {chance:.3f})")
-    return loss_value
+
+
+def main(argv=None):
+    job = prepare(parse_args(argv))
+    loss, stopped = train(job)
+    finish(job, loss, stopped)
+    return loss
 
 
 def _has_checkpoint(path: str) -> bool:
-    from .checkpoint import find_resume_tag
-    from .errors import ConfigError
-
     try:
         find_resume_tag(path)
         return True

@@ -107,7 +107,8 @@ def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
     tag, record, note = checkpoint.find_resume_tag(str(ck))
     saved = record["step"]
     assert note is None and 4 <= saved <= 8 and saved % 2 == 0, (tag, record, note)
-    assert len([e for e in os.listdir(ck) if e.startswith("step")]) <= 2  # --keep-last 2
+    # --keep-last 2: pruned after each save (a kill between a save and its pruning leaves one more)
+    assert len([e for e in os.listdir(ck) if e.startswith("step")]) <= 3, os.listdir(ck)
     copies = [tmp_path / "ck1", tmp_path / "ck4"]
     for c in copies:
         shutil.copytree(ck, c)
@@ -115,8 +116,8 @@ def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
     dp2 = _config(tmp_path, "dp2.json", train_micro_batch_size_per_gpu=2)  # 4 ranks: the same 4 samples per step
     steps = str(saved + 3)
     same, one, four = side_by_side(
-        (run_train, (*args, "--steps", steps, "--resume", "auto", "--save", str(ck), "--metrics",
-                     str(tmp_path / "c.jsonl")), {}),
+        (run_train, (*args, "--steps", steps, "--resume", "auto", "--save", str(ck), "--keep-last", "2",
+                     "--metrics", str(tmp_path / "c.jsonl")), {}),
         (run_train, (*args, "--steps", steps, "--resume", str(copies[0]), "--metrics", str(tmp_path / "d.jsonl")),
          {"nproc": 1, "config": sp1}),
         (run_train, (*args, "--steps", steps, "--resume", str(copies[1]), "--metrics", str(tmp_path / "e.jsonl")),
@@ -136,6 +137,7 @@ def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
             assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (name, s, got[s], ref[s])
     assert "layout: world_size 2 -> 4, data_parallel_size 1 -> 2, micro_batch 4 -> 2" in four.stdout
     assert checkpoint.find_resume_tag(str(ck))[0] == f"step{saved + 3}"  # the resumed run saved at its end
+    assert {e for e in os.listdir(ck) if e.startswith("step")} == {tag, f"step{saved + 3}"}  # and pruned
     # DeepSpeed's monitors hold every step of the reference run, with the metrics' values
     for field in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes", "host_rss_bytes"):
         col = _csv_column(tmp_path / "csv" / "a" / f"Train_ds_longctx_{field}.csv")
