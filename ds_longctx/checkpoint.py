@@ -48,6 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .errors import ConfigError
+from .layout import zero_stage
+from .models import text_config
+from .planner.model_states import optimizer_states_per_param
+from .planner.units import fmt_bytes
 
 RECORD_FILE = "ds_longctx_layout.json"   # ds_longctx's record in every tag (the name older runs used)
 HF_CONFIG_DIR = "hf"                      # the model's HF config (+ tokenizer, generation config) in every tag
@@ -75,8 +79,6 @@ def _step_of(tag: str) -> Optional[int]:
 
 
 def _fmt(n: float) -> str:
-    from .planner.units import fmt_bytes
-
     return fmt_bytes(n)
 
 
@@ -312,8 +314,6 @@ def find_resume_tag(path: str, name: str = "--resume") -> Tuple[str, dict, Optio
 
 def model_facts(model_config) -> dict:
     """The shape facts a checkpoint must share with the model it is loaded into."""
-    from .models import text_config
-
     tc = text_config(model_config)
     heads = getattr(tc, "num_attention_heads", None)
     hidden = getattr(tc, "hidden_size", None)
@@ -334,9 +334,6 @@ def checkpoint_bytes(ds_config: dict, n_params: int, lp_bytes: int = 2) -> int:
     """Bytes of one checkpoint of the whole job (every rank) by arithmetic: ZeRO's fp32 master weights and the
     optimizer's states (planner.model_states.optimizer_states_per_param: AdamW 2) for every parameter, plus the
     16-bit (``lp_bytes``) module that rank 0 saves without ZeRO-3. ZeRO-3's model-state files hold shapes only."""
-    from .layout import zero_stage
-    from .planner.model_states import optimizer_states_per_param
-
     total = n_params * 4 * (1 + optimizer_states_per_param(ds_config))
     if zero_stage(ds_config) != 3:
         total += n_params * lp_bytes
@@ -348,8 +345,6 @@ def estimate_bytes(engine) -> int:
     optimizer's states of the same size (:func:`checkpoint_bytes`' rule, on this rank's partition), the module's
     weights on the rank that saves them (no ZeRO-3), plus a small allowance. Checked against real saves in
     tests/test_long_runs.py."""
-    from .planner.model_states import optimizer_states_per_param
-
     stage = engine.zero_optimization_stage()
     opt = engine.optimizer
     if stage == 3:
@@ -984,8 +979,6 @@ def layout_record(ds_config: dict, world_size: int, model_config=None, **extra) 
     """A custom loop's record from its ds_config and world size (the layout, ZeRO stage, optimizer; the model's
     facts when ``model_config`` is given); ``extra`` adds what the loop's data position depends on (``seq_len``,
     ``seed``, ``data``: a resume refuses a change of any key both records hold)."""
-    from .layout import zero_stage
-
     sp = int(ds_config.get("sequence_parallel_size") or 1)
     dp = world_size // sp
     micro, gas = batch_sizes(ds_config, dp)
@@ -1030,7 +1023,7 @@ def _train_dtype(ds_config: dict) -> str:
 
 
 def _version() -> str:
-    from . import __version__
+    from . import __version__  # the package's __init__ imports this module: read at call time
 
     return __version__
 

@@ -13,6 +13,12 @@ import argparse
 import os
 import sys
 
+from .checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
+from .errors import ConfigError
+from .models.loading import load_model_config
+from .planner.cli import main as plan_main
+from .train import shipped_configs_dir
+
 _COMMANDS = ("plan", "export", "convert", "configs")
 
 
@@ -28,15 +34,11 @@ def _export(argv) -> int:
     p.add_argument("--model-config", help="the run's HF config.json, for a checkpoint that holds none")
     p.add_argument("--tokenizer", help="a tokenizer to save with the model (default: the one saved in the tag)")
     a = p.parse_args(argv)
-    from .checkpoint import export_checkpoint
-    from .errors import ConfigError
 
     if os.path.isdir(a.out) and os.listdir(a.out):
         raise ConfigError("OUT", f"{a.out!r} is not empty", "give a new or empty directory")
     model_config = tokenizer = None
     if a.model_config:
-        from .models.loading import load_model_config
-
         model_config = load_model_config(a.model_config)
     if a.tokenizer:
         from transformers import AutoTokenizer
@@ -55,8 +57,6 @@ def _convert(argv) -> int:
     p.add_argument("--tag", help="the tag (default: 'latest' when complete, else the newest complete)")
     p.add_argument("--workers", type=int, default=4, help="processes extracting and merging (default 4)")
     a = p.parse_args(argv)
-    from .checkpoint import convert_to_universal, find_resume_tag
-    from .errors import ConfigError
 
     if a.workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {a.workers}", "give a number of processes")
@@ -67,8 +67,6 @@ def _convert(argv) -> int:
 
 
 def _configs(argv) -> int:
-    from .train import shipped_configs_dir
-
     d = shipped_configs_dir()
     if d is None:
         print("no shipped configs found in this installation", file=sys.stderr)
@@ -87,11 +85,7 @@ def main(argv=None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
-        from .planner.cli import main as plan_main
-
         return plan_main(argv)
-    from .errors import ConfigError
-
     try:
         return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
     except ConfigError as e:

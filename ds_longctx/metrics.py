@@ -14,6 +14,9 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
+from .planner.rates import target_rates
+from .planner.units import fmt_bytes
+
 # the record's numeric fields sent to DeepSpeed's monitor, as "Train/ds_longctx/<field>" (step as x)
 MONITOR_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes",
                   "peak_reserved_bytes", "host_rss_bytes", "step_time_s", "eval_loss", "eval_perplexity")
@@ -36,8 +39,6 @@ def peak_tflops(dtype: str) -> Optional[float]:
 
     if dtype not in ("bf16", "fp16") or not torch.cuda.is_available():
         return None
-    from .planner.rates import target_rates
-
     name = torch.cuda.get_device_name().lower()
     for target in ("h200", "h100"):
         if target in name:
@@ -76,8 +77,6 @@ def _fmt_duration(s: float) -> str:
 
 def plain_line(rec: dict, total: int, eta_s: Optional[float] = None) -> str:
     """The one-line summary of a step (logs, SLURM output)."""
-    from .planner.units import fmt_bytes
-
     parts = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}"]
     if rec.get("lr") is not None:
         parts.append(f"lr {rec['lr']:.3g}")
