@@ -340,6 +340,39 @@ def test_bad_inputs_are_one_clear_error(tmp_path, monkeypatch):
         open_corpus(str(tmp_path / "good.txt"), tok, 4)
 
 
+def test_unreadable_table_and_full_disk_are_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = char_tokenizer()
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"text": DOCS * 50}), path, row_group_size=len(DOCS) * 10, compression="none")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = b"\xff" * 64  # a page in the middle
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=r"--data .*damaged.parquet row \d+: cannot be read \(.*\)\. Fix: rewrite "):
+        open_corpus(str(path), tok, 16)
+    txt = tmp_path / "big.txt"
+    txt.write_text("abc def " * 20000)
+
+    def full_disk():  # writes past 64 KiB fail (EFBIG) as on a full drive
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            token_cache(str(txt), tok)
+        except ConfigError as e:
+            return str(e)
+        return "no error"
+
+    code, msg = _join(*_fork(full_disk))
+    assert code == 0 and "--data: writing the token cache of" in msg and "File too large" in msg, msg
+    assert "GiB free there). Fix: free space there or set DS_LONGCTX_DATA_CACHE" in msg
+    assert not any(".tmp-" in n or n.endswith(".tokens") for n in os.listdir(tmp_path / ".ds_longctx_cache"))
+
+
 def test_samples_are_memory_mapped_and_picklable(tmp_path):
     import pickle
 
