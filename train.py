@@ -593,6 +593,16 @@ def main(argv=None):
     from ds_longctx.launch import check_launch
 
     init_distributed()  # (model_init would start it next) every rank passes the rendezvous, then
+    from ds_longctx.agreement import check_agreement
+    from ds_longctx.corpus import data_identity
+    from ds_longctx.data import TASKS
+
+    # the first collective: every rank holds the same config, CLI values and data (h30; the lead's wiring)
+    check_agreement(ds_config, values={"cli": {"--seq-len": seq_len, "--steps": args.steps, "--seed": args.seed,
+                                               "--model": args.model, "--model-config": args.model_config,
+                                               "--tokenizer": args.tokenizer, "--concat-documents":
+                                               args.concat_documents, "--resume": args.resume},
+                                       "data": {"task": args.data} if args.data in TASKS else data_identity(args.data)})
     world = check_launch(lc.sequence_parallel_size)  # world vs SP, on every rank together, before the model is built
     from ds_longctx.config import check_train_batch_size
 

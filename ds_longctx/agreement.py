@@ -27,6 +27,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import watchdog
+from .config import load_ds_config
 from .errors import ConfigError
 
 ROW_BYTES = 128  # digest 32, pid 8, start time 8, host name up to 80 (utf-8, zero padded)
@@ -263,8 +265,6 @@ def check_agreement(ds_config: dict, values: Optional[dict] = None, group=None, 
     """
     import torch.distributed as dist
 
-    from .config import load_ds_config
-
     ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else ds_config
     flat = fingerprint(ds_config, values)
     digest = _digest(flat)
@@ -278,8 +278,6 @@ def check_agreement(ds_config: dict, values: Optional[dict] = None, group=None, 
             raise disagreement([json.loads(b) for b in blobs], roster)
     _STATE.update(config_digest=config_digest(ds_config), roster=roster)
     if start_watchdog and len(roster) > 1:
-        from . import watchdog
-
         watchdog.start(ds_config, roster)
     return roster
 

@@ -14,10 +14,16 @@ sequence length (``long_context.sequence_length``); without it only the model st
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
+from .agreement import _all_gather_blobs, roster
 from .errors import ConfigError
+from .planner import host as host_plan
+from .planner import model_states as ms
+from .planner.core import _micro_batch
+from .planner.units import fmt_bytes
 
 # the key to name for the largest part of the need
 _PART_KEYS = {"offloaded activations": "long_context.activation_checkpointing.offload",
@@ -45,18 +51,13 @@ class HostNeed:
         return self.per_node <= self.budget
 
 
-def host_need(ds_config: dict, spec, model, world: int) -> HostNeed:
-    """The planner's host bytes per rank for this run (by part) and this node's budget."""
-    from .initialize import _host_budget, _local_ranks
-    from .planner import host as host_plan
-    from .planner import model_states as ms
-    from .planner.core import _micro_batch
-
+def host_need(ds_config: dict, spec, model, world: int, budget: Tuple[int, str], local: int) -> HostNeed:
+    """The planner's host bytes per rank for this run (by part); ``budget``: (the node's host bytes, where the
+    figure comes from: initialize._host_budget), ``local``: the ranks on this node (initialize._local_ranks)."""
     lc = spec.config
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     states = ms.compute(ds_config, ms.ParamInfo(total=int(total), largest_module=0), world)
-    local = _local_ranks(world)
-    budget, source = _host_budget()
+    budget, source = budget
     seq = lc.sequence_length
     ac = lc.activation_checkpointing
     offloading = ac.enabled and ac.offload != "none"
@@ -75,8 +76,6 @@ def host_need(ds_config: dict, spec, model, world: int) -> HostNeed:
 
 
 def _problem(need: HostNeed) -> Optional[ConfigError]:
-    from .planner.units import fmt_bytes
-
     if need.fits:
         return None
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(need.per_rank.items(), key=lambda kv: -kv[1]) if v)
@@ -99,16 +98,12 @@ def _problem(need: HostNeed) -> Optional[ConfigError]:
                        "(`ds-longctx plan` lists the options that fit)", "; ".join(fixes))
 
 
-def check_host_memory(ds_config: dict, spec, model, world: int) -> HostNeed:
+def check_host_memory(ds_config: dict, spec, model, world: int, budget: Tuple[int, str], local: int) -> HostNeed:
     """Refuse, on every rank, a run whose host bytes on some node exceed that node's budget; returns this rank's
     need. One all-gather of the verdicts (nodes may differ: RAM, local ranks)."""
-    import json
-
     import torch.distributed as dist
 
-    from .agreement import _all_gather_blobs, roster
-
-    need = host_need(ds_config, spec, model, world)
+    need = host_need(ds_config, spec, model, world, budget, local)
     err = _problem(need)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         mine = b"" if err is None else json.dumps([err.key, err.problem, err.fix]).encode()

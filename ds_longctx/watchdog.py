@@ -37,14 +37,25 @@ machine: the floor applies.
 """
 from __future__ import annotations
 
+import atexit
+import copy
 import datetime
 import json
+import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import runtime
+from .config import parse
+from .errors import ConfigError
+from .planner.core import Planner, load_model_config
+
+logger = logging.getLogger("ds_longctx")
 
 KEY = "long_context.watchdog.timeout_s"
 FLOOR_S = 600.0        # DeepSpeed's own default process-group timeout (10 minutes)
@@ -61,8 +72,6 @@ def interval_for(timeout_s: float) -> float:
 
 def configured_timeout(ds_config: dict) -> Tuple[float, bool]:
     """(seconds, is_auto): ``long_context.watchdog.timeout_s`` as set, or the floor for "auto" (the default)."""
-    from .config import parse
-
     value = parse(ds_config).watchdog.timeout_s
     if value == "auto":
         return FLOOR_S, True
@@ -201,8 +210,6 @@ def _proc_state(pid: int) -> Optional[Tuple[str, int]]:
 
 class Watchdog:
     def __init__(self, timeout_s: float, roster: Sequence, rank: int, store_maker=None, auto: bool = False):
-        import socket
-
         self.roster, self.rank, self.world = list(roster), rank, len(roster)
         self.auto = auto
         self.host = socket.gethostname()
@@ -227,13 +234,9 @@ class Watchdog:
 
     # --- the thread
     def start(self) -> None:
-        from . import runtime
-
         self.thread = threading.Thread(target=self._run, name="ds_longctx-watchdog", daemon=True)
         self.thread.start()
         runtime.on_exit(self.mark_ended)
-        import atexit
-
         atexit.register(self.mark_ended)
 
     def stop(self) -> None:
@@ -365,9 +368,6 @@ class Watchdog:
         return problem, fix
 
     def _end(self, verdict: dict) -> None:
-        from . import runtime
-        from .errors import ConfigError
-
         self.stopped.set()
         self.ended = True  # no "ended normally" mark: this is an error exit
         problem, fix = self.message(verdict)
@@ -440,10 +440,6 @@ def after_initialize(ds_config: dict, lc, model_config, world: int) -> None:
 def predicted_step_seconds(ds_config: dict, lc, model_config, world: int, gpu_mem: int, target: str,
                            gpus_per_node: Optional[int] = None) -> float:
     """The planner's predicted step seconds for this (resolved) config on ``target``'s rates."""
-    import copy
-
-    from .planner.core import Planner, load_model_config
-
     cfg = copy.deepcopy(ds_config)
     section = cfg.setdefault("long_context", {})
     ac = lc.activation_checkpointing
@@ -458,12 +454,11 @@ def predicted_step_seconds(ds_config: dict, lc, model_config, world: int, gpu_me
 
 
 def _predict_and_post(dog: Watchdog, ds_config, lc, model_config, world) -> None:
-    import logging
     import multiprocessing as mp
 
     import torch
 
-    log = logging.getLogger("ds_longctx")
+    log = logger
     try:
         name = torch.cuda.get_device_name(torch.cuda.current_device()).lower()
         target = "h200" if "h200" in name else "h100"
@@ -477,9 +472,15 @@ def _predict_and_post(dog: Watchdog, ds_config, lc, model_config, world) -> None
         return
     timeout_s = auto_timeout(step)
     log.info(f"ds_longctx: {KEY} 'auto': {timeout_s:g} s = max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x the planner's "
-                f"predicted step {step:.4g} s on {target} rates)")
+             f"predicted step {step:.4g} s on {target} rates)")
+    post_auto_timeout(dog, timeout_s)
+
+
+def post_auto_timeout(dog: Watchdog, timeout_s: float) -> bool:
+    """Rank 0 posts the "auto" timeout (milliseconds, in a store counter every rank reads at each beat); every
+    rank's watchdog adopts it at its next beat (heartbeat interval, silence, process groups)."""
     ms = int(round(timeout_s * 1000))
-    dog.store.call(lambda s: s.add(dog._k("auto_ms"), ms - s.add(dog._k("auto_ms"), 0)), 10.0)
+    return dog.store.call(lambda s: s.add(dog._k("auto_ms"), ms - s.add(dog._k("auto_ms"), 0)), 10.0)[0]
 
 
 __all__ = ["start", "current", "after_initialize", "configured_timeout", "auto_timeout", "apply_to_groups",

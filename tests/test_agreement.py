@@ -137,7 +137,9 @@ def _cases(rank, world, tmp):
     loss = engine(**batch).loss
     engine.backward(loss)
     engine.step()
-    need = host_need(cfg, engine.long_context_spec, engine.module, world)
+    from ds_longctx.initialize import _host_budget, _local_ranks
+
+    need = host_need(cfg, engine.long_context_spec, engine.module, world, _host_budget(), _local_ranks(world))
     arena = get_memory_handle(engine).offloader.target.arena
     out["arena"] = (arena.allocated_bytes, need.per_rank.get("offloaded activations"), need.local_ranks)
     return out

@@ -1,7 +1,8 @@
 """Issue 30 under real launches, side by side (each launch is ~20 s of start-up on CPU): two "nodes" reading
 different data files (mpirun MPMD: one train.py command per rank) are one clear error on every rank at the first
 collective; a rank frozen with kill -STOP ends the whole job (deepspeed launcher) within the configured
-long_context.watchdog.timeout_s, with the diagnosis on the live rank and no process left. Every kind of
+long_context.watchdog.timeout_s, with the diagnosis on the live rank and no process left. Meanwhile this process
+checks what "auto" uses: the planner's predicted step, and an "auto" choice that does not fit logged as a warning. Every kind of
 disagreement, both launchers and the frozen rank 0 (the store's host): bench/fault_rerun.py --group fail_fast."""
 import json
 import os
@@ -154,7 +155,24 @@ def _auto_prediction():
     return predicted, direct.time["seconds"]
 
 
-def test_data_mismatch_mpmd_and_a_frozen_rank_end_the_job_clearly(tmp_path):
+def _auto_unfit_is_a_warning(caplog):
+    """initialize's log for the planner's "auto" lines: the memory-safest choice not fitting (here the host, 1 MiB of
+    arena per node over 100 KiB) is a warning (shown by default), not an INFO line; the host check then refuses."""
+    import logging
+
+    from ds_longctx.config import load_ds_config
+    from ds_longctx.initialize import _auto_log
+    from ds_longctx.planner import resolve_auto
+
+    cfg = load_ds_config(TINY_CPU)
+    cfg["long_context"]["attention"]["heads_per_chunk"] = "auto"
+    with caplog.at_level(logging.INFO, logger="ds_longctx"):
+        chosen = resolve_auto(cfg, os.path.join(ROOT, "ds_configs", "models", "tiny-llama.json"), 2, 80 << 30,
+                              host_mem=100 << 10, log=_auto_log, gpus_per_node=2)
+    return chosen, [(r.levelname, r.getMessage()) for r in caplog.records if "ds_longctx auto" in r.getMessage()]
+
+
+def test_data_mismatch_mpmd_and_a_frozen_rank_end_the_job_clearly(tmp_path, caplog):
     from concurrent.futures import ThreadPoolExecutor
 
     (tmp_path / "a").mkdir()
@@ -164,6 +182,7 @@ def test_data_mismatch_mpmd_and_a_frozen_rank_end_the_job_clearly(tmp_path):
         mismatch = pool.submit(_data_mismatch, str(tmp_path / "a"), word_tokenizer(str(tmp_path / "a")))
         frozen = pool.submit(_frozen_rank, str(tmp_path / "b"))
         predicted, direct = _auto_prediction()  # meanwhile, in this process
+        chosen, auto_lines = _auto_unfit_is_a_warning(caplog)
         rc, out, wall = mismatch.result()
         gone_s, fout, left = frozen.result()
     # the data: one line on every rank naming both files, their sizes and hashes, before any other collective
@@ -189,3 +208,8 @@ def test_data_mismatch_mpmd_and_a_frozen_rank_end_the_job_clearly(tmp_path):
     assert gone_s < TIMEOUT_S + 20, (gone_s, fout[-3000:])
     assert "Traceback" not in fout, fout[-3000:]
     assert predicted == direct > 0
+    assert chosen["attention.heads_per_chunk"] == 1
+    assert auto_lines == [("WARNING", "ds_longctx auto: even the memory-safest settings do not fit at 512 tokens (over "
+                                      "host memory (1.00 MiB > 100.00 KiB per node); NVMe not checked (0 B/node)); "
+                                      "keeping them: attention.heads_per_chunk=1, tiled_mlp.shards=4, "
+                                      "tiled_loss.shards=4")], auto_lines

@@ -110,3 +110,20 @@ def test_a_silent_rank_and_a_frozen_store_host_are_named():
     a.thread.join(1.8)
     assert a.thread.is_alive() and not hasattr(a, "verdict")
     a.stop()
+
+
+def test_auto_timeout_posted_by_rank_0_is_adopted_by_every_rank():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dogs = [_Recorded(2, _roster(2), r, store_maker=(lambda: store, "hash store"), auto=True) for r in range(2)]
+    for d in dogs:
+        d.start()
+    assert wd.post_auto_timeout(dogs[0], wd.auto_timeout(248.6))  # what _predict_and_post posts on a CUDA machine
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(d.timeout_s != 745.8 for d in dogs):
+        time.sleep(0.05)
+    assert [d.timeout_s for d in dogs] == [745.8, 745.8] and [d.interval for d in dogs] == [10.0, 10.0]
+    assert not any(hasattr(d, "verdict") for d in dogs)
+    for d in dogs:
+        d.stop()
