@@ -29,8 +29,9 @@ A rank that ends by itself (``runtime.shutdown``, any code; interpreter exit) ma
 that finishes first is not called silent. Ranks alive but stuck (two ranks in different collectives) keep beating:
 the process groups' timeout ends those.
 
-"auto" timeout: the floor ``FLOOR_S`` until the planner's predicted step time is known, then
-``max(FLOOR_S, STEP_MULTIPLE x predicted step)``: on a CUDA machine rank 0 runs the planner (planner/rates
+"auto" timeout: the floor (DeepSpeed's default process-group timeout: ``FLOOR_S``, or ``DEEPSPEED_TIMEOUT``
+minutes when set, as DeepSpeed reads it) until the planner's predicted step time is known, then
+``max(floor, STEP_MULTIPLE x predicted step)``: on a CUDA machine rank 0 runs the planner (planner/rates
 ``h100`` or ``h200`` rates) for the resolved config in a background thread and posts the result through the
 store; every rank adopts it at its next beat. On a CPU machine the planner's GPU rates do not describe the
 machine: the floor applies.
@@ -58,7 +59,7 @@ from .planner.core import Planner, load_model_config
 logger = logging.getLogger("ds_longctx")
 
 KEY = "long_context.watchdog.timeout_s"
-FLOOR_S = 600.0        # DeepSpeed's own default process-group timeout (10 minutes)
+FLOOR_S = 600.0        # DeepSpeed's own default process-group timeout (10 minutes; DEEPSPEED_TIMEOUT overrides)
 STEP_MULTIPLE = 3.0    # "auto": this many predicted steps (a rank may wait a whole step in one native call)
 INTERVALS_BEFORE = 7   # silence threshold = T - 7 intervals - ENDING_S: scan (2) + grace (2) + observation lag (2) + 1
 ENDING_S = 2.0         # ... and the launcher's own time to notice the exit and end the rest
@@ -74,15 +75,24 @@ def configured_timeout(ds_config: dict) -> Tuple[float, bool]:
     """(seconds, is_auto): ``long_context.watchdog.timeout_s`` as set, or the floor for "auto" (the default)."""
     value = parse(ds_config).watchdog.timeout_s
     if value == "auto":
-        return FLOOR_S, True
+        return floor_s(), True
     return float(value), False
 
 
 def auto_timeout(predicted_step_s: Optional[float]) -> float:
-    """"auto": ``max(FLOOR_S, STEP_MULTIPLE x predicted step seconds)`` (the floor when there is no prediction)."""
+    """"auto": ``max(floor, STEP_MULTIPLE x predicted step seconds)`` (the floor when there is no prediction)."""
     if not predicted_step_s or predicted_step_s != predicted_step_s:  # None, 0 or NaN
-        return FLOOR_S
-    return max(FLOOR_S, STEP_MULTIPLE * float(predicted_step_s))
+        return floor_s()
+    return max(floor_s(), STEP_MULTIPLE * float(predicted_step_s))
+
+
+def floor_s() -> float:
+    """"auto"'s floor: DeepSpeed's default process-group timeout, ``DEEPSPEED_TIMEOUT`` minutes when set (as
+    deepspeed.constants reads it: a user who raised it for long saves keeps it), else ``FLOOR_S``."""
+    raw = os.environ.get("DEEPSPEED_TIMEOUT", "")
+    if raw.strip().isdigit() and int(raw) > 0:
+        return 60.0 * int(raw)
+    return FLOOR_S
 
 
 def pg_timeout(timeout_s: float) -> datetime.timedelta:
@@ -243,12 +253,13 @@ class Watchdog:
         self.stopped.set()
 
     def mark_ended(self) -> None:
-        """This rank ends normally: its counter says so (quick: one store call awaited 1 s at most)."""
+        """This rank ends by itself: its counter says so (an ``on_exit`` cleanup, so quick: one store call awaited
+        0.25 s at most, before the NVMe files' removal may run)."""
         if self.ended:
             return
         self.ended = True
         self.stopped.set()
-        self.store.call(lambda s: s.add(self._k(f"n{self.rank}"), ENDED), 1.0)
+        self.store.call(lambda s: s.add(self._k(f"n{self.rank}"), ENDED), 0.25)
 
     def _where(self) -> str:
         text, key = main_thread_where()
@@ -468,10 +479,10 @@ def _predict_and_post(dog: Watchdog, ds_config, lc, model_config, world) -> None
             step = pool.apply(predicted_step_seconds, (ds_config, lc, mc, world, mem, target))
     except Exception as e:  # noqa: BLE001 (no prediction: the floor stays, said once)
         log.warning(f"ds_longctx: {KEY} 'auto': no predicted step time ({type(e).__name__}: {e}); the floor "
-                    f"{FLOOR_S:g} s applies")
+                    f"{floor_s():g} s applies")
         return
     timeout_s = auto_timeout(step)
-    log.info(f"ds_longctx: {KEY} 'auto': {timeout_s:g} s = max({FLOOR_S:g} s, {STEP_MULTIPLE:g} x the planner's "
+    log.info(f"ds_longctx: {KEY} 'auto': {timeout_s:g} s = max({floor_s():g} s, {STEP_MULTIPLE:g} x the planner's "
              f"predicted step {step:.4g} s on {target} rates)")
     post_auto_timeout(dog, timeout_s)
 

@@ -14,7 +14,8 @@ from ds_longctx.agreement import Member
 from ds_longctx.config import ConfigError, parse
 
 
-def test_timeout_key_and_auto_rule():
+def test_timeout_key_and_auto_rule(monkeypatch):
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
     assert wd.configured_timeout({}) == (wd.FLOOR_S, True) == (600.0, True)
     assert wd.configured_timeout({"long_context": {"watchdog": {"timeout_s": 30}}}) == (30.0, False)
     with pytest.raises(ConfigError, match=r"long_context.watchdog.timeout_s: must be a positive integer, got 0. "
@@ -26,6 +27,8 @@ def test_timeout_key_and_auto_rule():
     # the process groups wait the key plus 3 heartbeats: the heartbeat's verdict comes first
     assert wd.pg_timeout(10) == datetime.timedelta(seconds=11.2)
     assert wd.pg_timeout(600) == datetime.timedelta(seconds=630)
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "30")  # minutes, as DeepSpeed reads it: "auto" keeps a raised default
+    assert wd.configured_timeout({}) == (1800.0, True) and wd.auto_timeout(248.6) == 1800.0
 
 
 def _sleeping_in_here(seconds):
