@@ -137,8 +137,8 @@ class WatchdogConfig(_Strict):
         "before every live rank prints which rank went silent and which collective it waits in, and the job ends "
         "(within about this time, under every launcher); also every process group's timeout (plus three heartbeat "
         "intervals), so no collective waits longer. 'auto': DeepSpeed's default (600 s, or DEEPSPEED_TIMEOUT "
-        "minutes), raised on a CUDA machine to 3 x the planner's predicted step time when sequence_length is set. Raise it for phases where ranks wait on "
-        "one rank's long work (a save to slow storage).",
+        "minutes), raised on a CUDA machine to 3 x the planner's predicted step time when sequence_length is set. "
+        "Raise it for phases where ranks wait on one rank's long work (a save to slow storage).",
         json_schema_extra=_fix("give whole seconds (1 or more) or 'auto'"))
 
 
