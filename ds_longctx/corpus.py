@@ -314,9 +314,9 @@ def _last_match(pattern, text: str, lo: int, hi: int) -> int:
         w *= 16
 
 
-def _cut(text: str, target: int) -> Tuple[int, str]:
-    """Where to end a piece of at most ``target`` characters (text longer than target + 1) and how."""
-    lo = max(1, target // 2)
+def _cut(text: str, start: int, target: int) -> Tuple[int, str]:
+    """Where to end the piece text[start:] at most at ``target`` (text longer than target + 1), and how."""
+    lo = max(start + 1, start + (target - start) // 2)
     for pattern, how in ((_SPACE_CUT, "space"), (_NEWLINE_CUT, "newline")):
         p = _last_match(pattern, text, lo, target)
         if p > 0:
@@ -335,17 +335,19 @@ def _context(text: str, cut: int) -> str:
 
 
 def _pieces(blocks: Iterator[str], chunk_chars: int, cuts: Dict[str, int]) -> Iterator[Tuple[str, str, bool]]:
-    """(left context, piece, last piece of the document) for one document."""
-    buf, ctx = "", ""
+    """(left context, piece, last piece of the document) for one document. Cuts move an index: a document given
+    as one string (a 1 GB jsonl line) is sliced once per piece, never re-copied."""
+    buf, pos, ctx = "", 0, ""
     for block in blocks:
-        buf += block
-        while len(buf) > chunk_chars + 1:
-            c, how = _cut(buf, chunk_chars)
+        buf = buf[pos:] + block if buf else block
+        pos = 0
+        while len(buf) - pos > chunk_chars + 1:
+            c, how = _cut(buf, pos, pos + chunk_chars)
             cuts[how] += 1
-            yield ctx, buf[:c], False
+            yield ctx, buf[pos:c], False
             ctx = _context(buf, c)
-            buf = buf[c:]
-    yield ctx, buf, True
+            pos = c
+    yield ctx, buf[pos:], True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -128,6 +128,9 @@ def test_same_samples_as_the_whole_file_path(tmp_path):
         ref, _ = reference_samples([txt.read_text()], tok, 16, documents)
         # a .txt file is one document; cut into pieces of at most 40 characters here (exact for this tokenizer)
         assert_same(open_corpus(str(txt), tok, 16, documents=documents, chunk_chars=40), ref)
+    long_docs = [DOCS[3] * 9, "x", " ".join(DOCS) * 3]  # documents longer than a piece: cut inside a line
+    long_jsonl = write_jsonl(tmp_path / "long.jsonl", long_docs)
+    assert_same(open_corpus(long_jsonl, tok, 16, chunk_chars=50), reference_samples(long_docs, tok, 16)[0])
     ds = open_corpus(jsonl, tok, 16)
     assert any(0 in ds[i]["position_ids"][1:].tolist() for i in range(len(ds)))  # really packed
     assert ds.meta["max_id"] == top and ds.meta["n_docs"] == len(DOCS)
@@ -197,6 +200,25 @@ def test_second_start_reads_the_cache_and_changed_data_rebuilds(tmp_path, monkey
     assert open_corpus(jsonl, tok, 16, cache_dir=str(tmp_path / "c1")).cache.startswith(str(tmp_path / "c1"))
     monkeypatch.setenv("DS_LONGCTX_DATA_CACHE", str(tmp_path / "c2"))
     assert open_corpus(jsonl, tok, 16).cache.startswith(str(tmp_path / "c2"))
+
+
+def test_pieces_cover_the_text_at_safe_cuts():
+    import random
+
+    rng = random.Random(1)
+    text = TEXT[:20000] + "x" * 3000 + "\n" + TEXT[:2000].replace(" ", "\n")  # no space: newline, then hard cuts
+    cuts_at = sorted(rng.sample(range(1, len(text)), 20))
+    random_blocks = [text[a:b] for a, b in zip([0] + cuts_at, cuts_at + [len(text)])]
+    for blocks in ([text], random_blocks):
+        cuts = {"space": 0, "newline": 0, "hard": 0}
+        items = list(corpus._pieces(iter(blocks), 1000, cuts))
+        assert "".join(p for _, p, _ in items) == text and [last for *_, last in items][-1]
+        assert all(0 < len(p) <= 1000 for _, p, _ in items)
+        assert cuts["space"] > 10 and cuts["newline"] >= 1 and cuts["hard"] >= 2, cuts
+        for (_, prev, _), (ctx, piece, _) in zip(items, items[1:]):
+            assert prev.endswith(ctx) and ctx  # the context is the text right before the cut
+            if piece.startswith(" "):
+                assert not prev[-1].isspace() and not piece[1].isspace()
 
 
 def _fork(fn):
