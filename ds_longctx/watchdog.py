@@ -13,8 +13,8 @@ neither the silent rank nor what was awaited. Here:
   waiting in a collective still beats): it increments its own counter and publishes where its main thread is
   (the ``torch.distributed`` call it waits in and the caller, read from ``sys._current_frames``). Each rank
   reads its ring successor's counter and the job's verdict counter: 4 small store operations per interval.
-* a successor whose counter has not moved for ``T - 7 intervals - 2 s`` is silent: its watcher re-reads every
-  rank's counter twice to name every silent rank, posts the verdict, and every live rank prints one line —
+* a successor whose counter has not moved for ``T - 8 intervals - 2 s`` is silent: its watcher re-reads every
+  rank's counter twice (3 intervals apart) to name every silent rank, posts the verdict, and every live rank prints one line —
   which rank(s) went silent (host, pid, where each last was) and which collective this rank waits in — then
   the job ends: after a grace of 2 intervals (so every rank prints), a silent rank on this host that is
   stopped (``T``/``t`` state: it acts on no signal but SIGKILL) is sent SIGKILL, and this rank ends through
@@ -61,7 +61,7 @@ logger = logging.getLogger("ds_longctx")
 KEY = "long_context.watchdog.timeout_s"
 FLOOR_S = 600.0        # DeepSpeed's own default process-group timeout (10 minutes; DEEPSPEED_TIMEOUT overrides)
 STEP_MULTIPLE = 3.0    # "auto": this many predicted steps (a rank may wait a whole step in one native call)
-INTERVALS_BEFORE = 7   # silence threshold = T - 7 intervals - ENDING_S: scan (2) + grace (2) + observation lag (2) + 1
+INTERVALS_BEFORE = 8   # silence threshold = T - 8 intervals - ENDING_S: scan (3) + grace (2) + observation lag (2) + 1
 ENDING_S = 2.0         # ... and the launcher's own time to notice the exit and end the rest
 ENDED = 1 << 40        # added to a rank's counter when it ends normally
 PG_MARGIN_INTERVALS = 3
@@ -316,10 +316,10 @@ class Watchdog:
                                max(self.interval, 0.01 * self.world))
 
     def _detect(self, successor: int, silent_for: float) -> None:
-        """The successor is silent: name every silent rank (counters read twice, 2 intervals apart), post."""
+        """The successor is silent: name every silent rank (counters read twice, 3 intervals apart), post."""
         silent = {successor}
         ok1, a = self._counters()
-        time.sleep(2 * self.interval)
+        time.sleep(3 * self.interval)
         ok2, b = self._counters()
         if ok1 and ok2:
             silent |= {r for r in range(self.world) if r != self.rank and a[r] == b[r] and b[r] < ENDED}

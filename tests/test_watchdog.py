@@ -63,7 +63,7 @@ def test_a_silent_rank_and_a_frozen_store_host_are_named():
 
     store = dist.HashStore()
     roster = _roster(3)
-    timeout = 2  # interval 0.2 s, silence max(1, 2 - 1.4 - 2) = 1 s
+    timeout = 2  # interval 0.2 s, silence max(1, 2 - 1.6 - 2) = 1 s
     dogs = [_Recorded(timeout, roster, r, store_maker=(lambda: store, "hash store")) for r in range(3)]
     dogs[0].start()
     dogs[2].start()
