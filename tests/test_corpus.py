@@ -353,6 +353,17 @@ def test_bad_inputs_are_one_clear_error(tmp_path, monkeypatch):
     good = ("é" * 700 + "\n") * 3
     (tmp_path / "good.txt").write_text(good)
     assert "".join(corpus._txt_blocks(str(tmp_path / "good.txt"), "--data", block_bytes=999)) == good
+    with monkeypatch.context() as m:  # a file system without POSIX locks (Lustre without -o flock, old NFS)
+        import errno
+        import fcntl
+
+        def no_locks(*a):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        m.setattr(fcntl, "lockf", no_locks)
+        with pytest.raises(ConfigError, match=r"--data: cannot lock .*good.txt.*\.lock' \(No locks available\).*"
+                                              r"Fix: set DS_LONGCTX_DATA_CACHE to a directory on a file system with"):
+            open_corpus(str(tmp_path / "good.txt"), tok, 4)
     # a damaged cache is named, never read
     cache, meta = token_cache(str(tmp_path / "good.txt"), tok)
     with open(os.path.join(cache, "tokens.bin"), "r+b") as f:
