@@ -668,6 +668,124 @@ for _point in ("before_file1", "after_file1", "before_file2", "after_file2", "af
     kill_save_case(1, _point, ("deepspeed", "mpirun") if (1, _point) in MPI_KILL_POINTS else ("deepspeed",))
 
 
+# ---- issue 30: ranks that disagree (MPMD: one command per rank, as two nodes with different files), a frozen
+# rank, host memory over the node's budget ------------------------------------------------------------------------
+def mpmd_cmd(argvs):
+    """mpirun with one app context per rank: ``argvs[r]`` is rank r's python argv."""
+    cmd = mpirun_command(1, argvs[0])
+    for argv in argvs[1:]:
+        cmd += [":", "-np", "1", sys.executable, *argv]
+    return cmd
+
+
+def disagree_case(name, expect, per_rank, note=""):
+    """``per_rank(d, r)`` -> rank r's train.py argv; rank 0 and rank 1 differ in one thing."""
+    def fn(d, launcher):
+        p = start(launcher, None, cmd=mpmd_cmd([per_rank(d, r) for r in (0, 1)]))
+        t0 = time.monotonic()
+        rc, out = finish(p, TIMEOUT_S)
+        res = dict(rc=rc, wall_s=round(time.monotonic() - t0, 1))
+        orphans = orphans_after(d)
+        outcome, detail = classify_error(rc, out, expect)
+        if orphans:
+            outcome, detail = "orphan", f"pids {orphans}"
+        res.update(outcome=outcome, detail=detail, tail=out[-1500:] if outcome != "clear" else "")
+        return res
+    CASES.append(Case(name, "fail_fast", fn, note, ("mpirun",)))
+
+
+def _rank_config(d, r, **changes):
+    return write_config(d, name=f"ds{r}.json", **(changes if r == 1 else {}))
+
+
+disagree_case("disagree_long_context_key", "long_context.tiled_mlp.enabled: differs between the ranks of this job: "
+              "true on rank 0 (host ", lambda d, r: train_argv(_rank_config(d, r, lc={"tiled_mlp": {"enabled": False}}),
+                                                              "--steps", "1", *FAST),
+              note="tiled_mlp on rank 0, off on rank 1 (was: silence until DeepSpeed's timeout)")
+disagree_case("disagree_deepspeed_key", "zero_optimization.stage: differs between the ranks of this job: 3 on rank 0",
+              lambda d, r: train_argv(_rank_config(d, r, zero_optimization={"stage": 2}), "--steps", "1", *FAST))
+disagree_case("disagree_learning_rate", "optimizer.params.lr: differs between the ranks of this job: 0.003 on rank 0",
+              lambda d, r: train_argv(_rank_config(d, r, optimizer=dict(TINY["optimizer"], params=dict(
+                  TINY["optimizer"]["params"], lr=0.001))), "--steps", "1", *FAST),
+              note="was: trained silently, the metrics naming rank 0's lr")
+disagree_case("disagree_sp_degree", "sequence_parallel_size: differs between the ranks of this job: 2 on rank 0",
+              lambda d, r: train_argv(_rank_config(d, r, sequence_parallel_size=1), "--steps", "1", *FAST))
+disagree_case("disagree_heads_per_chunk", "long_context.attention.heads_per_chunk: differs between the ranks",
+              lambda d, r: train_argv(_rank_config(d, r, lc={"attention": {"heads_per_chunk": 2}}), "--steps", "1",
+                                      *FAST), note="was: gloo::EnforceNotMet native abort")
+disagree_case("disagree_cli_seq_len", "--seq-len: differs between the ranks of this job: 64 on rank 0",
+              lambda d, r: train_argv(TINY_CPU, "--steps", "1", "--eval-samples", "0", "--seq-len", str(64 * (r + 1))))
+
+
+def _data_per_rank(d, r):
+    tok = os.path.join(d, "tok100")
+    if not os.path.exists(tok):
+        _tokenizer(d)
+    path = os.path.join(d, f"node{r}", "train.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _file(d, path, json.dumps({"text": " ".join(f"w{(i * (r + 1)) % 50}" for i in range(400))}) + "\n")
+    return train_argv(TINY_CPU, "--steps", "1", *FAST, "--data", path, "--tokenizer", tok)
+
+
+disagree_case("disagree_data_file", "data (the data this rank reads): differs between the ranks of this job: ",
+              _data_per_rank, note="the same file name on two nodes, other content (was: trained silently)")
+
+
+def frozen_case(name, target, timeout_s=10, launchers=("deepspeed", "mpirun")):
+    """kill -STOP rank ``target`` after step 2 with long_context.watchdog.timeout_s ``timeout_s``: clear when every
+    process of the job is gone within the timeout plus 10 s and the live rank printed which rank went silent."""
+    def fn(d, launcher):
+        metrics = os.path.join(d, "m.jsonl")
+        p = start(launcher, train_argv(write_config(d, lc={"watchdog": {"timeout_s": timeout_s}}), "--steps",
+                                       "100000", *FAST, "--metrics", metrics))
+        if not _wait_training(p, metrics):
+            rc, out = finish(p, 5)
+            return dict(outcome="wrong", detail="did not start training", rc=rc, tail=out[-2000:])
+        ranks = rank_pids(d)
+        if target not in ranks:
+            finish(p, 1)
+            return dict(outcome="wrong", detail=f"rank {target} not found ({ranks})")
+        t0 = time.monotonic()
+        os.kill(ranks[target], signal.SIGSTOP)
+        while time.monotonic() - t0 < 120 and (p.poll() is None or case_pids(d)):
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+        rc, out = finish(p, 5)
+        orphans = orphans_after(d)
+        live = [r for r in (0, 1) if r != target]
+        said = [r for r in live if re.search(rf"\[rank {r}\] ds_longctx: error: long_context\.watchdog\.timeout_s: "
+                                                 rf"(rank {target} \(host|the job's store)", out)]
+        res = dict(rc=rc, gone_s=round(gone_s, 1), timeout_s=timeout_s)
+        if orphans:
+            outcome, detail = "orphan", f"pids {orphans}"
+        elif gone_s >= 120:
+            outcome, detail = "hang", f"processes still there {gone_s:.0f} s after the freeze"
+        elif any(m in out for m in RAW_MARKS):
+            outcome, detail = "raw", next(m for m in RAW_MARKS if m in out)
+        elif said != live:
+            outcome, detail = "wrong", f"live ranks that named the silent one: {said} of {live}"
+        elif gone_s > timeout_s + 10:
+            outcome, detail = "hang", f"the job took {gone_s:.1f} s to end (timeout_s {timeout_s})"
+        else:
+            line = next(ln for ln in out.splitlines() if "long_context.watchdog.timeout_s:" in ln)
+            outcome, detail = "clear", f"every process gone {gone_s:.1f} s after the freeze: {line[:260]}"
+        res.update(outcome=outcome, detail=detail, tail=out[-2000:] if outcome != "clear" else "")
+        return res
+    CASES.append(Case(name, "fail_fast", fn, f"kill -STOP rank {target} after step 2, timeout_s {timeout_s}",
+                      launchers))
+
+
+frozen_case("frozen_rank1", 1)
+frozen_case("frozen_rank0_store_host", 0)
+
+error_case("host_memory_arena_over_budget", "this node's ranks need 1.00 MiB of host memory at sequence_length 512 "
+           "(2 local rank(s) x 512.00 KiB: offloaded activations 512.00 KiB), over the node's 768.00 KiB",
+           group="fail_fast", note="DS_LONGCTX_HOST_MEM=768KiB; the arena: 2 ranks x 2 layers x 4 x 256 tokens x 64 "
+           "hidden x 4 bytes (was: allocated until the OOM killer)",
+           setup=lambda d: (train_argv(TINY_CPU, "--steps", "1", "--seq-len", "512", "--eval-samples", "0"),
+                            {"DS_LONGCTX_HOST_MEM": "768KiB"}))
+
+
 # ------------------------------------------------------------------ main ------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -39,6 +39,7 @@ def main():
 
     from ds_longctx.config import parse
     from ds_longctx.memory import apply_memory_stack
+    from ds_longctx.spec import build_spec
 
     heads = a.hidden // 32
     cfg = tiny_config(heads=heads, kv_heads=max(1, heads // 2), head_dim=32, layers=a.layers, vocab=256,
@@ -49,8 +50,9 @@ def main():
     models, handles, opts, times = {}, {}, {}, {k: [] for k in rows}
     for name, ac in rows.items():
         m = build(cfg, seed=0)
-        handles[name] = apply_memory_stack(m, parse({"long_context": {"activation_checkpointing":
-                                                                      dict({"enabled": True}, **ac)}}))
+        handles[name] = apply_memory_stack(m, build_spec(parse({"long_context": {"activation_checkpointing":
+                                                                                 dict({"enabled": True}, **ac)}}),
+                                                            m.config))
         m.train()
         models[name], opts[name] = m, torch.optim.SGD(m.parameters(), lr=0.01)
     losses = {k: [] for k in rows}

@@ -6,6 +6,10 @@ Pure helpers with no collectives (except :func:`check_mpu`, which only reads gro
 """
 from __future__ import annotations
 
+import logging
+import os
+import re
+import warnings
 from collections.abc import Mapping
 from typing import Optional
 
@@ -16,6 +20,71 @@ from .errors import ConfigError
 from .models import attention_shape
 
 _DS_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+
+
+# ---------------------------------------------------------------------------------------------
+# third-party warnings every rank repeats
+# ---------------------------------------------------------------------------------------------
+
+# DeepSpeed's and torch's warnings that say the same on every rank of a job, and that repeat within a process (torch
+# and DeepSpeed change Python's warning filters, which re-arms even a "once" warning: its registry is the calling
+# module's): shown once, by rank 0. (DeepSpeed's own launcher processes print theirs before any ds_longctx code runs.)
+_REPEATED_DS_WARNINGS = ("Setting accelerator to ",)
+_REPEATED_TORCH_WARNINGS = re.compile(r"`torch\.distributed\.\w+` is deprecated")
+_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+class _Repeats(logging.Filter):
+    """DeepSpeed's logger filter and the ``warnings.showwarning`` wrapper of :func:`quiet_repeated_warnings`."""
+
+    def __init__(self, rank: int, show):
+        super().__init__()
+        self.rank, self.show, self.seen = rank, show, set()
+
+    def _first(self, text: str) -> bool:
+        if self.rank != 0 or text in self.seen:
+            return False
+        self.seen.add(text)
+        return True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not msg.startswith(_REPEATED_DS_WARNINGS) or self._first(msg)
+
+    def showwarning(self, message, category, filename, lineno, file=None, line=None):
+        if not (issubclass(category, FutureWarning) and _REPEATED_TORCH_WARNINGS.match(str(message))) or \
+                self._first(str(message)):
+            self.show(message, category, filename, lineno, file, line)
+
+
+_QUIET = []  # the installed _Repeats
+
+
+def quiet_repeated_warnings() -> None:
+    """Show the repeated third-party warnings above once per job (rank 0, the first time), through a filter on
+    DeepSpeed's logger and a wrapper of ``warnings.showwarning`` (the deprecated torch.distributed collectives
+    DeepSpeed calls): installed at import, so that it precedes DeepSpeed's import-time warning; every other warning
+    passes unchanged; :func:`show_repeated_warnings` removes both. The rank is the launcher's (RANK,
+    OMPI_COMM_WORLD_RANK, PMI_RANK or SLURM_PROCID; none: a single process, rank 0)."""
+    if _QUIET:
+        return
+    rank = next((int(os.environ[v]) for v in _RANK_ENV if os.environ.get(v, "").isdigit()), 0)
+    quiet = _Repeats(rank, warnings.showwarning)
+    logging.getLogger("DeepSpeed").addFilter(quiet)  # the logger object DeepSpeed's LoggerFactory configures later
+    warnings.showwarning = quiet.showwarning
+    _QUIET.append(quiet)
+
+
+def show_repeated_warnings() -> None:
+    """Undo :func:`quiet_repeated_warnings`."""
+    while _QUIET:
+        quiet = _QUIET.pop()
+        logging.getLogger("DeepSpeed").removeFilter(quiet)
+        if warnings.showwarning == quiet.showwarning:
+            warnings.showwarning = quiet.show
+
+
+quiet_repeated_warnings()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -130,6 +130,18 @@ class ProfileConfig(_Strict):
                                   "max_memory_reserved in the step's metrics. Writes no files.")
 
 
+class WatchdogConfig(_Strict):
+    """The job's watchdog (ds_longctx/watchdog.py): a rank that goes silent ends the job, with a diagnosis."""
+    timeout_s: Union[PositiveInt, Literal["auto"]] = Field(
+        default="auto", description="Seconds a rank may go silent (no heartbeat: stopped, hung, its node lost) "
+        "before every live rank prints which rank went silent and which collective it waits in, and the job ends "
+        "(within about this time, under every launcher); also every process group's timeout (plus three heartbeat "
+        "intervals), so no collective waits longer. 'auto': DeepSpeed's default (600 s, or DEEPSPEED_TIMEOUT "
+        "minutes), raised on a CUDA machine to 3 x the planner's predicted step time when sequence_length is set. "
+        "Raise it for phases where ranks wait on one rank's long work (a save to slow storage).",
+        json_schema_extra=_fix("give whole seconds (1 or more) or 'auto'"))
+
+
 class LongContextConfig(_Strict):
     sequence_length: Optional[int] = Field(
         default=None, ge=1, description="Global tokens per sample (needed for 'auto' values and the planner).",
@@ -141,6 +153,7 @@ class LongContextConfig(_Strict):
                                     "[seq, vocab] logits.")
     rms_norm: RMSNormConfig = Field(default_factory=RMSNormConfig)
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
 
     # filled from the top level of the ds_config, not from the section
     sequence_parallel_size: int = Field(default=1, exclude=True)

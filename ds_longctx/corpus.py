@@ -31,6 +31,7 @@ result against whole-text tokenization.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -241,8 +242,16 @@ def _jsonl_docs(path: str, column: str, flag: str) -> Iterator[str]:
 
 def _column_docs(batches, path: str, column: str, flag: str) -> Iterator[str]:
     row = 0
-    for batch in batches:
-        values = batch.column(column).to_pylist() if hasattr(batch, "column") else batch[column]
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:  # pyarrow's / datasets' read errors name neither the file nor the row
+            raise ConfigError(f"{flag} {path} row {row}", f"cannot be read ({type(e).__name__}: {e})",
+                              "rewrite the file (pyarrow, pandas or datasets) or remove the damaged part") from None
+        values = batch.column(column).to_pylist()
         for v in values:
             if not isinstance(v, str):
                 raise ConfigError(f"{flag} {path} row {row}", f"column {column!r} is {v!r}, not a string",
@@ -305,9 +314,9 @@ def _last_match(pattern, text: str, lo: int, hi: int) -> int:
         w *= 16
 
 
-def _cut(text: str, target: int) -> Tuple[int, str]:
-    """Where to end a piece of at most ``target`` characters (text longer than target + 1) and how."""
-    lo = max(1, target // 2)
+def _cut(text: str, start: int, target: int) -> Tuple[int, str]:
+    """Where to end the piece text[start:] at most at ``target`` (text longer than target + 1), and how."""
+    lo = max(start + 1, start + (target - start) // 2)
     for pattern, how in ((_SPACE_CUT, "space"), (_NEWLINE_CUT, "newline")):
         p = _last_match(pattern, text, lo, target)
         if p > 0:
@@ -326,17 +335,19 @@ def _context(text: str, cut: int) -> str:
 
 
 def _pieces(blocks: Iterator[str], chunk_chars: int, cuts: Dict[str, int]) -> Iterator[Tuple[str, str, bool]]:
-    """(left context, piece, last piece of the document) for one document."""
-    buf, ctx = "", ""
+    """(left context, piece, last piece of the document) for one document. Cuts move an index: a document given
+    as one string (a 1 GB jsonl line) is sliced once per piece, never re-copied."""
+    buf, pos, ctx = "", 0, ""
     for block in blocks:
-        buf += block
-        while len(buf) > chunk_chars + 1:
-            c, how = _cut(buf, chunk_chars)
+        buf = buf[pos:] + block if buf else block
+        pos = 0
+        while len(buf) - pos > chunk_chars + 1:
+            c, how = _cut(buf, pos, pos + chunk_chars)
             cuts[how] += 1
-            yield ctx, buf[:c], False
+            yield ctx, buf[pos:c], False
             ctx = _context(buf, c)
-            buf = buf[c:]
-    yield ctx, buf, True
+            pos = c
+    yield ctx, buf[pos:], True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,8 +520,6 @@ def _locked(root: str, name: str, flag: str):
                 fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError as e:
-                import errno
-
                 if e.errno not in (errno.EACCES, errno.EAGAIN):
                     raise ConfigError(flag, f"cannot lock {path!r} ({os.strerror(e.errno)}): the file system "
                                       "of the token cache has no POSIX locks", "set DS_LONGCTX_DATA_CACHE to a "
@@ -682,6 +691,15 @@ def _build(path: str, kind: str, column: str, tokenizer, final: str, meta: dict,
             json.dump(meta, f, indent=1)
         _fsync_dir(tmp)
         os.rename(tmp, final)  # complete: visible under its name only now
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES):
+            raise
+        free = shutil.disk_usage(os.path.dirname(final)).free
+        raise ConfigError(flag, f"writing the token cache of {path} into {os.path.dirname(final)} failed: "
+                          f"{os.strerror(e.errno)} ({free / 2**30:.2f} GiB free there)",
+                          "free space there or set DS_LONGCTX_DATA_CACHE to a directory with room (the cache takes "
+                          "2 bytes per token for vocabularies under 65,500 tokens, else 4)") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

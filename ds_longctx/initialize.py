@@ -15,10 +15,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import comm, compat
+from . import agreement, comm, compat, watchdog
 from .config import auto_keys, check_train_batch_size, load_ds_config, parse, with_values
 from .data import SPDataLoader
 from .errors import ConfigError
+from .hostmem import check_host_memory
 from .launch import env_from_slurm, master_port
 from .layout import Layout, zero_stage
 from .models.logits import describe_logit_path
@@ -31,8 +32,11 @@ from .spec import build_spec
 logger = logging.getLogger("ds_longctx")
 
 
-def init_distributed(distributed_port: Optional[int] = None, dist_init_required: Optional[bool] = None):
-    """Start the process group from whichever launcher started us (env vars, MPI or SLURM)."""
+def init_distributed(distributed_port: Optional[int] = None, dist_init_required: Optional[bool] = None,
+                     timeout=None):
+    """Start the process group from whichever launcher started us (env vars, MPI or SLURM). ``timeout`` (a
+    timedelta): the groups' collective timeout (watchdog.pg_timeout of long_context.watchdog.timeout_s), else
+    DeepSpeed's default; the watchdog sets it on every group at the agreement either way."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -42,7 +46,8 @@ def init_distributed(distributed_port: Optional[int] = None, dist_init_required:
     comm.disable_cpu_shm_allreduce()
     # DeepSpeed's MPI discovery overwrites MASTER_PORT with distributed_port: pass the one in force
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                               distributed_port=master_port(distributed_port), auto_mpi_discovery=True)
+                               distributed_port=master_port(distributed_port), auto_mpi_discovery=True,
+                               **({} if timeout is None else {"timeout": timeout}))
 
 
 def _device_budget_bytes() -> int:
@@ -80,6 +85,13 @@ def _host_budget():
     return ram, f"this machine's RAM ({fmt_bytes(ram)})"
 
 
+def _auto_log(line: str) -> None:
+    """The planner's "auto" lines: INFO, except the one saying even the memory-safest choice does not fit (the run
+    would fail at step 1, or be refused by the host check): a warning, which Python shows by default."""
+    unfit = line.startswith("ds_longctx auto: even the memory-safest settings do not fit")
+    (logger.warning if unfit else logger.info)(line)
+
+
 def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
     """The values of the "auto" keys (config.AUTO_KEYS, and tiled shards) the planner picks as fastest fitting
     ({key inside the section: value}, planner.resolve_auto): computed on rank 0 (the simulation is pure but costs
@@ -94,7 +106,7 @@ def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
             device = _device_budget_bytes()
             logger.info(f"ds_longctx auto: budgets: device {fmt_bytes(device)} per rank, host {fmt_bytes(host)} "
                         f"per node ({source}) over {local} local rank(s): {fmt_bytes(host // local)} per rank")
-            box[0] = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=logger.info,
+            box[0] = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=_auto_log,
                                   gpus_per_node=local)
         except ConfigError as e:
             box[0] = e
@@ -123,8 +135,12 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     ds_config = compat.resolve_sp_with_mpu(ds_config, mpu)  # accept DeepSpeed's / Accelerate's mpu
     lc = parse(ds_config)
     sp = lc.sequence_parallel_size
-    init_distributed(distributed_port, dist_init_required)
+    init_distributed(distributed_port, dist_init_required,
+                     watchdog.pg_timeout(watchdog.configured_timeout(ds_config)[0]))
     world = dist.get_world_size() if dist.is_initialized() else 1
+    # the first collective: every rank's ds_config equal (unless this process already agreed on this one), then the
+    # job's watchdog (agreement.py, watchdog.py)
+    agreement.check_config(ds_config)
     model_config = getattr(model, "config", None)
     if auto_keys(lc):
         # "auto" resolved once, into the resolved config every rank builds the spec from (rank 0's planner, its
@@ -143,6 +159,8 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     # register_with_transformers ran first: don't wrap twice (through the registry, undone with our install)
     compat.replace_deepspeed_ulysses_registration()
     layout = spec.layout
+    # the planner's host bytes for this node, before any is allocated (hostmem.py)
+    check_host_memory(ds_config, spec, model, world, _host_budget(), _local_ranks(world))
     patch_model(model, spec)
 
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
@@ -153,6 +171,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
         distributed_port=master_port(distributed_port), mpu=ds_mpu, dist_init_required=dist_init_required,
         config=ds_config, mesh_param=mesh_param)
+    watchdog.after_initialize(ds_config, spec.config, model_config, world)  # DeepSpeed's groups get the timeout
     engine.long_context = spec.config
     engine.long_context_layout = layout
     engine.long_context_spec = spec
@@ -183,6 +202,7 @@ def model_init(config, args: Any = None):
         yield
         return
     init_distributed()
+    agreement.check_config(ds_config)  # before zero.Init's collectives: every rank's ds_config equal, then the watchdog
     hf_ds = HfDeepSpeedConfig(ds_config)
     try:
         yield hf_ds

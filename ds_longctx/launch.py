@@ -66,7 +66,7 @@ def check_launch(sp: int) -> int:
     if world % sp:
         how = ("one process: a plain `python` start, or a launcher asked for one" if world == 1
                else f"the launcher started {world} processes")
-        # the wording of config.check_against's same check (which runs later, for callers of initialize)
+        # the wording of checks.check_against's same check (which runs later, for callers of initialize)
         raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world size {world} ({how})",
                           f"launch a multiple of {sp} processes (e.g. deepspeed --num_gpus {sp} ..., torchrun "
                           f"--nproc_per_node {sp} ...), or set sequence_parallel_size to a divisor of {world}")

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import comm
+from . import comm, watchdog
+from .agreement import check_agreement
 from .checkpoint import find_resume_tag
 from .compat import check_model_scale
 from .config import check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
@@ -387,6 +388,15 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     return float(t[0] / max(t[1], 1))
 
 
+# the flags every rank must hold alike (agreement.check_agreement names the one that differs): what is trained, on
+# what data, and when the job saves, evaluates or exports (collectives at those steps)
+AGREED_FLAGS = {"--steps": "steps", "--seed": "seed", "--model": "model", "--model-config": "model_config",
+                "--tokenizer": "tokenizer", "--data-column": "data_column", "--concat-documents": "concat_documents",
+                "--eval-every": "eval_every", "--eval-samples": "eval_samples",
+                "--save": "save", "--save-every": "save_every", "--save-interval": "save_interval",
+                "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf"}
+
+
 def _agree(flags):
     """Every rank's flags combined (MAX): one small all-reduce, so that every rank takes the same branch."""
     t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
@@ -447,7 +457,15 @@ def prepare(args) -> Job:
     check_max_position(args, model_config, seq_len)
     tokenizer = load_tokenizer(args)
 
-    init_distributed()
+    init_distributed(timeout=watchdog.pg_timeout(watchdog.configured_timeout(ds_config)[0]))
+    # the first collective: every rank holds the same ds_config, the same values of every flag that shapes the
+    # run (a --save or --save-every that differs would have ranks save at different steps: a hang) and the same
+    # data (agreement.py); then the job's watchdog
+    values = {"cli": {flag: getattr(args, dest) for flag, dest in AGREED_FLAGS.items()} | {"--seq-len": seq_len},
+              "data": data_identity(args)}
+    if args.eval_data:  # by content, as --data (two nodes may mount the same file at different paths)
+        values["eval_data"] = corpus_identity(args.eval_data)
+    check_agreement(ds_config, values=values)
     sp = lc.sequence_parallel_size
     world = check_launch(sp)  # world vs SP, on every rank together, before the model is built
     # before model_init: transformers' HfDeepSpeedConfig parses the ds_config there and DeepSpeed's own batch
@@ -474,6 +492,8 @@ def prepare(args) -> Job:
                                 f"give --steps > {plan.step}")
         ds_config = plan.ds_config(ds_config)
 
+    if seq_len != lc.sequence_length:  # the planner ("auto"), the host-memory check: the length trained
+        ds_config = dict(ds_config, long_context=dict(ds_config.get("long_context") or {}, sequence_length=seq_len))
     model = build_model(args, ds_config)
     dataset = build_dataset(args, model.config, seq_len, tokenizer)
     eval_set = build_dataset(args, model.config, seq_len, tokenizer, path=args.eval_data, flag="--eval-data") \

@@ -40,24 +40,36 @@ def full_params(module):
         return {n: p.detach().float().clone() for n, p in params}
 
 
-def reference_step(cfg_kwargs: dict, batch: dict, seed: int = 0):
-    """Single process, no DeepSpeed: loss and SGD(lr=1) parameter deltas."""
+def reference_step(cfg_kwargs: dict, batch: dict, seed: int = 0, clip: float = 0.0, more: tuple = ()):
+    """Single process, no DeepSpeed: loss and SGD(lr=1) parameter deltas. ``more``: further micro-batches of the
+    same optimizer step (gradient accumulation: each loss divided by their number, as DeepSpeed's backward does);
+    ``clip``: the global gradient-norm clip applied before the step (torch's clip_grad_norm_, DeepSpeed's
+    formula). With ``more`` or ``clip`` also returns the micro-batch losses and the norm before clipping."""
     model = build(tiny_config(**cfg_kwargs), seed=seed)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-    loss.backward()
+    micro = (batch,) + tuple(more)
+    losses = []
+    for b in micro:
+        loss = model(input_ids=b["input_ids"], labels=b["labels"]).loss
+        (loss / len(micro)).backward()
+        losses.append(loss.item())
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf")))
     deltas = {n: -p.grad.detach().clone() for n, p in model.named_parameters()}
-    return loss.item(), deltas, before
+    if more or clip:
+        return losses, deltas, before, norm
+    return losses[0], deltas, before
 
 
 def sp_step(cfg_kwargs: dict, batch: dict, stage: int, sp: int, lc: dict | None = None, seed: int = 0,
-            use_model_init: bool = False):
-    """One SGD(lr=1) step through ds_longctx.initialize; returns (loss, deltas, initial params)."""
+            use_model_init: bool = False, clip: float = 0.0, more: tuple = ()):
+    """One SGD(lr=1) step through ds_longctx.initialize; returns (loss, deltas, initial params). ``more``: further
+    micro-batches of the step (DeepSpeed's gradient_accumulation_steps = 1 + len(more)), ``clip``: DeepSpeed's
+    gradient_clipping; with either, the loss is the list of the micro-batches' losses."""
     import ds_longctx
     from ds_longctx.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
-    config = ds_config(stage, sp, lc)
+    config = ds_config(stage, sp, lc, gradient_clipping=clip, gradient_accumulation_steps=1 + len(more))
     if use_model_init:
         with ds_longctx.model_init(config):
             model = build(tiny_config(**cfg_kwargs), seed=seed)
@@ -66,11 +78,14 @@ def sp_step(cfg_kwargs: dict, batch: dict, stage: int, sp: int, lc: dict | None 
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=opt, config=config)
     before = full_params(engine.module)
-    shard = shard_batch(batch, sp_rank(sp_group()) if sp > 1 else 0, sp)
-    loss = engine(**shard).loss
-    engine.backward(loss)
-    engine.step()
+    losses = []
+    for b in (batch,) + tuple(more):
+        shard = shard_batch(b, sp_rank(sp_group()) if sp > 1 else 0, sp)
+        loss = engine(**shard).loss
+        engine.backward(loss)
+        engine.step()  # the optimizer steps at the last micro-batch only (gradient accumulation boundary)
+        losses.append(loss.item())
     after = full_params(engine.module)
     deltas = {n: after[n] - before[n] for n in after}
     engine.destroy() if hasattr(engine, "destroy") else None
-    return loss.item(), deltas, before
+    return (losses if more or clip else losses[0]), deltas, before

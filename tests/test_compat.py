@@ -134,3 +134,27 @@ def test_train_refuses_an_8b_config_with_the_tiny_preset():
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))), big,
                              parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))).sequence_length,
                              "--model-config ds_configs/models/llama3-8b.json")
+
+
+def test_repeated_third_party_warnings_are_shown_once_by_rank_0():
+    """DeepSpeed's accelerator warning and torch's deprecated-collective FutureWarnings: rank 0 shows each once,
+    however often DeepSpeed repeats it and resets the warning filters; the other ranks show none; every other
+    warning passes. (Installed at import: compat.quiet_repeated_warnings; this drives fresh instances.)"""
+    import logging
+    import warnings
+
+    for rank, want in ((0, 1), (1, 0)):
+        shown = []
+        quiet = compat._Repeats(rank, lambda message, *a, **k: shown.append(str(message)))
+        text = "`torch.distributed.all_gather_into_tensor` is deprecated. Please use ..."
+        for _ in range(3):
+            warnings.resetwarnings()  # what re-arms Python's own "once"
+            quiet.showwarning(FutureWarning(text), FutureWarning, "c10d_logger.py", 83)
+        quiet.showwarning(UserWarning("something else"), UserWarning, "x.py", 1)
+        assert shown == [text] * want + ["something else"], (rank, shown)
+        record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213,
+                                   "Setting accelerator to CPU. If you have GPU ...", (), None)
+        assert [quiet.filter(record) for _ in range(2)] == [True] * want + [False] * (2 - want)
+        other = logging.LogRecord("DeepSpeed", logging.WARNING, "engine.py", 1, "untested optimizer", (), None)
+        assert quiet.filter(other) and quiet.filter(other)
+    assert logging.getLogger("DeepSpeed").filters and compat._QUIET  # installed at import

@@ -128,6 +128,9 @@ def test_same_samples_as_the_whole_file_path(tmp_path):
         ref, _ = reference_samples([txt.read_text()], tok, 16, documents)
         # a .txt file is one document; cut into pieces of at most 40 characters here (exact for this tokenizer)
         assert_same(open_corpus(str(txt), tok, 16, documents=documents, chunk_chars=40), ref)
+    long_docs = [DOCS[3] * 9, "x", " ".join(DOCS) * 3]  # documents longer than a piece: cut inside a line
+    long_jsonl = write_jsonl(tmp_path / "long.jsonl", long_docs)
+    assert_same(open_corpus(long_jsonl, tok, 16, chunk_chars=50), reference_samples(long_docs, tok, 16)[0])
     ds = open_corpus(jsonl, tok, 16)
     assert any(0 in ds[i]["position_ids"][1:].tolist() for i in range(len(ds)))  # really packed
     assert ds.meta["max_id"] == top and ds.meta["n_docs"] == len(DOCS)
@@ -197,6 +200,25 @@ def test_second_start_reads_the_cache_and_changed_data_rebuilds(tmp_path, monkey
     assert open_corpus(jsonl, tok, 16, cache_dir=str(tmp_path / "c1")).cache.startswith(str(tmp_path / "c1"))
     monkeypatch.setenv("DS_LONGCTX_DATA_CACHE", str(tmp_path / "c2"))
     assert open_corpus(jsonl, tok, 16).cache.startswith(str(tmp_path / "c2"))
+
+
+def test_pieces_cover_the_text_at_safe_cuts():
+    import random
+
+    rng = random.Random(1)
+    text = TEXT[:20000] + "x" * 3000 + "\n" + TEXT[:2000].replace(" ", "\n")  # no space: newline, then hard cuts
+    cuts_at = sorted(rng.sample(range(1, len(text)), 20))
+    random_blocks = [text[a:b] for a, b in zip([0] + cuts_at, cuts_at + [len(text)])]
+    for blocks in ([text], random_blocks):
+        cuts = {"space": 0, "newline": 0, "hard": 0}
+        items = list(corpus._pieces(iter(blocks), 1000, cuts))
+        assert "".join(p for _, p, _ in items) == text and [last for *_, last in items][-1]
+        assert all(0 < len(p) <= 1000 for _, p, _ in items)
+        assert cuts["space"] > 10 and cuts["newline"] >= 1 and cuts["hard"] >= 2, cuts
+        for (_, prev, _), (ctx, piece, _) in zip(items, items[1:]):
+            assert prev.endswith(ctx) and ctx  # the context is the text right before the cut
+            if piece.startswith(" "):
+                assert not prev[-1].isspace() and not piece[1].isspace()
 
 
 def _fork(fn):
@@ -331,6 +353,17 @@ def test_bad_inputs_are_one_clear_error(tmp_path, monkeypatch):
     good = ("é" * 700 + "\n") * 3
     (tmp_path / "good.txt").write_text(good)
     assert "".join(corpus._txt_blocks(str(tmp_path / "good.txt"), "--data", block_bytes=999)) == good
+    with monkeypatch.context() as m:  # a file system without POSIX locks (Lustre without -o flock, old NFS)
+        import errno
+        import fcntl
+
+        def no_locks(*a):
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+        m.setattr(fcntl, "lockf", no_locks)
+        with pytest.raises(ConfigError, match=r"--data: cannot lock .*good.txt.*\.lock' \(No locks available\).*"
+                                              r"Fix: set DS_LONGCTX_DATA_CACHE to a directory on a file system with"):
+            open_corpus(str(tmp_path / "good.txt"), tok, 4)
     # a damaged cache is named, never read
     cache, meta = token_cache(str(tmp_path / "good.txt"), tok)
     with open(os.path.join(cache, "tokens.bin"), "r+b") as f:
@@ -338,6 +371,39 @@ def test_bad_inputs_are_one_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"the token cache .* is damaged \(tokens.bin: 10 bytes, expected "
                                           rf"{meta['n_tokens'] * 2}\)\. Fix: remove it \(rm -r "):
         open_corpus(str(tmp_path / "good.txt"), tok, 4)
+
+
+def test_unreadable_table_and_full_disk_are_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = char_tokenizer()
+    path = tmp_path / "damaged.parquet"
+    pq.write_table(pa.table({"text": DOCS * 50}), path, row_group_size=len(DOCS) * 10, compression="none")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2:len(raw) // 2 + 64] = b"\xff" * 64  # a page in the middle
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ConfigError, match=r"--data .*damaged.parquet row \d+: cannot be read \(.*\)\. Fix: rewrite "):
+        open_corpus(str(path), tok, 16)
+    txt = tmp_path / "big.txt"
+    txt.write_text("abc def " * 20000)
+
+    def full_disk():  # writes past 64 KiB fail (EFBIG) as on a full drive
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+        try:
+            token_cache(str(txt), tok)
+        except ConfigError as e:
+            return str(e)
+        return "no error"
+
+    code, msg = _join(*_fork(full_disk))
+    assert code == 0 and "--data: writing the token cache of" in msg and "File too large" in msg, msg
+    assert "GiB free there). Fix: free space there or set DS_LONGCTX_DATA_CACHE" in msg
+    assert not any(".tmp-" in n or n.endswith(".tokens") for n in os.listdir(tmp_path / ".ds_longctx_cache"))
 
 
 def test_samples_are_memory_mapped_and_picklable(tmp_path):

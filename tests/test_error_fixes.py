@@ -31,7 +31,7 @@ def _assert_exact(ref, got):
     assert set(rg) == set(gg)
     for n in rg:
         assert rg[n].abs().max() > 0 or n.endswith("bias"), n  # the test can fail: gradients reach the weights
-        torch.testing.assert_close(gg[n], rg[n], rtol=1e-4, atol=1e-6, msg=n)
+        torch.testing.assert_close(gg[n], rg[n], rtol=1e-5, atol=1e-6, msg=n)  # the one "exact" (tools/arch_sweep.py)
 
 
 def _pair(build):

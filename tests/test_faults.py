@@ -164,20 +164,33 @@ ds_longctx.run(main, sys.argv[2])
 """
 
 
+def _default_signals():
+    """In the child before exec: the termination signals at their defaults. A shell runs a background job (pytest
+    started with &) with SIGINT ignored, and an ignored signal stays ignored across fork and exec: the child would
+    then ignore the SIGINT this test sends (ds_longctx.runtime keeps an ignored signal ignored, as nohup asks)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.mark.distributed  # starts processes
 def test_cleanups_run_on_error_exit_and_on_sigterm(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, RANK="0")
     f = tmp_path / "scratch"
     p = subprocess.run([sys.executable, "-c", _CLEANUP_SCRIPT, str(f), "error"], env=env, capture_output=True,
-                       text=True, timeout=60)
+                       text=True, timeout=60, preexec_fn=_default_signals)
     assert p.returncode == 1 and "[rank 0] RuntimeError: boom" in p.stderr and not f.exists(), p.stderr
     for sig in (signal.SIGTERM, signal.SIGINT):
         p = subprocess.Popen([sys.executable, "-c", _CLEANUP_SCRIPT, str(f), "wait"], env=env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert p.stdout.readline() == "ready\n"
-        assert f.exists()
-        p.send_signal(sig)
-        out, err = p.communicate(timeout=30)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_signals)
+        try:
+            assert p.stdout.readline() == "ready\n"
+            assert f.exists()
+            p.send_signal(sig)
+            out, err = p.communicate(timeout=30)
+        finally:
+            if p.poll() is None:  # a failed step (or the timeout) leaves no child behind
+                p.kill()
+                p.communicate()
         assert p.returncode == 128 + sig, (sig, p.returncode, err)
         assert f"[rank 0] ds_longctx: received {signal.Signals(sig).name}: ending this rank" in err, err
         assert not f.exists()

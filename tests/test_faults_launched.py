@@ -46,22 +46,23 @@ def test_sigterm_to_the_runner_ends_every_rank_and_full_drive_is_one_error(tmp_p
             time.sleep(0.5)
         assert len(os.listdir(nvme)) == 2  # one activation directory per rank while training
         runner.send_signal(signal.SIGTERM)  # the runner alone, as a scheduler or a wrapper's Ctrl-C does
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 20:
+        # the job ends by itself: its process group is gone before a generous bound (a hang, not a slow box, fails;
+        # no wall-clock figure is asserted)
+        deadline, ended = time.monotonic() + 180, False
+        while not ended and time.monotonic() < deadline:
             runner.poll()  # reap the runner (a zombie still counts as a member of the group)
             try:
                 os.killpg(runner.pid, 0)  # launch.py and the ranks share the runner's process group
+                time.sleep(0.2)
             except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        gone_s = time.monotonic() - t0
+                ended = True
     finally:
         try:
             os.killpg(runner.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         out = runner.communicate()[0]
-    assert gone_s < 10, (gone_s, out[-3000:])
+    assert ended, out[-3000:]
     assert "ds_longctx: the launcher process" in out, out[-3000:]
     assert os.listdir(nvme) == [], out[-3000:]  # every rank removed its files on the way out
     # a 4 MiB drive for 2 ranks x (2 layer inputs of 1 MiB + the first layer's kept attention output and LSE, each

@@ -126,17 +126,18 @@ def test_cpu_auto_is_the_one_cpu_kernel_and_cuda_names_are_config_values():
     names = kernels.kernel_names()
     assert "sdpa_cuda_cudnn" in names and "sdpa_cuda_flash" in names
     from ds_longctx.checks import check_kernel
-    from ds_longctx.config import parse
-    from pydantic import ValidationError
+    from ds_longctx.config import ConfigError, parse
 
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
     # the config accepts the name; check_kernel says it is not available on this machine
     lc = parse({"long_context": {"attention": {"kernel": "sdpa_cuda_cudnn"}}})
     assert lc.attention.kernel == "sdpa_cuda_cudnn"
-    with pytest.raises(Exception, match="not available"):
+    with pytest.raises(ConfigError, match=r"^long_context\.attention\.kernel: 'sdpa_cuda_cudnn' is not available on "
+                                          r"this machine"):
         check_kernel("sdpa_cuda_cudnn")
-    with pytest.raises((ValidationError, Exception)):
+    with pytest.raises(ConfigError, match=r"^long_context\.attention\.kernel: 'cudnn_typo' is not allowed\. Fix: use "
+                                          r"one of 'auto', 'flash_attention_3', .*'sdpa'"):
         parse({"long_context": {"attention": {"kernel": "cudnn_typo"}}})
 
 

@@ -1,4 +1,6 @@
-"""The planner against real CPU measurements, its extrapolation against full depth, and resolve_auto."""
+"""The planner against real CPU measurements (at full depth and extrapolated from two shallow steps, with a
+vocabulary whose logits dominate the step), its extrapolation against its own full-depth simulation at a GPU
+model's shapes, and resolve_auto."""
 import pytest
 import copy
 
@@ -8,18 +10,33 @@ from dist_utils import run_distributed
 
 SEQ, VOCAB = 2048, 64
 MODEL = dict(heads=4, kv_heads=2, vocab=VOCAB, layers=2, intermediate=48)
-
+UNTIED_ALL = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1},
+              "activation_checkpointing": {"enabled": True, "offload": "cpu"},
+              "tiled_mlp": {"enabled": True, "shards": "auto"}, "tiled_loss": {"enabled": True, "shards": "auto"}}
+# name -> (long_context section, model overrides): 2 layers are simulated at full depth, 6 are extrapolated from
+# the steps at 2 and 3 layers (planner/core.py); a vocabulary of 8192 makes the fp32 logits ([1024, 8192] per rank,
+# 32 MiB) the step's largest tensor, where the 64-token vocabulary's are negligible
 CASES = {
-    "ulysses": {"attention": {"implementation": "ulysses"}},
-    "ckpt": {"attention": {"implementation": "ulysses"}, "activation_checkpointing": {"enabled": True}},
-    "offload": {"attention": {"implementation": "ulysses"},
-                "activation_checkpointing": {"enabled": True, "offload": "cpu"}},
-    "tiled": {"attention": {"implementation": "ulysses"}, "tiled_mlp": {"enabled": True, "shards": 4},
-              "tiled_loss": {"enabled": True, "shards": 4}},
-    "untied_all": {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1},
-                   "activation_checkpointing": {"enabled": True, "offload": "cpu"},
-                   "tiled_mlp": {"enabled": True, "shards": "auto"}, "tiled_loss": {"enabled": True, "shards": "auto"}},
+    "ulysses": ({"attention": {"implementation": "ulysses"}}, {}),
+    "ckpt": ({"attention": {"implementation": "ulysses"}, "activation_checkpointing": {"enabled": True}}, {}),
+    "offload": ({"attention": {"implementation": "ulysses"},
+                 "activation_checkpointing": {"enabled": True, "offload": "cpu"}}, {}),
+    "tiled": ({"attention": {"implementation": "ulysses"}, "tiled_mlp": {"enabled": True, "shards": 4},
+               "tiled_loss": {"enabled": True, "shards": 4}}, {}),
+    "untied_all": (UNTIED_ALL, {}),
+    "untied_all_6_layers": (UNTIED_ALL, {"layers": 6}),
+    "vocab_8k": ({"attention": {"implementation": "ulysses"}, "activation_checkpointing": {"enabled": True}},
+                 {"vocab": 8192}),
+    "vocab_8k_tiled_loss": (dict(UNTIED_ALL, tiled_loss={"enabled": True, "shards": 8}), {"vocab": 8192}),
 }
+# planned / measured - 1 per case, as measured on the 2-core CPU box (the live bytes are deterministic: the same on
+# every run). Each case must stay within 1 percentage point of its figure, so a change of the planner's or the
+# runtime's memory by more than 1% fails here. Open: the untied stack with offload is under-counted by 15.5 KB per
+# layer (untied_all -5.5%, 6 layers -9.4%; 31 KB per layer at world 1: the size of one layer's fp32 parameters over
+# the ranks, which names no holder yet), and the tiled loss's 8 tiles at 8K vocabulary by 7.1%.
+OBSERVED = {"ulysses": +0.004, "ckpt": -0.014, "offload": -0.028, "tiled": -0.004, "untied_all": -0.055,
+            "untied_all_6_layers": -0.094, "vocab_8k": +0.000, "vocab_8k_tiled_loss": -0.071}
+TOLERANCE = 0.01
 
 
 def _config(name, lc):
@@ -41,11 +58,12 @@ def _measure_worker(rank, world):
     from tiny_models import build, tiny_config
 
     out = {}
-    for name, lc in CASES.items():
-        model = build(tiny_config(**MODEL), seed=0)
+    for name, (lc, over) in CASES.items():
+        kw = dict(MODEL, **over)
+        model = build(tiny_config(**kw), seed=0)
         engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                                 config=_config(name, lc))
-        shard = shard_batch(sample(SEQ, VOCAB), sp_rank(sp_group()), 2)
+        shard = shard_batch(sample(SEQ, kw["vocab"]), sp_rank(sp_group()), 2)
         tracker = LiveBytesTracker()
         # one tracker, entered twice: it keeps counting forward's live storages through backward
         with tracker:
@@ -59,24 +77,31 @@ def _measure_worker(rank, world):
 
 
 @pytest.mark.distributed
-def test_planner_peak_within_10pct_of_measured_cpu_zero3_sp2():
+def test_planner_peak_near_measured_cpu_zero3_sp2():
     from tiny_models import tiny_config
 
     from ds_longctx.planner import Planner
 
-    measured = run_distributed(_measure_worker, 2, timeout=400)[0]
-    mc = tiny_config(**MODEL)
-    for name, lc in CASES.items():
+    measured = run_distributed(_measure_worker, 2, timeout=600)[0]
+    errors = {}
+    for name, (lc, over) in CASES.items():
+        mc = tiny_config(**dict(MODEL, **over))
         # device="cpu": simulate the CPU run being measured (on CPU the offloaded copies are host memory
         # that the tracker does not see, and the planner reports them as host bytes too)
         # reserve 0: the reserve stands for CUDA context/NCCL/fragmentation, none of which a CPU run has
-        r = Planner(_config(name, lc), mc, 2, "1GiB", reserve="0", device="cpu", full_depth=True).run(SEQ)
+        r = Planner(_config(name, lc), mc, 2, "1GiB", reserve="0", device="cpu").run(SEQ)
+        assert r.extrapolated == (over.get("layers", 2) > 4), (name, r.layers_simulated)
         planned = sum(v for k, v in r.breakdown.items() if k != "model_states")
-        print(f"{name}: planned {planned} measured {measured[name]} ({planned / measured[name] - 1:+.1%})")
-        assert abs(planned - measured[name]) <= 0.10 * measured[name], (name, planned, measured[name])
+        errors[name] = planned / measured[name] - 1
+        print(f"{name}: planned {planned} measured {measured[name]} ({errors[name]:+.1%})")
+    off = {k: (round(errors[k], 4), OBSERVED[k]) for k in CASES if abs(errors[k] - OBSERVED[k]) > TOLERANCE}
+    assert not off, off
 
 
-def test_extrapolated_depth_matches_full_depth():
+def test_extrapolated_depth_matches_the_full_depth_simulation():
+    """The planner with itself, at Llama-3-8B's layer shapes on the GPU stand-in (a step no CPU can measure): the
+    step extrapolated from two shallow simulations equals the full-depth simulation within 1% (device) and exactly
+    (host). Extrapolation against a measured run is test_planner_peak_near_measured_cpu_zero3_sp2's 6-layer case."""
     from ds_longctx.planner import Planner, load_model_config
 
     mc = load_model_config("ds_configs/models/llama3-8b.json")
@@ -89,7 +114,7 @@ def test_extrapolated_depth_matches_full_depth():
     ext, full = p.run(65536), p.run(65536, full_depth=True)
     assert ext.extrapolated and not full.extrapolated
     assert abs(ext.peak_device_bytes - full.peak_device_bytes) <= 0.01 * full.peak_device_bytes
-    assert abs(ext.host_bytes - full.host_bytes) <= 0.01 * full.host_bytes + 1
+    assert ext.host_bytes == full.host_bytes
 
 
 def test_first_layers_keeping_attention_extrapolate_like_full_depth():

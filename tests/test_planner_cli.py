@@ -111,7 +111,8 @@ def test_host_budget_picks_the_offload_target(tmp_path, capsys):
     assert out["fits"] is False and rec["target"] == "nvme" and rec["keep_on_device"] == 2, rec
     assert rec["keys"]["offload"] == "nvme" and rec["keys"]["keep_on_device"] == 2
     assert rec["nvme_bytes_per_node"] == 8 * 14 * layer and rec["peak_device_bytes"] == out["peak_device_bytes"] + 2 * layer
-    assert any("over --host-mem" in n and "'nvme'" in n for n in out["notes"]), out["notes"]
+    assert any(n.startswith("host memory per node: ") and " over " in n and "(--host-mem)" in n and "'nvme'" in n
+               for n in out["notes"]), out["notes"]
     # and a config that asks for nvme fits there, its host figure being the ring
     cfg = json.loads(json.dumps(BASE))
     cfg["long_context"]["activation_checkpointing"].update(offload="nvme", nvme_path=str(tmp_path))
@@ -156,8 +157,8 @@ def test_unshipped_config_host_not_checked_by_default_and_binding_printed(tmp_pa
                "--gpu-mem", "80GiB", "--seq-len", "65536"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "binding limit: device memory binds" in text and "host memory not checked" in text, text
-    assert "NVMe not checked" in text
+    assert "limits: fits; tightest: device memory" in text and "host memory not checked" in text, text
+    assert "NVMe not checked" in text and " binds" not in text  # nothing binds a plan that fits
 
 
 def test_max_context_says_which_limit_binds(tmp_path, capsys):
@@ -180,3 +181,35 @@ def test_max_context_says_which_limit_binds(tmp_path, capsys):
     assert 16384 < out["max_sequence_length"] < 65536 and out["host_bytes_per_node"] <= budget
     # the device had room: the answer is not device-bound
     assert out["peak_device_bytes"] + out["reserve_bytes"] < out["device_budget_bytes"] // 2
+
+
+def test_planner_words_show_the_excess_and_say_binds_only_for_a_binding_limit():
+    """The over-budget line shows the digits that tell need from budget (it said "2.00 TiB > 2.00 TiB"), and the
+    device is compared as the budget line states it (the peak against the usable memory: it compared peak +
+    reserve with the whole budget); a plan that fits names its tightest limit, not a limit that "binds"; times read
+    as times; a max-context answer says what bounds it once."""
+    from types import SimpleNamespace
+
+    from ds_longctx.planner.core import _bound_by, binding_limit
+    from ds_longctx.planner.units import fmt_seconds
+
+    tib, gib = 2**40, 2**30
+    over = {"device": {"need": int(77.104 * gib), "budget": int(77.1 * gib), "per": "device"},
+            "host": {"need": 2 * tib + 450 * 2**20, "budget": 2 * tib, "per": "node"},
+            "nvme": {"need": 0, "budget": None, "per": "node"}}
+    key, words = binding_limit(over)
+    # the larger overshoot first (host: 2.1e-4 of its budget, device 5.3e-5)
+    assert key == "host" and words == ("over host memory: 2.0004 TiB, 450.00 MiB over 2.0000 TiB per node; device "
+                                       "memory: 77.104 GiB, 4.10 MiB over 77.100 GiB usable per device; NVMe not "
+                                       "checked (0 B/node)"), words
+    within = dict(over, device={"need": 54 * gib, "budget": int(77.1 * gib), "per": "device"},
+                  host={"need": tib, "budget": 2 * tib, "per": "node"})
+    key, words = binding_limit(within)
+    assert key == "device" and words.startswith("fits; tightest: device memory 70% used (54.00 GiB of 77.10 GiB "
+                                                "usable per device); host memory 50% used") and "binds" not in words
+    stop = SimpleNamespace(limits=over, binding="device", binding_detail="", sequence_length=5_242_888)
+    best = _bound_by(SimpleNamespace(binding="", binding_detail=""), stop, 5_242_880)
+    assert best.binding_detail == ("bound by device memory: at 5,242,888 tokens 77.104 GiB, 4.10 MiB over 77.100 GiB "
+                                   "usable per device"), best.binding_detail
+    assert [fmt_seconds(x) for x in (7470, 314.8, 17.5, 3599.9)] == ["2 h 04 min", "5 min 15 s", "17.5 s",
+                                                                     "1 h 00 min"]

@@ -35,12 +35,13 @@ def test_repeated_launches_never_abort():
 
 @pytest.mark.parametrize("launcher", ["mpirun", "slurm-env", "deepspeed"])
 def test_one_failing_rank_ends_the_job(launcher):
-    # rank 1 raises while rank 0 waits in a barrier: before, mpirun hung until gloo's 30-minute timeout
-    proc = launch([SCRIPT, "fail", "1"], launcher=launcher, timeout=120)
+    # rank 1 raises while rank 0 waits in a barrier: before, mpirun hung until gloo's 30-minute timeout. A job that
+    # does not end by itself is killed at the launch's timeout and fails the test (TimeoutExpired): no wall-clock
+    # figure is asserted (the box may be loaded), only that the job ended without being killed
+    proc = launch([SCRIPT, "fail", "1"], launcher=launcher, timeout=300)
     out = _out(proc)
     assert proc.returncode != 0, out[-3000:]
     assert "[rank 1] RuntimeError: rank 1 fails on purpose" in out, out[-3000:]
-    assert proc.wall_s < 60, proc.wall_s
     assert "the barrier returned" not in out
 
 

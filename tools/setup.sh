@@ -26,13 +26,30 @@ echo "setup: installing torch and ds_longctx[test] (~4 min)"
 python -m pip install -q --upgrade pip
 pip install -q "$TORCH_SPEC"
 pip install -q -e ".[test]"
+# build_op LABEL EXT PYTHON-CODE: run the build, and every 30 s say how long it has run and how many of its object
+# files exist (torch's JIT build prints nothing until it ends); a lock left by a killed build is refused first
+# (memory.nvme.check_op_build_lock: its path, its age and the fix, within 20 s) instead of waiting on it forever
+build_op() {
+    local label=$1 ext=$2 code=$3 start=$SECONDS pid n
+    python -c "from ds_longctx.memory.nvme import check_op_build_lock as c; c('$ext')" || return 1
+    python -c "$code" &
+    pid=$!
+    while kill -0 "$pid" 2>/dev/null; do
+        sleep 1
+        if (( (SECONDS - start) % 30 == 0 )) && kill -0 "$pid" 2>/dev/null; then
+            n=$(ls "$TORCH_EXTENSIONS_DIR/$ext"/*.o 2>/dev/null | wc -l)
+            echo "setup: still building $label: $((SECONDS - start)) s, $n object files so far"
+        fi
+    done
+    wait "$pid"
+}
 echo "setup: building DeepSpeed's FusedAdam op (the first launch would otherwise build it silently, ~3 min)"
-python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('FusedAdamBuilder').load()" ||
+build_op FusedAdam fused_adam "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('FusedAdamBuilder').load()" ||
     echo "setup: warning: FusedAdam did not build; the first launch builds it (or fails with DeepSpeed's message)"
 # ranks building the async_io op at once would race, and inside a test it runs under the test's time limit
 if python -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; import sys; sys.exit(not B().is_compatible(verbose=False))"; then
-    echo "setup: building DeepSpeed's async_io op (NVMe offload)"
-    python -c "from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load()"
+    echo "setup: building DeepSpeed's async_io op (NVMe offload, ~8 min on 2 cores)"
+    build_op async_io async_io "from deepspeed.ops.op_builder import AsyncIOBuilder as B; B().load()"
 else
     echo "setup: libaio-dev missing: no async_io op; offload=\"nvme\" and its tests are skipped (install it, rerun this)"
 fi

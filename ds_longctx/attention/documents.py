@@ -10,7 +10,7 @@ before sharding (``batch.document_structure``, used by ``data.shard_batch``) and
 as ``doc_cu_seqlens`` [b, n+1] (cumulative boundaries over the whole gathered sequence, every rank
 the same tensor, rows padded by repeating the length).
 
-How it reaches attention: the model forward wrapper (``patch.install_document_forward``) turns the
+How it reaches attention: the model forward wrapper (``sp_batch.install_document_forward``) turns the
 batch's structure into a :class:`Documents` and passes it down as the keyword ``DOCS_KWARG``. HF's
 decoder forwards its ``**kwargs`` through every decoder layer into the attention module and the
 attention function, and its checkpointed layers bind them into the recompute; a context variable

@@ -79,7 +79,10 @@ class KeptAttention:
 
 def kept_attention_layers(value, num_layers: int) -> int:
     """How many decoder layers (the first ones) keep their attention output under a resolved
-    keep_attention_output ``value`` (true, false or a count), of ``num_layers``."""
+    keep_attention_output ``value`` (true, false or a count), of ``num_layers``. Superseded by the spec's
+    ``LongContextSpec.kept_attention_layers`` (resolved once; nothing in the package calls this): kept only for
+    train.py's NVMe reservation until it reads ``engine.long_context_spec`` (offloaded_layers,
+    offloaded_kept_attention_layers)."""
     if isinstance(value, bool):
         return num_layers if value else 0
     if not isinstance(value, int):

@@ -1,6 +1,6 @@
 """Architectures whose MLP tiled_mlp runs exactly but which have no fused untied attention (fused qkv, a
 q/k-norm over the whole projection, partial rotary, ...): untied attention runs at the attention-function
-level for them (``fuse_projections: false``).
+level for them (``fuse_projections`` 'auto', the default, picks it; ``true`` is refused).
 
 Phi3: one fused gate_up_proj, chunked, SiLU-gated. OLMo2: Llama's SwiGLU (its q/k RMSNorm spans all heads).
 GPT-NeoX: dense_h_to_4h, GELU, dense_4h_to_h. Mixtral and Qwen2-MoE: the sparse MoE block; routing is per

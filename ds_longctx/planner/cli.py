@@ -16,9 +16,18 @@ from ..config import ConfigError, load_ds_config
 from .core import DEFAULT_RESERVE, RESERVE_WHAT, PlanResult, Planner, load_model_config
 from .host import describe, machine_ram_bytes
 from .search import ladder
-from .units import fmt_bytes, fmt_tokens
+from .units import fmt_bytes, fmt_seconds, fmt_tokens
 
 CATS = ("model_states", "attention", "mlp", "loss", "other")
+
+# --node: a real node the planner checks against (device, host RAM and local NVMe per node). DGX H100 / H200: NVIDIA's
+# datasheets (8 GPUs, 2 TB of DDR5, data cache 8 x 3.84 TB NVMe U.2); the GPU figures are what the allocator gets
+NODES = {
+    "dgx-h100": {"gpu_mem": "h100", "host_mem": "2TiB", "nvme_mem": "30.72TB", "gpus_per_node": 8,
+                 "what": "NVIDIA DGX H100: 8 x H100-80GB (79.1 GiB usable each), 2 TiB RAM, 8 x 3.84 TB local NVMe"},
+    "dgx-h200": {"gpu_mem": "139GiB", "host_mem": "2TiB", "nvme_mem": "30.72TB", "gpus_per_node": 8,
+                 "what": "NVIDIA DGX H200: 8 x H200-141GB (139 GiB usable each), 2 TiB RAM, 8 x 3.84 TB local NVMe"},
+}
 
 
 def _parser():
@@ -31,12 +40,16 @@ def _parser():
     g.add_argument("--model-config", help="HF config.json")
     g.add_argument("--model", help="local model directory (its config.json is read; no weights)")
     q.add_argument("--gpus", type=int, default=8, help="world size to simulate (default 8)")
+    q.add_argument("--node", choices=sorted(NODES), default=None, help="a real node: its GPU, host and NVMe memory "
+                   "(" + "; ".join(f"{k}: {v['what']}" for k, v in NODES.items()) + "); the flags below override it")
     q.add_argument("--gpus-per-node", type=int, default=None, help="ranks sharing one host (default min(gpus, 8))")
-    q.add_argument("--gpu-mem", default="auto", help="device memory per GPU: a size (80GiB), 'h100' (79.1GiB, "
+    q.add_argument("--gpu-mem", default=None, help="device memory per GPU: a size (80GiB), 'h100' (79.1GiB, "
                    "what an H100-80GB gives the allocator) or 'auto' (default: this machine's CUDA device, else h100)")
     q.add_argument("--host-mem", default=None, help="host memory per node, checked: a size (2TiB), 'machine' "
                    "(this machine's RAM) or 'none'. Default: a shipped config's stated node (ds_configs/targets.json), "
                    "else not checked")
+    q.add_argument("--nvme-mem", default=None, help="local NVMe per node, checked (a size: 30.72TB); with "
+                   "--max-context and a host-bound answer under offload 'cpu', the answer with offload 'nvme' too")
     q.add_argument("--reserve", default=DEFAULT_RESERVE, help=f"device memory kept back for {RESERVE_WHAT}, which "
                    f"the simulation does not see (default {DEFAULT_RESERVE})")
     q.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
@@ -45,8 +58,9 @@ def _parser():
     q.add_argument("--compare", action="store_true", help="the stack's configurations side by side")
     q.add_argument("--plot", default=None, help="PNG of stacked bars (needs matplotlib)")
     q.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    q.add_argument("--full-depth", action="store_true", help="simulate every layer (default: 2 and 3 layers, "
-                   "extrapolated; --max-context re-checks at full depth)")
+    q.add_argument("--full-depth", action="store_true", help="simulate every layer (default: two shallow steps, "
+                   "at 2 and 3 layers plus the keep_on_device layers, extrapolated to the model's depth; "
+                   "--max-context re-checks its answer at full depth)")
     q.add_argument("--target", default="h100", help="rates for the predicted step time and MFU: h100 (default; "
                    "measured GEMM/attention/HBM/PCIe rates) or h200 (planner/rates.py names each rate's source)")
     q.add_argument("--device", choices=("meta", "cpu"), default="meta", help=argparse.SUPPRESS)
@@ -60,15 +74,22 @@ def _row(r: PlanResult, max_seq=None) -> dict:
     return d
 
 
+def _gib(n) -> str:
+    return f"{n / 2**30:,.2f}"
+
+
 def _table(rows, title_col="config", show_max=False) -> str:
-    head = [title_col, "seq", "fits", "peak"] + list(CATS) + ["host/rank", "step s", "MFU", "binds"]
+    """One row per plan; memory in GiB (per GPU; host: per rank), the step time as a person reads it. The last
+    column: the limit a plan exceeds ("-" when it fits), or for --max-context the limit that bounds the answer."""
+    head = [title_col, "seq", "fits", "peak GiB"] + list(CATS) + ["host/rank", "step", "MFU",
+                                                                 "bound by" if show_max else "over"]
     lines = []
     for label, r, mx in rows:
         seq = fmt_tokens(mx if show_max else r.sequence_length)
-        cells = [label, seq, "yes" if r.fits else "NO", fmt_bytes(r.peak_device_bytes)]
-        cells += [fmt_bytes(r.breakdown.get(c, 0)) for c in CATS] + [fmt_bytes(r.host_bytes)]
-        cells += [f"{r.time['seconds']:.3g}", f"{100 * r.time['mfu']:.1f}%"] if r.time else ["-", "-"]
-        cells.append(r.binding or "-")
+        cells = [label, seq, "yes" if r.fits else "NO", _gib(r.peak_device_bytes)]
+        cells += [_gib(r.breakdown.get(c, 0)) for c in CATS] + [_gib(r.host_bytes)]
+        cells += [fmt_seconds(r.time["seconds"]), f"{100 * r.time['mfu']:.1f}%"] if r.time else ["-", "-"]
+        cells.append(r.binding if (show_max or not r.fits) and r.binding else "-")
         lines.append(cells)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
@@ -77,7 +98,7 @@ def _table(rows, title_col="config", show_max=False) -> str:
     return "\n".join(out)
 
 
-def _detail(r: PlanResult) -> str:
+def _detail(r: PlanResult, max_context: bool = False) -> str:
     lines = [f"budget {fmt_bytes(r.device_budget_bytes)} per device ({r.budget_source}) less a reserve of "
              f"{fmt_bytes(r.reserve_bytes)} for {RESERVE_WHAT} (--reserve): the step may use "
              f"{fmt_bytes(r.device_budget_bytes - r.reserve_bytes)}",
@@ -93,7 +114,8 @@ def _detail(r: PlanResult) -> str:
     if r.offload:
         lines += describe(r.offload)
     lines += _time_lines(r.time)
-    lines.append(f"binding limit: {r.binding_detail}")
+    if not max_context:  # a max-context answer's bound is on its own line (run_plan)
+        lines.append(f"limits: {r.binding_detail}")
     lines += [f"note: {n}" for n in r.notes]
     return "\n".join(lines)
 
@@ -102,12 +124,12 @@ def _time_lines(t: dict) -> list:
     if not t:
         return []
     tf = sum(t["flops"].values()) / 1e12
-    parts = ", ".join(f"{k} {v:.3g}s" for k, v in sorted(t["parts"].items(), key=lambda kv: -kv[1]))
-    return [f"predicted step on {t['target']} (planner/rates.py): {t['seconds']:.3g} s, MFU {100 * t['mfu']:.1f}% "
-            f"({t['model_flops'] / 1e12:.4g} model TFLOP per GPU), {t['tokens_per_s']:.4g} tokens/s per GPU; "
-            f"{tf:.4g} TFLOP executed (recompute included)",
-            f"  compute {t['compute_s']:.3g} s, overlapped transfers {t['overlapped_s']:.3g} s (offload, ZeRO), "
-            f"serial transfers {t['serial_s']:.3g} s (all-to-all, optimizer offload): {parts}"
+    parts = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(t["parts"].items(), key=lambda kv: -kv[1]))
+    return [f"predicted step on {t['target']} (planner/rates.py): {fmt_seconds(t['seconds'])}, MFU "
+            f"{100 * t['mfu']:.1f}% ({t['model_flops'] / 1e12:,.0f} model TFLOP per GPU), {t['tokens_per_s']:,.1f} "
+            f"tokens/s per GPU; {tf:,.0f} TFLOP executed (recompute included)",
+            f"  compute {fmt_seconds(t['compute_s'])}, overlapped transfers {fmt_seconds(t['overlapped_s'])} "
+            f"(offload, ZeRO), serial transfers {fmt_seconds(t['serial_s'])} (all-to-all, optimizer offload): {parts}"
             + (f"; {t['calls'].get('ops', 0):,} ops and {t['calls'].get('a2a', 0):,} all-to-alls dispatched"
                if t.get("calls") else "")]
 
@@ -115,16 +137,18 @@ def _time_lines(t: dict) -> list:
 _COLORS = {"model_states": "#4c4c4c", "attention": "#1f77b4", "mlp": "#ff7f0e", "loss": "#2ca02c", "other": "#9467bd"}
 
 
-_BIND_COLORS = {"device": "#1f77b4", "host": "#d62728", "nvme": "#8c564b", "search limit": "0.5"}
+# the limit a max context is bound by (none of them a category colour)
+_BIND_COLORS = {"device": "#17becf", "host": "#d62728", "nvme": "#8c564b", "search limit": "0.5"}
 
 
 def plot(rows, path: str, show_max: bool):
     """Each --compare rung at a glance. Fixed length: left, peak device memory stacked by category (bars
     over the budget are drawn to the axis top with each category's share of what they would need, hatched,
     and labelled with the total); right, the predicted step time and MFU. --max-context: left, the max
-    context on a log axis, coloured by the limit that binds; middle, what fills the device at that peak
-    (shares of the peak); right, the predicted step time at that length. ``rows``: (label, PlanResult or
-    an object with its fields, max tokens or None)."""
+    context on a log axis, coloured by the limit that binds; middle, what fills the device at that peak, in GiB
+    on one axis for every rung up to the budget (a rung at 55 GiB looks 55/77 full); right, the predicted step
+    time at that length. Legends sit below the panels and the image is cut to its artists, so no label overlaps a
+    bar or leaves the image. ``rows``: (label, PlanResult or an object with its fields, max tokens or None)."""
     try:
         import matplotlib
 
@@ -154,24 +178,24 @@ def plot(rows, path: str, show_max: bool):
             ax.text(max(c, lo) * 1.08, y, (f"{fmt_tokens(c)} ({c:,})" if c else "none fits"), va="center", fontsize=8)
         ax.set_xlabel("max context, tokens (log scale; colour: the limit that binds)", fontsize=9)
         binds = sorted({r.binding for _, r, _ in rows if r.binding})
-        ax.legend(handles=[Patch(color=_BIND_COLORS.get(b, "0.5"), label=f"{b} binds") for b in binds], fontsize=8,
-                  loc="lower right", frameon=False)
+        cat_handles = [Patch(color=_BIND_COLORS.get(b, "0.5"), label=f"max bound by {b}") for b in binds] + cat_handles
         ax.set_title(f"max context, {first.world_size} GPUs, {usable:.1f} GiB usable per GPU", fontsize=10)
         left = [0.0] * n
-        for cat in CATS:
-            vals = [100 * r.breakdown.get(cat, 0) / max(1, r.activation_peak_bytes) for _, r, _ in rows]
+        for cat in CATS:  # GiB on one axis: every rung's bar against the same budget
+            vals = [r.breakdown.get(cat, 0) / gib for _, r, _ in rows]
             cx.barh(ys, vals, left=left, color=_COLORS[cat], height=0.62)
             for y, v, l0 in zip(ys, vals, left):
-                if v >= 9:
-                    cx.text(l0 + v / 2, y, f"{v:.0f}%", ha="center", va="center", fontsize=7, color="white")
+                if v >= 0.09 * usable:
+                    cx.text(l0 + v / 2, y, f"{v:.0f}", ha="center", va="center", fontsize=7, color="white")
             left = [a + b for a, b in zip(left, vals)]
         for y, (_, r, _) in zip(ys, rows):
-            cx.text(101, y, f"{r.peak_device_bytes / gib:.1f} GiB", va="center", fontsize=7)
-        cx.set_xlim(0, 118)
-        cx.set_xlabel("% of the device peak at that length, by category", fontsize=9)
+            cx.text(max(r.peak_device_bytes / gib, 0) + usable * 0.02, y, f"{r.peak_device_bytes / gib:.1f}",
+                    va="center", fontsize=7)
+        cx.axvline(usable, color="firebrick", ls=":", lw=1)
+        cx.set_xlim(0, usable * 1.22)
+        cx.set_xlabel(f"GiB per GPU at that length, by category (dotted: {usable:.1f} GiB usable)", fontsize=9)
         cx.set_title("what fills the device at the max", fontsize=10)
-        cx.legend(handles=cat_handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16 - 0.1 / n * 7),
-                  ncol=len(CATS), frameon=False)
+        fig.legend(handles=cat_handles, fontsize=8, loc="lower center", ncol=len(cat_handles), frameon=False)
         _time_panel(tx, ys, rows, "at each max context")
         ax.set_yticks(ys)
         ax.set_yticklabels(labels, fontsize=9)
@@ -217,13 +241,12 @@ def plot(rows, path: str, show_max: bool):
         seqs = sorted({fmt_tokens(r.sequence_length) for _, r, _ in rows})
         ax.set_title(f"peak memory at {', '.join(seqs)} tokens, {first.world_size} GPUs (hatched: over the budget, "
                      "drawn to scale within the bar, GiB labelled)", fontsize=9)
-        ax.legend(handles=cat_handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4,
-                  frameon=False)
+        fig.legend(handles=cat_handles, fontsize=8, loc="lower center", ncol=len(cat_handles), frameon=False)
         _time_panel(tx, ys, rows, f"at {', '.join(seqs)} tokens")
         tx.set_yticks(ys)
         tx.set_yticklabels(labels, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # the bottom strip holds the legend, below every tick label
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # every label inside the image
     plt.close(fig)
 
 
@@ -239,12 +262,12 @@ def _time_panel(tx, ys, rows, where: str):
         ok = (mx or 0) > 0 if mx is not None else r.fits
         if s:
             tx.barh([y], [s], color="#2ca02c" if ok else "0.75", height=0.62)
-            tx.text(s * 1.1, y, f"{s:,.3g} s, MFU {100 * r.time['mfu']:.1f}%" + ("" if ok else " (does not fit)"),
+            tx.text(s * 1.1, y, f"{fmt_seconds(s)}, MFU {100 * r.time['mfu']:.1f}%" + ("" if ok else " (does not fit)"),
                     va="center", fontsize=8, color="black" if ok else "0.35")
     tx.set_xscale("log")
     tx.set_xlim(min(known) / 2, max(known) * 40)
     target = next((r.time.get("target") for _, r, _ in rows if r.time), "")
-    tx.set_xlabel(f"predicted step seconds on {target} (log scale; a prediction, planner/rates.py)", fontsize=9)
+    tx.set_xlabel(f"predicted step time on {target}, log scale\n(a prediction: planner/rates.py)", fontsize=9)
     tx.set_title(f"predicted step time {where}", fontsize=10)
 
 
@@ -267,14 +290,34 @@ def _run_plan(a, out) -> int:
     if a.compare:
         configs = ladder(ds, mc, a.gpus)
     rows, params = [], None
-    host_mem, host_source = _host_mem(a.host_mem, a.config)
-    for label, cfg in configs:
-        p = Planner(cfg, mc, a.gpus, a.gpu_mem, host_mem, a.reserve, a.gpus_per_node, a.device, a.full_depth,
-                    params=params, target=a.target, host_budget_source=host_source)
+    node = NODES.get(a.node) or {}
+    gpu_mem = a.gpu_mem or node.get("gpu_mem") or "auto"
+    nvme_mem = a.nvme_mem or node.get("nvme_mem")
+    if a.host_mem is None and node:
+        host_mem, host_source = node["host_mem"], f"--node {a.node}: {node['what']}"
+    else:
+        host_mem, host_source = _host_mem(a.host_mem, a.config)
+    gpus_per_node = a.gpus_per_node or node.get("gpus_per_node")
+
+    def planner(cfg):
+        nonlocal params
+        p = Planner(cfg, mc, a.gpus, gpu_mem, host_mem, a.reserve, gpus_per_node, a.device, a.full_depth,
+                    params=params, target=a.target, host_budget_source=host_source, nvme_mem=nvme_mem)
         params = p.params
+        return p
+
+    nvme_alt = None
+    for label, cfg in configs:
+        p = planner(cfg)
         if a.max_context:
             mx, r = p.max_context(label=label)
             rows.append((label, r, mx))
+            ac = p.lc.activation_checkpointing
+            if not a.compare and r.binding == "host" and ac.enabled and ac.offload == "cpu" and nvme_mem:
+                # host memory binds: the same run with the layer inputs on the node's NVMe
+                alt = json.loads(json.dumps(cfg))
+                alt["long_context"]["activation_checkpointing"].update(offload="nvme", nvme_path="/local_nvme")
+                nvme_alt = planner(alt).max_context(label="offload nvme")
         else:
             seq = a.seq_len if a.seq_len is not None else p.lc.sequence_length
             if seq is None:
@@ -293,13 +336,21 @@ def _run_plan(a, out) -> int:
             label, r, mx = rows[0]
             obj = {**_row(r, mx), "wall_seconds": round(wall, 2)}
             obj["fits"] = fits
+            if nvme_alt is not None:
+                obj["with_offload_nvme"] = _row(nvme_alt[1], nvme_alt[0])
         print(json.dumps(obj, indent=1), file=out)
     else:
+        if node:
+            print(f"node: {node['what']}", file=out)
         print(_table(rows, show_max=a.max_context), file=out)
-        print(_detail(rows[-1][1]), file=out)
+        print(_detail(rows[-1][1], a.max_context), file=out)
         if a.max_context:
             for label, r, mx in rows:
-                print(f"max context [{label}]: {mx} tokens ({fmt_tokens(mx)}); {r.binding_detail}", file=out)
+                print(f"max context [{label}]: {mx:,} tokens ({fmt_tokens(mx)}), {r.binding_detail}", file=out)
+            if nvme_alt is not None:
+                mx, r = nvme_alt
+                print(f"max context with the layer inputs on the node's NVMe (activation_checkpointing.offload "
+                      f"'nvme'): {mx:,} tokens ({fmt_tokens(mx)}), {r.binding_detail}", file=out)
         print(f"planner wall time {wall:.1f}s", file=out)
     return 0 if fits else 1
 

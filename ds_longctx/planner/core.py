@@ -23,7 +23,7 @@ from . import host as host_plan
 from . import model_states as ms
 from .rates import step_time, target_rates
 from .simulate import CATEGORIES, build_model, simulate_step, with_layers
-from .units import fmt_bytes, parse_bytes
+from .units import fmt_bytes, fmt_over, parse_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
 
@@ -91,10 +91,13 @@ class PlanResult:
     budget_source: str = ""
     time: Dict = field(default_factory=dict)  # planner/rates.py StepTime on the target: seconds, mfu, parts, ...
     host_budget_source: str = ""    # where host_budget_bytes came from ("not checked" when None)
-    # each limit: need and budget in bytes per device (device) or per node (host, nvme); budget None = not checked
+    # each limit: need and budget in bytes per device (device: the peak against the budget less the reserve) or per
+    # node (host, nvme); budget None = not checked
     limits: Dict = field(default_factory=dict)
-    binding: str = ""               # "device" | "host" | "nvme" | "search limit": the limit that binds (see binding_detail)
-    binding_detail: str = ""        # the same in words, with the figures
+    # "device" | "host" | "nvme" | "search limit": over budget, the limit exceeded most; within, the tightest (a
+    # max-context answer: the limit the next length exceeds); binding_detail says which it is, with the figures
+    binding: str = ""
+    binding_detail: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,7 +201,7 @@ class Planner:
     def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
                  reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
                  full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100",
-                 host_budget_source: Optional[str] = None):
+                 host_budget_source: Optional[str] = None, nvme_mem=None):
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
         self.model_config = model_config
         self.world = int(world_size)
@@ -208,8 +211,9 @@ class Planner:
             self.budget, self.budget_source = device_budget(gpu_mem)
             self.reserve = parse_bytes(DEFAULT_RESERVE if reserve is None else reserve)
             self.host_budget = parse_bytes(host_mem) if host_mem is not None else None
+            self.nvme_budget = parse_bytes(nvme_mem) if nvme_mem is not None else None
         except ValueError as e:
-            raise ConfigError("--gpu-mem/--host-mem/--reserve", str(e), "write sizes like 80GiB") from None
+            raise ConfigError("--gpu-mem/--host-mem/--nvme-mem/--reserve", str(e), "write sizes like 80GiB") from None
         self.host_budget_source = host_budget_source or (
             "not checked (no host budget given)" if self.host_budget is None else f"--host-mem {host_mem}")
         if self.budget <= self.reserve:
@@ -260,7 +264,9 @@ class Planner:
         host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node
-        fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget)
+        nvme_node = int(sum(hs.nvme.values()) * self.gpus_per_node)
+        fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
+            and (self.nvme_budget is None or nvme_node <= self.nvme_budget)
         notes = list(self.states.notes)
         if self.states.step_transient_device:
             notes.append(f"optimizer step: {fmt_bytes(self.step_peak)} (model states + "
@@ -270,17 +276,17 @@ class Planner:
             notes.append("on NVMe per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in hs.nvme.items()))
         if self.host_budget is not None and host_node > self.host_budget:
             rec = hs.offload.get("recommended")
-            notes.append(f"host memory {fmt_bytes(host_node)} per node is over --host-mem {fmt_bytes(self.host_budget)}"
+            notes.append(f"host memory per node: {fmt_over(host_node, self.host_budget)} (--host-mem)"
                          + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
                             f"/node)" if rec else "; no offload target fits"))
         timing = self._step_time(work, hs, seq_len) if self.rates is not None else None
-        nvme_node = int(sum(hs.nvme.values()) * self.gpus_per_node)
-        limits = {"device": {"need": int(peak + self.reserve), "budget": int(self.budget), "per": "device",
-                             "what": "peak + reserve"},
+        limits = {"device": {"need": int(peak), "budget": int(self.budget - self.reserve), "per": "device",
+                             "what": f"the peak against the {fmt_bytes(self.budget)} budget less the "
+                                     f"{fmt_bytes(self.reserve)} reserve"},
                   "host": {"need": int(host_node), "budget": self.host_budget, "per": "node",
                            "source": self.host_budget_source},
-                  "nvme": {"need": nvme_node, "budget": None, "per": "node",
-                           "source": "not checked (the planner takes no NVMe budget)"}}
+                  "nvme": {"need": nvme_node, "budget": self.nvme_budget, "per": "node",
+                           "source": "not checked (no --nvme-mem)" if self.nvme_budget is None else "--nvme-mem"}}
         binding, detail = binding_limit(limits)
         return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
                           peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
@@ -358,8 +364,8 @@ class Planner:
             if hi == lo:
                 best = at(lo)
                 best.binding = "search limit"
-                best.binding_detail = (f"search limit: {lo * unit:,} tokens (the search stops at {limit:,}); no "
-                                       f"memory limit binds below it ({best.binding_detail})")
+                best.binding_detail = (f"search limit: the search stops at {limit:,} tokens; no memory limit binds "
+                                       f"below it ({best.binding_detail})")
                 return lo * unit, best
         halve = False
         while hi - lo > 1:
@@ -393,10 +399,14 @@ class Planner:
 _LIMIT_NAMES = {"device": "device memory", "host": "host memory", "nvme": "NVMe"}
 
 
+def _usable(v: dict) -> str:
+    return " usable" if v["per"] == "device" else ""
+
+
 def binding_limit(limits: Dict) -> tuple:
-    """(key, words): the limit that binds. Over budget: every exceeded limit (the first named is the
-    largest overshoot). Within budget: the checked limit with the least headroom, as a fraction of
-    its budget. Unchecked limits are named as such."""
+    """(key, words). Over budget: every exceeded limit with the digits that show by how much (the first named, and
+    the key, is the largest overshoot). Within budget: "fits", then each checked limit's use, the tightest first
+    (the key). Unchecked limits are named as such. "binds" is left to the max-context answer (_bound_by)."""
     def frac(v):
         return v["need"] / v["budget"]
 
@@ -406,14 +416,13 @@ def binding_limit(limits: Dict) -> tuple:
     over = sorted((k for k, v in checked.items() if v["need"] > v["budget"]), key=lambda k: -frac(checked[k]))
     if over:
         key = over[0]
-        words = "over " + ", ".join(f"{_LIMIT_NAMES[k]} ({fmt_bytes(checked[k]['need'])} > "
-                                    f"{fmt_bytes(checked[k]['budget'])} per {checked[k]['per']})" for k in over)
+        words = "over " + "; ".join(f"{_LIMIT_NAMES[k]}: {fmt_over(checked[k]['need'], checked[k]['budget'])}"
+                                    f"{_usable(checked[k])} per {checked[k]['per']}" for k in over)
     else:
         key = max(checked, key=lambda k: frac(checked[k]))
-        words = "; ".join(f"{_LIMIT_NAMES[k]} {100 * frac(v):.0f}% used ({fmt_bytes(v['need'])} of "
-                          f"{fmt_bytes(v['budget'])} per {v['per']})" for k, v in
-                          sorted(checked.items(), key=lambda kv: -frac(kv[1])))
-        words = f"{_LIMIT_NAMES[key]} binds: {words}"
+        words = "fits; tightest: " + "; ".join(
+            f"{_LIMIT_NAMES[k]} {100 * frac(v):.0f}% used ({fmt_over(v['need'], v['budget'])}{_usable(v)} per "
+            f"{v['per']})" for k, v in sorted(checked.items(), key=lambda kv: -frac(kv[1])))
     return key, words + ("; " + "; ".join(unchecked) if unchecked else "")
 
 
@@ -422,17 +431,22 @@ def _bound_by(best: "PlanResult", stop: "PlanResult", n: int) -> "PlanResult":
     does not fit, or ``best`` itself when none fits) exceeds."""
     over = [k for k, v in stop.limits.items() if v["budget"] and v["need"] > v["budget"]]
     best.binding = over[0] if over else stop.binding
-    best.binding_detail = (f"max context {n:,} tokens is bound by {_LIMIT_NAMES.get(best.binding, best.binding)}: "
-                           f"at {stop.sequence_length:,} tokens {stop.binding_detail}")
+    v = stop.limits.get(best.binding)
+    at = (f"{fmt_over(v['need'], v['budget'])}{_usable(v)} per {v['per']}" if v and v["budget"] else
+          stop.binding_detail)
+    best.binding_detail = (f"bound by {_LIMIT_NAMES.get(best.binding, best.binding)}: at {stop.sequence_length:,} "
+                           f"tokens {at}")
     return best
 
 
 def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem=None,
          host_mem=None, seq_len: Optional[int] = None, reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None,
-         device: str = "meta", full_depth: bool = False) -> PlanResult:
-    """Plan one training step (see module doc). ``seq_len`` defaults to long_context.sequence_length."""
+         device: str = "meta", full_depth: bool = False, nvme_mem=None) -> PlanResult:
+    """Plan one training step (see module doc). ``seq_len`` defaults to long_context.sequence_length; ``host_mem``
+    and ``nvme_mem``: per node, checked when given."""
     mc = load_model_config(model_config, model)
-    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, full_depth)
+    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, full_depth,
+                nvme_mem=nvme_mem)
     seq = seq_len if seq_len is not None else p.lc.sequence_length
     if seq is None:
         raise ConfigError("--seq-len", "no sequence length was given",
@@ -441,7 +455,7 @@ def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_siz
 
 
 def max_context(ds_config, model_config=None, *, model=None, world_size: int = 8, gpu_mem=None, host_mem=None,
-                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta") -> tuple:
+                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta", nvme_mem=None) -> tuple:
     mc = load_model_config(model_config, model)
-    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device)
+    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, nvme_mem=nvme_mem)
     return p.max_context()

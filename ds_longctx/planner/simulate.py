@@ -88,7 +88,7 @@ def _contiguous_positions():
     and assumes packing, which materializes an [s, s] mask. The planner's position_ids are one
     contiguous sequence, for which the real run finds no packing: give that answer. Only where HF builds its
     own mask (HF's attention, or architectures outside ds_longctx.models): otherwise the forward hands HF a 4-D
-    no-mask (patch.hands_hf_no_mask), which HF returns as given without looking at position_ids.
+    no-mask (sp_batch.hands_hf_no_mask), which HF returns as given without looking at position_ids.
 
     The one swap left (issue 23 item 2), because no input reaches the real run's answer on fake tensors:
     transformers 5.24's ``_preprocess_mask_arguments`` calls ``find_packed_sequence_indices`` whenever
@@ -97,8 +97,10 @@ def _contiguous_positions():
     every FakeTensor; an all-ones 2-D mask instead (what the document wrapper passes for packed batches
     under our attention) is materialized too (``_ignore_causal_mask_sdpa`` refuses to skip a fake padding
     mask). Only HF's early exits (a 4-D mask, an attention name without a mask function) would avoid it,
-    which would change what the real run passes HF. Without this, 7 of the 8 shipped configs no longer fit
-    (llama3-8b-1m: 15.91 -> 54.98 GiB per GPU; llama3.2-1b-1gpu: 76.33 GiB -> 6.8 TiB)."""
+    which would change what the real run passes HF. Without this, a 2-layer step of a tiny Llama under
+    transformers' own attention at 8,192 tokens is 4.32 GB instead of 42 MB (its [s, s] masks, about 64 bytes per
+    query-key pair; tests/test_planner_state.py). The shipped configs (untied attention on the architectures of
+    ds_longctx.models) hand HF a no-mask and never enter it."""
     import transformers.masking_utils as mu
 
     orig = mu.find_packed_sequence_indices
