@@ -511,8 +511,8 @@ def _locked(root: str, name: str, flag: str):
     """An exclusive POSIX lock on ``root/name`` (released by the kernel if the holder dies). Waiters say every
     60 s who holds it. Open the lock file once per process (closing any descriptor of it drops the lock).
 
-    Ours rather than ``filelock`` (which transformers installs): its ``flock`` is not a POSIX record lock, which
-    NFS carries through its lock manager, and it cannot name the holder."""
+    Ours rather than ``filelock`` (which transformers installs): waiters name the holder (host, pid, since when),
+    and a file system without locks (Lustre without ``-o flock``) is one ConfigError naming the fix."""
     import fcntl
 
     path = os.path.join(root, name)
