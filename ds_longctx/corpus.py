@@ -509,7 +509,10 @@ def cache_root(path: str, cache_dir: Optional[str] = None) -> str:
 @contextlib.contextmanager
 def _locked(root: str, name: str, flag: str):
     """An exclusive POSIX lock on ``root/name`` (released by the kernel if the holder dies). Waiters say every
-    60 s who holds it. Open the lock file once per process (closing any descriptor of it drops the lock)."""
+    60 s who holds it. Open the lock file once per process (closing any descriptor of it drops the lock).
+
+    Ours rather than ``filelock`` (which transformers installs): waiters name the holder (host, pid, since when),
+    and a file system without locks (Lustre without ``-o flock``) is one ConfigError naming the fix."""
     import fcntl
 
     path = os.path.join(root, name)
@@ -567,8 +570,8 @@ def _token_dtype(tokenizer):
 def _encoder(tokenizer):
     """``texts -> ids`` equal to ``tokenizer(texts, add_special_tokens=False)["input_ids"]``. A transformers
     tokenizer over a ``tokenizers`` backend whose encoding transformers does not override is called through the
-    backend's ``encode_batch_fast`` (what the wrapper runs, less the offsets nobody reads here: 3x faster, measured
-    in bench/data_cache.py's notes); anything else through its own ``__call__``."""
+    backend's ``encode_batch_fast`` (what the wrapper runs, less the offsets nobody reads here: 4 MiB of text
+    in 0.66 s instead of 1.9 s, 2-core CPU VM, 2026-11-27); anything else through its own ``__call__``."""
     def wrapper(texts):
         return tokenizer(texts, add_special_tokens=False, return_attention_mask=False,
                          return_token_type_ids=False)["input_ids"] if texts else []
@@ -770,6 +773,9 @@ def _read_meta(final: str, flag: str) -> dict:
 class CorpusDataset(Dataset):
     """Fixed-length samples cut from a token cache: documents, each followed by EOS, concatenated and cut into
     samples of ``seq_len`` (the tail shorter than one sample is left out).
+
+    Ours over DeepSpeed's files: its ``MMapIndexedDataset`` returns items (pieces), not windows across them, and
+    prints on every open; a sample here is one slice of the ``.bin`` token stream.
 
     With ``documents=True`` every sample carries ``position_ids`` restarting at 0 at each document start and at
     the sample start, so attention stays inside documents (HF's packed convention; shard_batch turns it into

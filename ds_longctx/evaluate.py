@@ -86,6 +86,15 @@ def evaluate(engine, loader) -> Dict[str, float]:
     A collective: every rank calls it with its own loader (same number of batches everywhere, as
     :class:`EvalLoader` gives). Batches are sharded ones (``shift_labels``, ``position_ids``). The engine is put
     in eval mode for the loop and back in train mode after it if it was."""
+    live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if live and hasattr(loader, "__len__"):  # a rank with fewer batches would leave the others in a collective
+        from .comm import all_gather_ints
+
+        lens = [row[0] for row in all_gather_ints([len(loader)])]
+        if len(set(lens)) > 1:
+            raise BatchError("evaluate.loader", f"the ranks hold different numbers of batches ({lens}, by rank): "
+                             "ZeRO-3 and SP run collectives in every forward", "give every rank the same number "
+                             "of batches (ds_longctx.evaluate.eval_loader does)")
     training = engine.training
     engine.eval()
     total = torch.zeros((), dtype=torch.float64)
@@ -107,7 +116,7 @@ def evaluate(engine, loader) -> Dict[str, float]:
         if training:
             engine.train()
     stats = torch.stack([total, torch.tensor(float(count), dtype=torch.float64)])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if live:
         from .comm import control_device
 
         stats = stats.to(control_device())

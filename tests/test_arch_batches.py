@@ -112,22 +112,22 @@ def _engines(rank, world):
     engine.eval()
     own = sample(16, seed=10 + rank)
     out["eval_with_grad"] = config_error(lambda: engine(**own))
-    from ds_longctx import hf_loader
+    from ds_longctx import sp_batch
 
-    real, seen = hf_loader.shard_in_turns, []
+    real, seen = sp_batch.shard_in_turns, []  # hf_loader's, as sp_batch.eval_in_turns calls it
 
     def recording(*a, **k):
         shards, mine = real(*a, **k)
         seen.append([tuple(s["input_ids"].shape) for s in shards])
         return shards, mine
 
-    hf_loader.shard_in_turns = recording
+    sp_batch.shard_in_turns = recording
     try:
         with torch.no_grad():
             out["eval_own"] = engine(**own).loss.item()
             out["eval_same"] = engine(**full).loss.item()  # replicated: one turn
     finally:
-        hf_loader.shard_in_turns = real
+        sp_batch.shard_in_turns = real
     out["eval_turns"] = seen
     ref_model = build_arch("mixtral")
     with torch.no_grad():
@@ -170,7 +170,7 @@ def _trainers(rank, world):
     import arch_cases
     from eco_cases import ProcessState
 
-    from ds_longctx import hf_loader
+    from ds_longctx import hf_loader, sp_batch
 
     state = ProcessState()
     real, seen = hf_loader.shard_in_turns, []
@@ -180,7 +180,7 @@ def _trainers(rank, world):
         seen.append(len(shards))
         return shards, mine
 
-    hf_loader.shard_in_turns = recording
+    hf_loader.shard_in_turns = sp_batch.shard_in_turns = recording  # the name each module calls
     out = {}
     memory = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
               "tiled_loss": {"enabled": True, "shards": 2}}
@@ -189,7 +189,7 @@ def _trainers(rank, world):
         seen.clear()
         out[key] = arch_cases.trainer_eval(name, 2, lc, rank) + (list(seen),)
         state.reset()
-    hf_loader.shard_in_turns = real
+    hf_loader.shard_in_turns = sp_batch.shard_in_turns = real
     return out
 
 

@@ -65,6 +65,10 @@ def _case(rank, world, path, lc, sp, batch_size):
     assert engine.training
     out = evaluate(engine, eval_loader(ds, engine, batch_size=batch_size))
     out["training_after"] = engine.training
+    try:  # a loader whose length differs between ranks: one error on every rank, not a hang
+        evaluate(engine, eval_loader(ds, engine, batch_size=batch_size).indices[:rank + 1])
+    except Exception as e:  # noqa: BLE001
+        out["uneven"] = str(e)
     engine.module._ds_longctx_patch.remove()
     return out
 
@@ -103,5 +107,6 @@ def test_held_out_loss_under_sp_and_dp_equals_one_process(tmp_path):
         for r in results:
             got = r[key]
             assert got["tokens"] == count and got["training_after"], (key, got)
+            assert "the ranks hold different numbers of batches ([1, 2], by rank)" in got["uneven"], got["uneven"]
             assert math.isclose(got["loss"], ref, rel_tol=1e-5), (key, got["loss"], ref)
             assert math.isclose(got["perplexity"], math.exp(ref), rel_tol=1e-5)

@@ -210,6 +210,6 @@ def test_data_mismatch_mpmd_and_a_frozen_rank_end_the_job_clearly(tmp_path, capl
     assert predicted == direct > 0
     assert chosen["attention.heads_per_chunk"] == 1
     assert auto_lines == [("WARNING", "ds_longctx auto: even the memory-safest settings do not fit at 512 tokens (over "
-                                      "host memory (1.00 MiB > 100.00 KiB per node); NVMe not checked (0 B/node)); "
+                                      "host memory: 1.00 MiB, 924.00 KiB over 100.00 KiB per node; NVMe not checked (0 B/node)); "
                                       "keeping them: attention.heads_per_chunk=1, tiled_mlp.shards=4, "
                                       "tiled_loss.shards=4")], auto_lines

@@ -47,9 +47,7 @@ def test_nvme_drive_full_at_a_forward_names_nvme_path(small_tmpfs):
     """A drive that fills up at a forward (no reservation before step 1: a Trainer run, a longer batch than
     planned): the patched model's forward raises the ConfigError naming nvme_path with the fix in config terms
     (apply_memory_stack translates the target's NVMeError around its writes)."""
-    from tiny_models import build
-
-    from tiny_models import memory_stack
+    from tiny_models import build, memory_stack
 
     model = build(tiny_config(heads=16, kv_heads=4, head_dim=64, layers=1))  # 4 MiB per layer input at 1024
     lc = parse({"long_context": {"activation_checkpointing": {"enabled": True, "offload": "nvme", "keep_on_device": 0,

@@ -34,6 +34,8 @@ def fmt_over(need: float, budget: float) -> str:
     if need <= budget:
         return f"{fmt_bytes(need)} of {fmt_bytes(budget)}"
     a, b = fmt_bytes(need), fmt_bytes(budget)
+    if a != b:  # the usual digits already tell them apart
+        return f"{a}, {fmt_bytes(need - budget)} over {b}"
     unit = a.split()[-1]
     scale = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}[unit]
     digits = 2
