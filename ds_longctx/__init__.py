@@ -10,6 +10,7 @@ partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planne
 directory whose ``save`` writes a tag that cannot be lost), ``export_hf`` (a model ``from_pretrained`` loads) and
 ``reserve_offload_storage`` (NVMe offload's bytes, before step 1).
 """
+from ._version import __version__
 from .checkpoint import export_hf, open_checkpoints, resume
 from .config import LongContextConfig
 from .errors import BatchError, ConfigError, LongContextError
@@ -21,7 +22,6 @@ from .runtime import main_guard, run, shutdown
 from .preflight import reserve_offload_storage
 from .spec import LongContextSpec
 
-__version__ = "0.1.0"
 
 
 def enable() -> None:

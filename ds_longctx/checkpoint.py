@@ -47,6 +47,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._version import __version__
 from .errors import ConfigError
 from .layout import zero_stage
 from .models import text_config
@@ -1023,8 +1024,6 @@ def _train_dtype(ds_config: dict) -> str:
 
 
 def _version() -> str:
-    from . import __version__  # the package's __init__ imports this module: read at call time
-
     return __version__
 
 

@@ -13,12 +13,13 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # bottom to top; a module may import its own layer and the layers before it
 LAYERS = (
-    ("leaves", ("errors", "config", "loss", "comm", "planner.units", "measure", "measure.fake", "measure.allocator",
+    ("leaves", ("_version", "errors", "config", "loss", "comm", "planner.units", "measure", "measure.fake", "measure.allocator",
                 "measure.flops", "memory.arena", "memory.keep", "memory.tiles")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
                "models.windows", "models.logits", "models.loading", "layout", "batch", "launch", "corpus", "weights",
                "planner.model_states", "planner.rates")),
-    ("process and data", ("runtime", "data", "hf_loader", "evaluate", "measure.live_bytes")),
+    ("process and data", ("runtime", "data", "hf_loader", "evaluate", "measure.live_bytes", "checkpoint",
+                          "metrics")),
     ("ops", ("attention.kernels", "attention.documents", "attention.untied", "attention.block", "attention.registry",
              "memory.offload", "memory.nvme", "memory.norm", "memory.checkpointing", "memory.tiling")),
     ("checks and spec", ("checks", "spec", "compat")),
@@ -26,7 +27,8 @@ LAYERS = (
     ("patch", ("patch",)),
     ("planner and profiler", ("planner", "planner.simulate", "planner.host", "planner.search", "planner.core",
                               "planner.cli", "measure.profiler")),
-    ("orchestration", ("", "initialize", "integration", "agreement", "hostmem", "watchdog")),
+    ("orchestration", ("", "initialize", "integration", "agreement", "hostmem", "watchdog", "preflight")),
+    ("the main job", ("train", "cli")),
 )
 
 # (module, imported module) -> why the import stays inside a function. Reasons: a public wrapper defined with its
