@@ -6,6 +6,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from .batch import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
 from .errors import BatchError, ConfigError
 from .loss import IGNORE_INDEX, shift_labels_of
 
@@ -26,8 +27,6 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     described for the WHOLE sample in ``doc_cu_seqlens`` [batch, n+1], which every rank receives:
     a rank cannot tell a document boundary on a shard edge from its own position_ids.
     """
-    from .batch import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
-
     if "input_ids" not in batch:
         raise BatchError("batch", "has no 'input_ids'", "yield dicts with input_ids [batch, seq] (and labels)")
     input_ids = batch["input_ids"]

@@ -16,6 +16,8 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_ints, control_device
+from .data import shard_batch
 from .errors import BatchError
 from .loss import IGNORE_INDEX
 
@@ -51,8 +53,6 @@ class EvalLoader:
         return item
 
     def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
-        from .data import shard_batch
-
         for b in range(len(self)):
             rows = [self.dataset[i] for i in self.indices[b * self.batch_size:(b + 1) * self.batch_size]]
             if len(rows) < self.batch_size:
@@ -88,8 +88,6 @@ def evaluate(engine, loader) -> Dict[str, float]:
     in eval mode for the loop and back in train mode after it if it was."""
     live = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if live and hasattr(loader, "__len__"):  # a rank with fewer batches would leave the others in a collective
-        from .comm import all_gather_ints
-
         lens = [row[0] for row in all_gather_ints([len(loader)])]
         if len(set(lens)) > 1:
             raise BatchError("evaluate.loader", f"the ranks hold different numbers of batches ({lens}, by rank): "
@@ -117,8 +115,6 @@ def evaluate(engine, loader) -> Dict[str, float]:
             engine.train()
     stats = torch.stack([total, torch.tensor(float(count), dtype=torch.float64)])
     if live:
-        from .comm import control_device
-
         stats = stats.to(control_device())
         dist.all_reduce(stats)  # over every rank: the SP shards of a sample and the DP replicas
         stats = stats.cpu()

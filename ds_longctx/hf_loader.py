@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import document_structure
+from .data import shard_batch
 from .errors import BatchError, LongContextError, error_class
 from .loss import IGNORE_INDEX
 
@@ -122,8 +123,6 @@ def _padded_to_multiple(batch: dict, sp: int) -> dict:
 
 def _checked_batch(batch, sp: int) -> dict:
     """What this rank contributes to the turns: validated, varlen keys folded in, padded to SP."""
-    from .data import shard_batch
-
     if not isinstance(batch, dict):
         raise BatchError("batch", f"is a {type(batch).__name__}; the SP data loader takes dict batches",
                           "collate samples into a dict with input_ids (labels, position_ids)")
@@ -227,8 +226,6 @@ class SPTurnsAdapter:
         return self.micro_batches.popleft()
 
     def refill(self):
-        from .data import shard_batch
-
         sp = self.sp_world_size
         if self.iter is None:
             self.iter = iter(self.dl)
@@ -298,8 +295,6 @@ def _exchange_descriptions(batch, sp: int, group):
 def _turn_shards(batch, descs, sp_rank: int, group, sp: int, device, first: int = 0) -> list:
     """Every rank's batch in turn from rank ``first`` on, sent by its owner to the group: this rank's shard of
     each."""
-    from .data import shard_batch
-
     out = []
     for r, d in enumerate(descs):
         if r < first:
@@ -325,8 +320,6 @@ def shard_in_turns(batch: dict, sp_rank: int, group, sp: int, device):
     """Full-length batches, one per rank of the SP group (evaluation: each rank's loader gave its own), as
     sequence shards: returns (this rank's shard of every turn's batch, the index of this rank's own batch).
     A batch every rank holds (replicated) is one turn. Same checks and errors as the training adapter."""
-    from .data import shard_batch
-
     batch, gathered = _exchange_descriptions(batch, sp, group)
     if len({fp for _, fp in gathered}) == 1:
         local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}

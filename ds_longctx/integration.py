@@ -51,6 +51,12 @@ import threading
 
 from .config import SECTION, load_ds_config
 from .errors import ConfigError
+from .hf_loader import RoutedSPAdapter, is_sp_adapter, skip_first_items
+from .initialize import initialize
+from .layout import Layout
+from .loss import IGNORE_INDEX
+from .models import attention_shape, text_config
+from .patch import get_patch
 
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
 #                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,
@@ -192,8 +198,6 @@ def check_accelerate_layout(ds_config: dict, mpu) -> None:
     dp_replicate_size=2 reaches DeepSpeed as a batch-size mismatch naming neither. Say what to set."""
     import torch.distributed as dist
 
-    from .layout import Layout
-
     if mpu is None or not dist.is_available() or not dist.is_initialized():
         return
     try:
@@ -235,8 +239,6 @@ def _routed_initialize(*args, **kwargs):
         return original(*args, **kwargs)
     if from_accelerate:
         check_accelerate_layout(ds_config, bound.get("mpu"))
-    from .initialize import initialize
-
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         out = initialize(*args, **kwargs)
@@ -259,8 +261,6 @@ def _install_sp_adapter() -> None:
         mod = importlib.import_module(_ULYSSES_MODULE)
     except ImportError:  # a DeepSpeed without Ulysses SP: Accelerate cannot build the adapter either
         return
-    from .hf_loader import RoutedSPAdapter
-
     original = mod.UlyssesSPDataLoaderAdapter
     _ORIGINALS["sp_adapter"] = original
     mod.UlyssesSPDataLoaderAdapter = functools.partial(RoutedSPAdapter, _deepspeed_cls=original,
@@ -291,8 +291,6 @@ def _install_skip() -> None:
 
 def _skip_first_batches(dataloader, num_batches=0):
     """Accelerate's ``skip_first_batches``, with SP adapters skipped in SP turns (module doc)."""
-    from .hf_loader import is_sp_adapter, skip_first_items
-
     original = _ORIGINALS.get("skip:accelerate.data_loader")
     if original is None:  # disabled while a reference to us was kept somewhere
         from accelerate.data_loader import skip_first_batches as original
@@ -311,8 +309,6 @@ class _ResolvedConfig:
     (models.attention_shape); every other attribute is the config's own."""
 
     def __init__(self, config):
-        from .models import attention_shape, text_config
-
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_text", text_config(config))
         object.__setattr__(self, "_shape", attention_shape(config))
@@ -361,8 +357,6 @@ def _install_register() -> None:
 
 
 def is_ds_longctx_model(model) -> bool:
-    from .patch import get_patch
-
     return get_patch(model) is not None
 
 
@@ -387,8 +381,6 @@ def _trl_metrics_output(loss, inputs):
     import types
 
     import torch
-
-    from .loss import IGNORE_INDEX
 
     labels = inputs.get("shift_labels")
     mask = labels != IGNORE_INDEX

@@ -35,6 +35,9 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, Optional
 
+from .errors import ConfigError, LongContextError
+from .launch import launched_world_size
+
 # seconds an error exit may spend in MPI_Abort before the process ends itself
 _ABORT_GRACE_S = 30.0
 # seconds a rank that printed a bad-input error (ConfigError) waits before ending the job: the checks run on
@@ -98,8 +101,6 @@ def report(exc: BaseException) -> None:
     """Print ``exc`` to stderr, every line prefixed with this rank: a ConfigError or BatchError as its one-line
     message (it names the key and the fix), gloo's error for a peer that died (kill -9, a crash) as one
     line saying so, anything else as its full traceback."""
-    from .errors import LongContextError
-
     if isinstance(exc, LongContextError):
         text = f"ds_longctx: error: {exc}\n"
     elif _peer_gone(exc):
@@ -499,12 +500,8 @@ def _config_error_grace(exc: BaseException) -> None:
     """After a ConfigError on a job of several processes: wait ``_CONFIG_ERROR_GRACE_S`` so that every rank
     meeting the same check prints it before the launcher ends the job (a SIGTERM from the launcher still ends
     this rank at once, through its handler)."""
-    from .errors import ConfigError
-
     if not isinstance(exc, ConfigError):
         return
-    from .launch import launched_world_size
-
     if launched_world_size() > 1:
         import time
 

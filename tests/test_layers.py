@@ -31,24 +31,11 @@ LAYERS = (
     ("the main job", ("train", "cli")),
 )
 
-# (module, imported module) -> why the import stays inside a function. Reasons: a public wrapper defined with its
-# own docstring in the package __init__; modules of other owners not yet hoisted (no cycle forces them: listed so
-# that they are counted, and so that a new one is noticed).
+# (module, imported module) -> why the import stays inside a function (a new one fails here until it is hoisted or
+# justified): a public wrapper defined with its own docstring in the package __init__.
 FUNCTION_LEVEL = {
     ("", "integration"): "ds_longctx.enable()/disable(): documented wrappers in the package __init__ (hoistable)",
     ("", "planner"): "ds_longctx.plan(): a documented wrapper in the package __init__ (hoistable)",
-    ("runtime", "errors"): "runtime.py (the lead's): not yet hoisted, no cycle forces it",
-    ("runtime", "launch"): "runtime.py (the lead's): not yet hoisted, no cycle forces it",
-    ("data", "batch"): "data.py (another owner's): not yet hoisted, no cycle forces it",
-    ("hf_loader", "data"): "hf_loader.py (another owner's): not yet hoisted, no cycle forces it",
-    ("evaluate", "comm"): "evaluate.py (another owner's): not yet hoisted, no cycle forces it",
-    ("evaluate", "data"): "evaluate.py (another owner's): not yet hoisted, no cycle forces it",
-    ("integration", "hf_loader"): "integration.py (another owner's): not yet hoisted, no cycle forces it",
-    ("integration", "initialize"): "integration.py (another owner's): not yet hoisted, no cycle forces it",
-    ("integration", "layout"): "integration.py (another owner's): not yet hoisted, no cycle forces it",
-    ("integration", "loss"): "integration.py (another owner's): not yet hoisted, no cycle forces it",
-    ("integration", "models"): "integration.py (another owner's): not yet hoisted, no cycle forces it",
-    ("integration", "patch"): "integration.py (another owner's): not yet hoisted, no cycle forces it",
 }
 
 

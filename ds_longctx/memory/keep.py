@@ -77,19 +77,6 @@ class KeptAttention:
             self.items.append(tuple(self.offloader.keep(t) for t in (out, lse)))
 
 
-def kept_attention_layers(value, num_layers: int) -> int:
-    """How many decoder layers (the first ones) keep their attention output under a resolved
-    keep_attention_output ``value`` (true, false or a count), of ``num_layers``. Superseded by the spec's
-    ``LongContextSpec.kept_attention_layers`` (resolved once; nothing in the package calls this): kept only for
-    train.py's NVMe reservation until it reads ``engine.long_context_spec`` (offloaded_layers,
-    offloaded_kept_attention_layers)."""
-    if isinstance(value, bool):
-        return num_layers if value else 0
-    if not isinstance(value, int):
-        raise ValueError(f"keep_attention_output {value!r}: give true, false or a count ('auto' is resolved first)")
-    return min(value, num_layers)
-
-
 def kept_or_computed(compute):
     """``compute()`` -> (out, lse), unless the active frame holds them from the first forward."""
     frame = active()
@@ -102,4 +89,4 @@ def kept_or_computed(compute):
     return out, lse
 
 
-__all__ = ["KeptAttention", "active", "kept_attention_layers", "kept_or_computed"]
+__all__ = ["KeptAttention", "active", "kept_or_computed"]
