@@ -621,8 +621,11 @@ ck_error_case("ck_other_model_same_shapes", lambda d: ("--model-config", _model_
     "holds a different model: heads 4 in the checkpoint vs 2 now")
 ck_error_case("ck_only_tag_truncated", lambda d: (), "and no other complete checkpoint is there", tags=("step2",),
               damage=lambda ck: _truncate(_model_file(ck, "step2")))
-ck_error_case("ck_other_layout_seq_len", lambda d: ("--seq-len", "128"),
-              "was saved with a different layout: seq_len 64 in the checkpoint vs 128 now")
+ck_error_case("ck_other_seq_len", lambda d: ("--seq-len", "128"),
+              "cannot continue this run: seq_len 64 in the checkpoint vs 128 now")
+ck_error_case("ck_other_zero_stage", lambda d: (
+    "--deepspeed_config", write_config(d, zero_optimization={"stage": 2})),
+    "cannot continue this run: ZeRO stage 3 in the checkpoint vs 2 now")
 
 
 # ---- kill -9 during the save, at each point -----------------------------------------------------------------------
@@ -662,10 +665,85 @@ def kill_save_case(rank, point, launchers=("deepspeed", "mpirun")):
 # (every point under the deepspeed launcher; under mpirun a point of each kind, to keep the rerun's time down)
 MPI_KILL_POINTS = {(0, "after_file1"), (0, "after_record"), (1, "after_file2")}
 for _point in ("before_file1", "after_file1", "before_file2", "after_file2", "after_files", "before_record",
-               "after_record", "after_latest"):
+               "after_record", "after_rename", "after_latest"):
     kill_save_case(0, _point, ("deepspeed", "mpirun") if (0, _point) in MPI_KILL_POINTS else ("deepspeed",))
 for _point in ("before_file1", "after_file1", "before_file2", "after_file2", "after_files", "done"):
     kill_save_case(1, _point, ("deepspeed", "mpirun") if (1, _point) in MPI_KILL_POINTS else ("deepspeed",))
+
+
+# ---- issue 29: a run of days (preemption, a full disk during a save, one run per save directory) -----------------
+def _preempt_case(name, sig, ranks, note):
+    """Training with --save, ``sig`` sent to ``ranks`` ('all': as SLURM's --signal does): every rank finishes the
+    same step, saves it, exits 0; 'latest' names that step, nothing left running."""
+    def fn(d, launcher):
+        ck, metrics = os.path.join(d, "ck"), os.path.join(d, "m.jsonl")
+        p = start(launcher, train_argv(TINY_CPU, "--steps", "100000", *FAST, "--save", ck, "--metrics", metrics))
+        if not _wait_training(p, metrics):
+            rc, out = finish(p, 5)
+            return dict(outcome="wrong", detail="training did not start", rc=rc, tail=out[-2000:])
+        pids = rank_pids(d)
+        for r in (sorted(pids) if ranks == "all" else ranks):
+            os.kill(pids[r], sig)
+        t0 = time.monotonic()
+        rc, out = finish(p, TIMEOUT_S)
+        wall = round(time.monotonic() - t0, 1)
+        orphans = orphans_after(d)
+        last = json.loads(open(metrics).read().splitlines()[-1])["step"]
+        latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else None
+        res = dict(rc=rc, exit_s=wall, last_step=last, latest=latest)
+        if rc is None or orphans:
+            res.update(outcome="hang" if rc is None else "orphan", detail=f"orphans {orphans}", tail=out[-2000:])
+        elif any(m in out for m in RAW_MARKS):
+            res.update(outcome="raw", detail=next(m for m in RAW_MARKS if m in out), tail=out[-2000:])
+        elif rc != 0 or latest != f"step{last}" or f"stopped after step {last} on" not in out:
+            res.update(outcome="wrong", detail=f"exit {rc}, latest {latest}, last step {last}", tail=out[-2000:])
+        else:
+            res.update(outcome="clear", detail=f"saved step {last} and exited 0 {wall} s after the signal")
+        return res
+    CASES.append(Case(name, "long_runs", fn, note))
+
+
+_preempt_case("preempt_usr1_every_rank", signal.SIGUSR1, "all", "SLURM's --signal=USR1@T reaches every rank")
+_preempt_case("preempt_sigterm_rank1", signal.SIGTERM, [1], "a preemption SIGTERM reaching one rank only")
+
+
+@case("disk_full_during_save", "long_runs", note="a 4 MiB tmpfs; rank 1 fills it while saving step 4 "
+      "(DS_LONGCTX_TEST_FILL_AT=1:before_file2@4: a real ENOSPC); then --resume")
+def _disk_full(d, launcher):
+    mnt = os.path.join(d, "tmpfs")
+    os.makedirs(mnt)
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mnt], capture_output=True, text=True)
+    if m.returncode != 0:
+        return dict(outcome="skipped", detail=f"cannot mount a tmpfs here: {m.stderr.strip()[:200]}")
+    ck = os.path.join(mnt, "ck")
+    res = run_error(d, launcher, train_argv(TINY_CPU, "--steps", "6", *FAST, "--save", ck, "--save-every", "2"),
+                    "saving step 4 to", env_extra={"DS_LONGCTX_TEST_FILL_AT": "1:before_file2@4"})
+    latest = open(os.path.join(ck, "latest")).read().strip()
+    left = [e for e in os.listdir(ck) if e.startswith(".tmp-")]
+    if res["outcome"] == "clear" and (latest != "step2" or left):
+        res.update(outcome="wrong", detail=f"latest {latest}, partial tags {left}")
+    if res["outcome"] == "clear":
+        os.remove(os.path.join(ck, ".ds_longctx-test-filler"))
+        resumed = run_resume(d, launcher, ck, 2)
+        if resumed["outcome"] != "clear":
+            return dict(resumed, detail="the resume after the full disk: " + resumed["detail"])
+    return res
+
+
+@case("second_run_same_save_dir", "long_runs", note="a second job on the --save directory of a running one")
+def _second_run(d, launcher):
+    ck, metrics = os.path.join(d, "ck"), os.path.join(d, "m.jsonl")
+    first = start(launcher, train_argv(TINY_CPU, "--steps", "100000", *FAST, "--save", ck, "--metrics", metrics))
+    try:
+        if not _wait_training(first, metrics):
+            return dict(outcome="wrong", detail="the first run did not start", tail=finish(first, 5)[1][-2000:])
+        res = run_error(os.path.join(d, "second"), launcher,
+                        train_argv(TINY_CPU, "--steps", "3", *FAST, "--save", ck), "is in use by another run (host ")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        finish(first, 30)
+    orphans_after(d)
+    return res
 
 
 # ---- issue 30: ranks that disagree (MPMD: one command per rank, as two nodes with different files), a frozen
