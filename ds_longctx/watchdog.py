@@ -25,8 +25,8 @@ neither the silent rank nor what was awaited. Here:
   that has not answered as long is rank 0 (or its node) gone silent, judged by every live rank
   on its own.
 
-A rank that ends by itself (``runtime.shutdown``, any code; interpreter exit) marks its counter ended, so a rank
-that finishes first is not called silent. Ranks alive but stuck (two ranks in different collectives) keep beating:
+A rank that ends normally (``runtime.shutdown(0)``, interpreter exit) marks its counter ended, so a rank that
+finishes first is not called silent. Ranks alive but stuck (two ranks in different collectives) keep beating:
 the process groups' timeout ends those.
 
 "auto" timeout: the floor (DeepSpeed's default process-group timeout: ``FLOOR_S``, or ``DEEPSPEED_TIMEOUT``
@@ -246,15 +246,18 @@ class Watchdog:
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="ds_longctx-watchdog", daemon=True)
         self.thread.start()
-        runtime.on_exit(self.mark_ended)
+        # an error exit or a signal (runtime's cleanups) only stops the beat: no store call there, where it would
+        # delay the removal of the NVMe files while the launcher is ending the process. A normal end (shutdown(0)
+        # runs the atexit handlers after its barrier; interpreter exit) marks the rank ended.
+        runtime.on_exit(self.stop)
         atexit.register(self.mark_ended)
 
     def stop(self) -> None:
         self.stopped.set()
 
     def mark_ended(self) -> None:
-        """This rank ends by itself: its counter says so (an ``on_exit`` cleanup, so quick: one store call awaited
-        0.25 s at most, before the NVMe files' removal may run)."""
+        """This rank ends normally: its counter says so, so that a rank still finishing is not told it went silent
+        (one store call, awaited 0.25 s at most)."""
         if self.ended:
             return
         self.ended = True
