@@ -79,10 +79,6 @@ def _step_of(tag: str) -> Optional[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _fmt(n: float) -> str:
-    return fmt_bytes(n)
-
-
 def _atomic_write(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
@@ -456,8 +452,8 @@ class SaveDir:
             total = sum(f["bytes"] for f in facts)
             where = ("one filesystem shared by every rank" if len(self.groups) == 1
                      else f"{len(self.groups)} filesystems (node-local directories)")
-            log(f"checkpoints: {self.path} ({where}): about {_fmt(total)} per save ({_fmt(self.per_rank_bytes)} "
-                f"on rank 0, from the model states), {_fmt(min(f['free'] for f in facts))} free"
+            log(f"checkpoints: {self.path} ({where}): about {fmt_bytes(total)} per save ({fmt_bytes(self.per_rank_bytes)} "
+                f"on rank 0, from the model states), {fmt_bytes(min(f['free'] for f in facts))} free"
                 + (f"; keeping the last {self.keep_last}" if self.keep_last else ""))
 
     def _lock_and_clean(self, token: str):
@@ -520,8 +516,8 @@ class SaveDir:
             free = min(facts[r]["free"] for r in group)
             if need > free:
                 hosts = sorted({facts[r]["host"] for r in group})
-                raise ConfigError(self.name, f"{self.path!r} has {_fmt(free)} free on {', '.join(hosts)}; {what} of "
-                                  f"ranks {_ranks(group)} needs {_fmt(need)} ({need} bytes)",
+                raise ConfigError(self.name, f"{self.path!r} has {fmt_bytes(free)} free on {', '.join(hosts)}; {what} of "
+                                  f"ranks {_ranks(group)} needs {fmt_bytes(need)} ({need} bytes)",
                                   "free space there, save to a larger filesystem, or keep fewer checkpoints "
                                   "(--keep-last)")
 
@@ -590,7 +586,7 @@ class SaveDir:
                 if prev else "no earlier checkpoint exists in this directory")
         return (self.name, f"saving step {step} to {self.path!r} failed on rank {r}: {first}"
                 + (f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else "")
-                + f"; {_fmt(free_before)} was free there before the save, which needed about {_fmt(need)} (something "
+                + f"; {fmt_bytes(free_before)} was free there before the save, which needed about {fmt_bytes(need)} (something "
                   f"else filled the filesystem meanwhile, or it failed); the partial save is removed; {keep}",
                 "free space on that filesystem (or save elsewhere), then resume")
 
@@ -680,7 +676,7 @@ def _save_files(engine, path: str, tag: str, client_state: dict, rank: int) -> T
         except Exception as e:  # OSError, or torch's zip writer: "unexpected pos ..." on a full disk
             reason = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
             try:
-                free = f"{_fmt(_free_bytes(os.path.dirname(path_)))} free there now"
+                free = f"{fmt_bytes(_free_bytes(os.path.dirname(path_)))} free there now"
             except OSError:
                 free = "free space unknown"
             errors.append(f"writing {path_!r}: {str(reason).strip()[:300]} ({free})")
@@ -837,9 +833,11 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
                                                              "now" for k in keys),
                              "resume with the data the run trained on (a path may move; its content may not), or "
                              "start a new run from the weights (ds-longctx export, then --model)"))
-    elif sd is not None and cd is not None and sd != cd:
-        refusals.append((f"the data differ: {sd!r} in the checkpoint vs {cd!r} now",
-                         "resume with the --data the run trained on"))
+    elif isinstance(sd, str) and isinstance(cd, dict):  # a record of an older ds_longctx: the task or the path
+        same = sd == cd.get("task") or (cd.get("path") and os.path.abspath(sd) == cd.get("path"))
+        if not same:
+            refusals.append((f"the data differ: {sd!r} in the checkpoint vs {cd.get('task') or cd.get('path')!r} now",
+                             "resume with the --data the run trained on"))
     for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed"), ("concat_documents", "--concat-documents")):
         if key in saved and key in current and saved[key] != current[key]:
             refusals.append((f"{key} {saved[key]!r} in the checkpoint vs {current[key]!r} now (the samples and their "

@@ -57,6 +57,11 @@ def test_resume_refuses_what_cannot_continue_the_run(tmp_path):
         current = _saved(tmp_path, **saved)
         with pytest.raises(ConfigError, match=r"^--resume: .*step4 cannot continue this run: " + message):
             checkpoint.plan_resume(str(tmp_path), dict(current, **now))
+    # a record of an older ds_longctx names the task (or the path) only
+    current = _saved(tmp_path, data="copy")
+    checkpoint.plan_resume(str(tmp_path), dict(current, data={"task": "copy"}))
+    with pytest.raises(ConfigError, match=r"the data differ: 'copy' in the checkpoint vs '/d.jsonl' now"):
+        checkpoint.plan_resume(str(tmp_path), dict(current, data={"path": "/d.jsonl", "sha256": "ab"}))
     # a moved data file (same content) is the same data
     current = _saved(tmp_path, data={"path": "/a/d.jsonl", "bytes": 10, "sha256": "ab"})
     checkpoint.plan_resume(str(tmp_path), dict(current, data={"path": "/b/d.jsonl", "bytes": 10, "sha256": "ab"}))

@@ -1,5 +1,6 @@
 """Reliability under every launcher: no exit-time abort, an error on any rank ends the whole job with
-its message, MASTER_PORT honoured under mpirun, bad inputs rejected on every rank, host memory flat."""
+its message, MASTER_PORT honoured under mpirun, bad inputs rejected on every rank (host memory over 140 steps:
+tests/test_train.py)."""
 import json
 import os
 import subprocess
@@ -7,7 +8,7 @@ import subprocess
 import pytest
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, _env, launch, mpirun_command, read_metrics, run_train, side_by_side
+from launch_utils import ROOT, TINY_CPU, _env, launch, mpirun_command, run_train, side_by_side
 
 pytestmark = pytest.mark.distributed
 
@@ -122,11 +123,3 @@ def test_bad_inputs_end_every_rank_with_their_error(tmp_path):
         assert ABORT not in out
 
 
-def test_host_memory_flat_over_200_steps(tmp_path):
-    # itertools.cycle kept every batch it yielded; now nothing is kept between steps
-    metrics = tmp_path / "m.jsonl"
-    run_train("--steps", "200", "--seq-len", "64", "--eval-samples", "0", "--metrics", str(metrics), timeout=900)
-    rss = [r["host_rss_bytes"] for r in read_metrics(metrics)]
-    assert len(rss) == 200 and all(isinstance(b, int) and b > 0 for b in rss)
-    growth = max(rss[19:]) - rss[19]  # after warm-up (allocator, lazy imports)
-    assert growth < 8 * 2**20, [round(b / 2**20, 1) for b in rss[19::20]]
