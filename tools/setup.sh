@@ -34,13 +34,17 @@ build_op() {
     python -c "from ds_longctx.memory.nvme import check_op_build_lock as c; c('$ext')" || return 1
     python -c "$code" &
     pid=$!
+    # if this script ends first (an error, Ctrl-C), the build must not outlive it in a directory being removed
+    trap 'kill "$pid" 2>/dev/null || true' EXIT
     while kill -0 "$pid" 2>/dev/null; do
         sleep 1
         if (( (SECONDS - start) % 30 == 0 )) && kill -0 "$pid" 2>/dev/null; then
-            n=$(ls "$TORCH_EXTENSIONS_DIR/$ext"/*.o 2>/dev/null | wc -l)
+            # no object file yet is 0, not an error (under pipefail ls's status 2 ended the whole set-up)
+            n=$(find "$TORCH_EXTENSIONS_DIR/$ext" -maxdepth 1 -name '*.o' 2>/dev/null | wc -l) || n=0
             echo "setup: still building $label: $((SECONDS - start)) s, $n object files so far"
         fi
     done
+    trap - EXIT
     wait "$pid"
 }
 echo "setup: building DeepSpeed's FusedAdam op (the first launch would otherwise build it silently, ~3 min)"
