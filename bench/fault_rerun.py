@@ -510,10 +510,14 @@ for _sig in (signal.SIGTERM, signal.SIGINT):
 CK_BASE = os.path.join(BASE, "_ck_base")
 
 
+_BASES_MADE = set()
+
+
 def base_checkpoint(launcher):
-    """step2 and step3 (a resumed run's save), saved once per launcher and copied by each case."""
+    """step2 and step3 (a resumed run's save), saved once per launcher and per rerun (never one left by an earlier
+    rerun: its record may come from other code) and copied by each case."""
     d = f"{CK_BASE}_{launcher}"
-    if os.path.exists(os.path.join(d, "ck", "step3", "ds_longctx_layout.json")):
+    if launcher in _BASES_MADE:
         return os.path.join(d, "ck")
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
@@ -522,6 +526,7 @@ def base_checkpoint(launcher):
         rc, out = finish(start(launcher, train_argv(TINY_CPU, *FAST, "--save", ck, *args)), TIMEOUT_S)
         if rc != 0:
             raise RuntimeError(f"the base checkpoint's save failed ({rc}): {out[-3000:]}")
+    _BASES_MADE.add(launcher)
     return ck
 
 

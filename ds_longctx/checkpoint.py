@@ -810,6 +810,22 @@ def _diff(a, b, prefix="") -> List[Tuple[str, Any, Any]]:
     return [] if a == b else [(prefix, a, b)]
 
 
+def _saved_zero_stages(saved: dict) -> Tuple[int, ...]:
+    """The ZeRO stage(s) a checkpoint can have been saved with: its record's; a record of an older ds_longctx has
+    none, so DeepSpeed's file names tell: per-rank model states (``zero_pp_rank_*_model_states.pt``) are stage 3,
+    one ``mp_rank_*_model_states.pt`` with partitioned optimizer states stage 1 or 2 (measured: across them
+    DeepSpeed's loader fails with a bare AssertionError). () when neither tells."""
+    if saved.get("zero_stage") is not None:
+        return (saved["zero_stage"],)
+    names = list(saved.get("files") or ())
+    if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
+        return (3,)
+    if any(n.startswith("mp_rank_") and n.endswith("_model_states.pt") for n in names) and \
+            any(n.endswith("_optim_states.pt") for n in names):
+        return (1, 2)
+    return ()
+
+
 def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> ResumePlan:
     """Decide what resuming from ``path`` means for this run (every rank, same files, same verdict; before
     ``initialize``). ``current``: this run's record as :func:`run_record` builds it. Refuses, naming the
@@ -843,10 +859,12 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
             refusals.append((f"{key} {saved[key]!r} in the checkpoint vs {current[key]!r} now (the samples and their "
                              "order depend on it)", f"resume with {flag} {saved[key]!r}, or start a new run from the "
                              "weights (ds-longctx export, then --model)"))
-    if "zero_stage" in saved and saved["zero_stage"] != current.get("zero_stage"):
-        refusals.append((f"ZeRO stage {saved['zero_stage']} in the checkpoint vs {current.get('zero_stage')} now "
+    stages = _saved_zero_stages(saved)
+    if stages and current.get("zero_stage") not in stages:
+        said = " or ".join(map(str, stages))
+        refusals.append((f"ZeRO stage {said} in the checkpoint vs {current.get('zero_stage')} now "
                          "(DeepSpeed's loaders, universal included, read only the stage a checkpoint was saved with)",
-                         f"resume with zero_optimization.stage {saved['zero_stage']}, or start a new run from the "
+                         f"resume with zero_optimization.stage {said}, or start a new run from the "
                          "weights (ds-longctx export, then --model)"))
     s_opt = (saved.get("optimizer") or {}).get("type")
     c_opt = (current.get("optimizer") or {}).get("type")

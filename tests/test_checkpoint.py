@@ -62,6 +62,18 @@ def test_resume_refuses_what_cannot_continue_the_run(tmp_path):
     checkpoint.plan_resume(str(tmp_path), dict(current, data={"task": "copy"}))
     with pytest.raises(ConfigError, match=r"the data differ: 'copy' in the checkpoint vs '/d.jsonl' now"):
         checkpoint.plan_resume(str(tmp_path), dict(current, data={"path": "/d.jsonl", "sha256": "ab"}))
+    # a record of an older ds_longctx has no ZeRO stage: DeepSpeed's file names tell 3 from 1-2
+    current = _saved(tmp_path, zero_stage=None)
+    checkpoint.plan_resume(str(tmp_path), dict(current, zero_stage=2))  # _fake_checkpoint: mp_rank_00_model_states
+    with pytest.raises(ConfigError, match=r"cannot continue this run: ZeRO stage 1 or 2 in the checkpoint vs 3 now"):
+        checkpoint.plan_resume(str(tmp_path), dict(current, zero_stage=3))
+    zero3 = tmp_path / "step4" / "mp_rank_00_model_states.pt"
+    zero3.rename(tmp_path / "step4" / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    rec = json.loads((tmp_path / "step4" / checkpoint.RECORD_FILE).read_text())
+    rec["files"] = checkpoint.tag_files(str(tmp_path / "step4"))
+    (tmp_path / "step4" / checkpoint.RECORD_FILE).write_text(json.dumps(rec))
+    with pytest.raises(ConfigError, match=r"cannot continue this run: ZeRO stage 3 in the checkpoint vs 2 now"):
+        checkpoint.plan_resume(str(tmp_path), dict(current, zero_stage=2))
     # a moved data file (same content) is the same data
     current = _saved(tmp_path, data={"path": "/a/d.jsonl", "bytes": 10, "sha256": "ab"})
     checkpoint.plan_resume(str(tmp_path), dict(current, data={"path": "/b/d.jsonl", "bytes": 10, "sha256": "ab"}))
