@@ -30,8 +30,10 @@ pip install -q -e ".[test]"
 # files exist (torch's JIT build prints nothing until it ends); a lock left by a killed build is refused first
 # (memory.nvme.check_op_build_lock: its path, its age and the fix, within 20 s) instead of waiting on it forever
 build_op() {
-    local label=$1 ext=$2 code=$3 start=$SECONDS pid n
+    local label=$1 ext=$2 code=$3 start=$SECONDS pid n n0
     python -c "from ds_longctx.memory.nvme import check_op_build_lock as c; c('$ext')" || return 1
+    # object files anywhere under the extensions directory (async_io builds its pin_memory dependency first)
+    n0=$(find "$TORCH_EXTENSIONS_DIR" -name '*.o' 2>/dev/null | wc -l) || n0=0
     python -c "$code" &
     pid=$!
     # if this script ends first (an error, Ctrl-C), the build must not outlive it in a directory being removed
@@ -40,7 +42,8 @@ build_op() {
         sleep 1
         if (( (SECONDS - start) % 30 == 0 )) && kill -0 "$pid" 2>/dev/null; then
             # no object file yet is 0, not an error (under pipefail ls's status 2 ended the whole set-up)
-            n=$(find "$TORCH_EXTENSIONS_DIR/$ext" -maxdepth 1 -name '*.o' 2>/dev/null | wc -l) || n=0
+            n=$(find "$TORCH_EXTENSIONS_DIR" -name '*.o' 2>/dev/null | wc -l) || n=0
+            n=$((n - n0))
             echo "setup: still building $label: $((SECONDS - start)) s, $n object files so far"
         fi
     done
