@@ -94,6 +94,7 @@ def _alst_run(a, pieces: dict) -> dict:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
     from transformers.models.llama import modeling_llama
 
     from ds_longctx.data import LongRangeCopy, SampleStream
@@ -118,11 +119,13 @@ def _alst_run(a, pieces: dict) -> dict:
     # the same weights as train.py's (b)/(c): zero.Init through transformers' HfDeepSpeedConfig (as
     # transformers' DeepSpeed integration builds a model), then ds_longctx's keyed init (HF's own init draws in
     # module order from the global RNG and differs between processes/layouts: weights.py); no ALST piece is involved
-    hf_ds = HfDeepSpeedConfig(ds_cfg)  # noqa: F841  (kept alive while the model is built)
+    hf_ds = HfDeepSpeedConfig(ds_cfg)  # alive while the model is built, then dropped (as model_init does for (b)/(c))
     cfg = load_model_config(a.model_config)
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     deterministic_init(model, a.seed)
+    del hf_ds
+    unset_hf_deepspeed_config()
 
     # 1. the tutorial's Ulysses registration (returns None at SP=1: HF's SDPA attention is left as it is)
     mpu = UlyssesSPAttentionHF.register_with_transformers(
@@ -380,10 +383,16 @@ def part1(a, res, save):
             if v == "alst":
                 rec = _alst_variant(a.config, a.model_config, a.seq, a.steps, left, a.work, sdpa)
                 if rec.get("rc") != 0 and sdpa == "cudnn" and not rec.get("timed_out"):
-                    # recorded under its name; later rounds run (a) on torch's default SDPA choice, named so
-                    part["notes"].append(f"round {r}: (a) with SDPA on cuDNN only failed (error in its record); later "
-                                         "rounds run (a) with torch's default SDPA backend")
+                    # the failed run stays in the round with its error; (a) runs again at once, and in later
+                    # rounds, on torch's default SDPA choice, recorded as such (sdpa_backend "default")
+                    part["notes"].append(f"round {r}: (a) with SDPA on cuDNN only failed (error in its record); (a) "
+                                         "ran again with torch's default SDPA backend, and does in later rounds")
                     sdpa = "default"
+                    rec["summary"] = _summary(rec.get("steps"))
+                    rnd["runs"].append(rec)
+                    save()
+                    left = a.cap1 - (time.monotonic() - t0)
+                    rec = _alst_variant(a.config, a.model_config, a.seq, a.steps, left, a.work, sdpa)
             elif v == "ds_longctx_shipped":
                 rec = _train_variant(v, a.config, a.model_config, a.seq, a.steps, left, a.work)
             else:
@@ -402,11 +411,13 @@ def part1(a, res, save):
 
 def _compare(part):
     """Per variant: figures over its successful rounds (median of the rounds' medians), then the ratios."""
-    by = {}
+    by, sdpa = {}, {}
     for rnd in part["rounds"]:
         for rec in rnd["runs"]:
             if rec.get("summary") and rec.get("rc") == 0:
                 by.setdefault(rec["variant"], []).append(rec["summary"])
+                if rec.get("sdpa_backend"):
+                    sdpa.setdefault(rec["variant"], set()).add(rec["sdpa_backend"])
     out = {}
     for v, sums in by.items():
         def med(key):
@@ -417,6 +428,8 @@ def _compare(part):
                   "max_memory_allocated": max(s["max_memory_allocated"] for s in sums),
                   "max_memory_reserved": med("max_memory_reserved"), "memory_source": sums[0]["memory_source"],
                   "step1_losses": [s["step1_loss"] for s in sums]}
+        if v in sdpa:
+            out[v]["sdpa_backend"] = sorted(sdpa[v])
     ratios = {}
     a, b, c = out.get("alst"), out.get("ds_longctx_shipped"), out.get("ds_longctx_planned")
 
