@@ -91,7 +91,8 @@ def _alst_run(a, pieces: dict) -> dict:
     import transformers
     from deepspeed.runtime.activation_checkpointing.offload_activations import (
         get_checkpoint_hidden_states_offloading_ctx_manager)
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import (TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF,
+                                                                 sequence_tiled_compute)
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -172,11 +173,35 @@ def _alst_run(a, pieces: dict) -> dict:
             return (logits.sum() * 0.0).float()
         good = (shift_labels != -100).sum()
         return model_with_head.loss_function(logits=logits, labels=None, vocab_size=model_with_head.config.vocab_size,
-                                             shift_labels=shift_labels) * good
+                                             shift_labels=shift_labels) * good / scale_inside
 
     pieces["tiled_loss"] = (f"deepspeed.runtime.sequence_parallel.ulysses_sp.TiledFusedLogitsLoss (DeepSpeed {v}), "
                             "as snowflakedb/ArcticTraining arctic_training/trainer/sft_trainer.py calls it (shards of "
                             "~1 GiB fp32 logits, output_reduction='sum', divided by the valid tokens)")
+    # kept as published (the cost is the same either way), said so: TiledFusedLogitsLoss runs the weights' backward
+    # inside its forward with an incoming gradient of 1 and its backward rescales only the input's gradient, so
+    # with 'sum' divided outside (ArcticTraining's call) lm_head's gradient is that of the SUM: x valid tokens
+    pieces["known_defect"] = (
+        "lm_head's gradient is the summed loss's (x valid tokens): TiledFusedLogitsLoss.forward computes the weights' "
+        "gradients with incoming grad 1.0 and .backward scales only x's; ArcticTraining divides by the valid tokens "
+        "outside. CPU, tiny Llama, 256 tokens (127 valid), 2026-11-27: step-1 grad norm 90.5 vs train.py's 1.59 on "
+        "the same weights and batch (clipping at 1.0 hides it in a run); with 1/valid tokens inside the shards "
+        "(--loss-scale inside) 1.58916 vs 1.58908 untied, 1.47988 vs 1.47979 tied (with the workaround above). "
+        "Time and memory are unaffected.")
+    # DeepSpeed's tiled losses under ZeRO-3 with TIED input/output embeddings (Llama-3.2-1B): the lm_head weight's
+    # gradient hook fires in the loss's own backward (last shard: ds_grad_is_ready True) and again for the
+    # embedding in engine.backward: stage3.py __reduce_and_partition_ipg_grads `assert len(set(p.ds_id ...)) ==
+    # len(params_in_bucket)` (found on CPU, 2026-11-27, TiledFusedLogitsLoss and sequence_tiled_compute alike).
+    # Our 3-line workaround (no DeepSpeed piece does it): the loss gets no compute_params and the tied weight is held
+    # at ds_grad_is_ready False until the loss is built, so its shards' gradients accumulate in .grad and enter
+    # ZeRO's bucket once, with the embedding's, in engine.backward (how TiledMLP's shards accumulate).
+    tied = bool(getattr(cfg, "tie_word_embeddings", False)) and \
+        head.lm_head.weight is head.get_input_embeddings().weight
+    loss_params = [] if tied else [head.lm_head.weight]
+    pieces["tied_embeddings"] = (
+        "tied: DeepSpeed's tiled loss under ZeRO-3 asserts (stage3.py: the tied weight's ds_id twice in the reduce "
+        "bucket); workaround of bench/alst_compare.py: compute_params=[] and lm_head.weight.ds_grad_is_ready False "
+        "during the loss, True before engine.backward" if tied else "untied: DeepSpeed's tiled loss as published")
     sdpa = a.sdpa if cuda else "default"
     if sdpa == "cudnn":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -186,8 +211,10 @@ def _alst_run(a, pieces: dict) -> dict:
         import contextlib
 
         kernel = contextlib.nullcontext
-    pieces["attention"] = (f"transformers' sdpa attention -> torch.nn.functional.scaled_dot_product_attention "
-                           f"(is_causal, no mask), backend: {'cuDNN only (torch.nn.attention.sdpa_kernel)' if sdpa == 'cudnn' else 'torch default choice' + ('' if cuda else ' (CPU)')}")
+    pieces["attention"] = ("transformers' sdpa attention -> torch.nn.functional.scaled_dot_product_attention "
+                           "(is_causal, no mask), backend: " + ("cuDNN only (torch.nn.attention.sdpa_kernel)" if
+                                                                 sdpa == "cudnn" else "torch's default choice" +
+                                                                 ("" if cuda else " (CPU)")))
     pieces["versions"] = {"deepspeed": v, "transformers": transformers.__version__, "torch": torch.__version__}
 
     data = SampleStream(LongRangeCopy(a.seq, cfg.vocab_size, seed=a.seed), 1)  # train.py's stream (seed, SP=1)
@@ -201,17 +228,32 @@ def _alst_run(a, pieces: dict) -> dict:
         if cu.tolist() != [[0, a.seq]]:  # one document per sample: plain causal attention is the same attention
             raise ValueError(f"variant (a) takes one document per sample, got doc_cu_seqlens {cu.tolist()}")
         labels = batch["shift_labels"]
+        n_valid = max(int((labels != -100).sum()), 1)
+        # --loss-scale inside (a check, not the published call): 1/valid tokens inside the shards, so the weights'
+        # in-forward gradients are the mean's too
+        scale_inside, scale_outside = (n_valid, 1) if a.loss_scale == "inside" else (1, n_valid)
         shards = max(1, math.ceil(labels.numel() * cfg.vocab_size * 4 / 2**30))
         with offload, kernel():
+            if tied:
+                head.lm_head.weight.ds_grad_is_ready = False
             hidden = head.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                 use_cache=False).last_hidden_state
-            total = TiledFusedLogitsLoss.apply(loss_fn, head, hidden, labels, None, shards, [head.lm_head.weight],
-                                               "sum")
-            loss = total / max(int((labels != -100).sum()), 1)
+            if a.loss == "fused":
+                total = TiledFusedLogitsLoss.apply(loss_fn, head, hidden, labels, None, shards, loss_params, "sum")
+            else:  # the tutorial's Part 2 snippet: sequence_tiled_compute (recomputes each shard in backward)
+                total = sequence_tiled_compute(loss_fn, labels.shape[1], shards,
+                                               dict(hidden_states=hidden, shift_labels=labels),
+                                               dict(model_with_head=head), "hidden_states", loss_params,
+                                               output_unshard_dimension=0, output_reduction="sum")
+            loss = total / scale_outside
+            if tied:
+                head.lm_head.weight.ds_grad_is_ready = True
             engine.backward(loss)
         engine.step()
         r = prof.end_step(step, tokens=a.seq)
-        steps.append({"step": step, "loss": float(loss.item()), "tokens": a.seq, "tokens_per_s": r["tokens_per_s_per_gpu"],
+        gn = engine.get_global_grad_norm()
+        steps.append({"step": step, "loss": float(loss.item()), "grad_norm": None if gn is None else float(gn),
+                      "tokens": a.seq, "tokens_per_s": r["tokens_per_s_per_gpu"],
                       "tflops": r["tflops_per_gpu"], "mfu": r["tflops_per_gpu"] / peak if peak else None,
                       "peak_mem_bytes": r["peak_memory_bytes"], "peak_mem_source": r["peak_memory_source"],
                       "peak_reserved_bytes": r.get("peak_reserved_bytes"), "step_time_s": r["step_time_s"],
@@ -285,7 +327,8 @@ def _summary(steps):
         return vals[len(vals) // 2] if vals else None
 
     res = [s.get("peak_reserved_bytes") for s in steps if s.get("peak_reserved_bytes") is not None]
-    return {"step1_loss": steps[0]["loss"], "losses": [s["loss"] for s in steps], "tokens_per_s": med("tokens_per_s"),
+    return {"step1_loss": steps[0]["loss"], "losses": [s["loss"] for s in steps],
+            "step1_grad_norm": steps[0].get("grad_norm"), "tokens_per_s": med("tokens_per_s"),
             "tflops": med("tflops"), "mfu": med("mfu"), "step_time_s": med("step_time_s"),
             "timed_steps": [s["step"] for s in timed],
             "max_memory_allocated": max(s["peak_mem_bytes"] for s in steps),
@@ -365,7 +408,9 @@ def part1(a, res, save):
     planned_config(a.config, cfg_c)
     part["planned_config"] = json.load(open(cfg_c))["long_context"]
     t0 = time.monotonic()
-    sdpa = a.sdpa
+    import torch
+
+    sdpa = a.sdpa if torch.cuda.is_available() else "default"  # CPU: torch's own choice, no cuDNN to ask for
     round_s = None
     for r in range(1, a.rounds + 1):
         left = a.cap1 - (time.monotonic() - t0)
@@ -427,7 +472,8 @@ def _compare(part):
                   "mfu": med("mfu"), "step_time_s": med("step_time_s"),
                   "max_memory_allocated": max(s["max_memory_allocated"] for s in sums),
                   "max_memory_reserved": med("max_memory_reserved"), "memory_source": sums[0]["memory_source"],
-                  "step1_losses": [s["step1_loss"] for s in sums]}
+                  "step1_losses": [s["step1_loss"] for s in sums],
+                  "step1_grad_norms": [s.get("step1_grad_norm") for s in sums]}
         if v in sdpa:
             out[v]["sdpa_backend"] = sorted(sdpa[v])
     ratios = {}
@@ -464,7 +510,8 @@ def _plan(cfg_path, model, seq, log_dir, full_depth=False, extra=()):
         return rec
     d = json.load(open(out))
     t = d.get("time") or {}
-    rec.update(fits=d.get("fits"), step_peak_bytes=d.get("step_peak_bytes"), peak_device_bytes=d.get("peak_device_bytes"),
+    rec.update(fits=d.get("fits"), step_peak_bytes=d.get("step_peak_bytes"),
+               peak_device_bytes=d.get("peak_device_bytes"),
                activation_peak_bytes=d.get("activation_peak_bytes"), step_s=t.get("seconds"),
                tokens_per_s=t.get("tokens_per_s"), mfu=t.get("mfu"), extrapolated=d.get("extrapolated"),
                layers_simulated=d.get("layers_simulated"), reserved_bytes=d.get("reserved_bytes"),
@@ -556,11 +603,13 @@ def part3(a, res, save):
     part["cap_s"] = a.cap3
     part["finding"] = (
         "torch's ProcessGroupGloo::alltoall_base takes CUDA tensors (AsyncAlltoallCUDAWork: pinned host copies on side "
-        "streams, gloo's alltoall/alltoallv on the host, copies back): torch/csrc/distributed/c10d/ProcessGroupGloo.cpp "
+        "streams, gloo's alltoall/alltoallv on the host, copies back): "
+        "torch/csrc/distributed/c10d/ProcessGroupGloo.cpp "
         "(pytorch/pytorch main, read 2026-11-27); torch.distributed.all_to_all_single and DeepSpeed's "
         "_dim_zero_all_to_all go through it. ZeRO-3's collectives have CUDA paths there too: _allgather_base -> "
         "allgather (AsyncAllgatherCUDAWork), reduce_scatter_tensor built from allreduce (CUDA work). NCCL refuses two "
-        "ranks on one device (duplicate GPU). So SP=2 on one device runs over gloo, both ranks on cuda:0 (LOCAL_RANK=0 on both), the process group started by this "
+        "ranks on one device (duplicate GPU). So SP=2 on one device runs over gloo, both ranks on cuda:0 "
+        "(LOCAL_RANK=0 on both), the process group started by this "
         "script's worker before train.py's main.")
     t0 = time.monotonic()
     cuda = torch.cuda.is_available()
@@ -641,7 +690,8 @@ def part4(a, res, save):
             # attention dominates: the next length's step ~ (seq/last_seq)^2 x the last, plus its start-up
             need = last["startup_s"] + last["step_s"] * (seq / last["seq"]) ** 2 * 1.1
             if need > left:
-                part["notes"].append(f"{seq} not run: predicted {need:.0f} s from {last['seq']}'s step, {left:.0f} s left")
+                part["notes"].append(f"{seq} not run: predicted {need:.0f} s from {last['seq']}'s step, "
+                                     f"{left:.0f} s left")
                 break
         cfg = os.path.join(a.work, f"cfg4_{seq}.json")
         c = json.load(open(a.config4))
@@ -720,6 +770,8 @@ def main(argv=None):
     p.add_argument("--ds-config", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--loss", choices=("fused", "tiled_compute"), default="fused", help=argparse.SUPPRESS)
+    p.add_argument("--loss-scale", choices=("published", "inside"), default="published", help=argparse.SUPPRESS)
     p.add_argument("--train-args", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker == "alst":
@@ -733,6 +785,7 @@ def main(argv=None):
         tiny = os.path.join(a.work, "tiny4.json")
         m = json.load(open(TINY))
         m["num_hidden_layers"] = 4  # the shipped config keeps 3 layers' inputs on the device: more layers than that
+        m["tie_word_embeddings"] = True  # as Llama-3.2-1B: (a)'s tied-embedding path runs in the dry run too
         _write(tiny, m)
         a.model_config = a.model3 = a.model4 = tiny
         a.rounds = a.rounds or 1
@@ -747,7 +800,8 @@ def main(argv=None):
     res = json.load(open(a.out)) if os.path.exists(a.out) else {}
     res.setdefault("issue", 32)
     res.setdefault("runs", []).append({"command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
-                                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                           timespec="seconds"),
                                        "device": device_line(), "parts": parts, "dry_run": a.dry_run,
                                        "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
 
