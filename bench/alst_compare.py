@@ -26,7 +26,7 @@ Parts (--part, in order; each has its own wall-clock cap, --cap1..--cap4; result
    task's samples through ds_longctx.data.SampleStream (the same token batches), tokens/s, TFLOP/s and MFU by
    ds_longctx.measure.profiler's one formula, max_memory_allocated and max_memory_reserved per step (CUDA; on CPU
    the process's peak RSS, reserved None), step-1 loss.
-2. Reserved bytes: a run of (c)'s resolved config with long_context.profile.allocator_check on step 2 (the
+2. Reserved bytes: a one-step run of (c)'s resolved config with long_context.profile.allocator_check (the
    caching-allocator model vs max_memory_reserved; CUDA only: skipped on CPU, said so), and the planner
    (``ds-longctx plan``) for the same config and length: predicted step time vs (c)'s measured, predicted
    allocated peak vs measured.
@@ -340,6 +340,18 @@ def _summary(steps):
 ACTIVE = re.compile(r"ds_longctx active: (.*)")
 
 
+def _jsonl(path):
+    """The complete records of a metrics file (a run ended mid-write leaves a partial last line: dropped)."""
+    out = []
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
 def _train_variant(name, cfg_path, model, seq, steps, limit, work, seed=0, extra_args=(), env_extra=None):
     """train.py in one process (world 1, env set: no MPI discovery). Returns the round's raw record."""
     metrics = os.path.join(work, f"{name}_{time.time_ns()}.jsonl")
@@ -348,7 +360,7 @@ def _train_variant(name, cfg_path, model, seq, steps, limit, work, seed=0, extra
            "--seq-len", str(seq), "--steps", str(steps), "--seed", str(seed), "--eval-samples", "0", "--no-progress",
            "--log-every", "0", "--metrics", metrics, *extra_args]
     rc, wall, timed_out = _run(cmd, log, limit, _env(extra=env_extra))
-    steps_rec = [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []
+    steps_rec = _jsonl(metrics)
     m = None
     with open(log, errors="replace") as f:
         for line in f:
@@ -497,13 +509,18 @@ def _compare(part):
 # --- part 2 ----------------------------------------------------------------------------------------------------
 
 
-def _plan(cfg_path, model, seq, log_dir, full_depth=False, extra=()):
+def _plan(cfg_path, model, seq, log_dir, full_depth=False, extra=(), limit=300):
     out = os.path.join(log_dir, f"plan_{time.time_ns()}.json")
     cmd = [sys.executable, "-m", "ds_longctx.planner.cli", "plan", "--deepspeed_config", cfg_path, "--model-config",
            model, "--gpus", "1", "--gpu-mem", "h100", "--host-mem", "none", "--seq-len", str(seq), "--json",
            *(["--full-depth"] if full_depth else []), *extra]
     with open(out, "w") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(), timeout=300)
+        try:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
+                               timeout=max(1, limit))
+        except subprocess.TimeoutExpired:
+            return {"command": " ".join(shlex.quote(c) for c in cmd), "rc": None,
+                    "error": f"the planner did not finish in {limit:.0f} s (what was left of the part's cap)"}
     rec = {"command": " ".join(shlex.quote(c) for c in cmd), "rc": p.returncode}
     if p.returncode:
         rec["error"] = p.stderr[-3000:]
@@ -552,13 +569,14 @@ def part2(a, res, save):
     part["picks"] = picks
     cfg_p = os.path.join(a.work, "planned_pinned.json")
     _pinned(a.config, picks, cfg_p, a.seq)
-    part["plan"] = _plan(cfg_p, a.model_config, a.seq, a.work)
+    part["plan"] = _plan(cfg_p, a.model_config, a.seq, a.work, limit=a.cap2 / 3)
     save()
     if torch.cuda.is_available():
         cfg_alloc = os.path.join(a.work, "planned_alloc.json")
-        _pinned(a.config, picks, cfg_alloc, a.seq, allocator_steps=[2])
+        # one step, its allocations replayed from the snapshot before it (a second step would not fit the cap)
+        _pinned(a.config, picks, cfg_alloc, a.seq, allocator_steps=[1])
         left = a.cap2 - (time.monotonic() - t0)
-        rec = _train_variant("ds_longctx_planned_allocator_check", cfg_alloc, a.model_config, a.seq, 2, left, a.work)
+        rec = _train_variant("ds_longctx_planned_allocator_check", cfg_alloc, a.model_config, a.seq, 1, left, a.work)
         part["allocator_run"] = rec
         am = next((s.get("allocator_model") for s in rec.get("steps", []) if s.get("allocator_model")), None)
         part["allocator_model"] = am
@@ -654,7 +672,7 @@ def part3(a, res, save):
         f.close()
     sp2 = {"command": " ".join(shlex.quote(x) for x in cmd) + "   (2 ranks, RANK 0/1, LOCAL_RANK " +
            ("0/0, CUDA_VISIBLE as given" if cuda else "0/1") + ", gloo)", "rcs": rcs, "timed_out": timed_out,
-           "steps": [json.loads(line) for line in open(metrics)] if os.path.exists(metrics) else []}
+           "steps": _jsonl(metrics)}
     if any(rcs):
         sp2["error"] = "\n".join(f"--- rank {i} (rc {rc}):\n{_tail(log, 30)}" for i, (rc, log) in
                                  enumerate(zip(rcs, logs)))
@@ -706,11 +724,12 @@ def part4(a, res, save):
         rec = _train_variant(f"8b_depth{a.depth4}_{seq}", cfg, model, seq, 1, left, a.work,
                              extra_args=["--allow-beyond-max-position"])
         rec["summary"] = _summary(rec.get("steps"))
-        rec["plan"] = _plan(cfg, model, seq, a.work)
+        part["runs"].append(rec)
+        save()  # before the planner: a cap that ends during the plan keeps the measurement
+        rec["plan"] = _plan(cfg, model, seq, a.work, limit=a.cap4 - (time.monotonic() - t0) - 5)
         s = rec["summary"]
         if s and rec["plan"].get("step_peak_bytes"):
             rec["planner_peak_over_max_memory_allocated"] = rec["plan"]["step_peak_bytes"] / s["max_memory_allocated"]
-        part["runs"].append(rec)
         save()
         if rec.get("rc") != 0 or not s:
             break
@@ -755,7 +774,7 @@ def main(argv=None):
     # GPU): a process is ~20 s start-up + 3 steps ~ 80-95 s for (b), less for (a) and (c) (predicted ~15-20 s/step),
     # ~250 s a round: one round fits 280 s (a second would need ~500 s: --rounds/--cap1 for a longer call)
     p.add_argument("--cap1", type=float, default=280)
-    p.add_argument("--cap2", type=float, default=90, help="one 2-step run of (c) with allocator_check + the planner")
+    p.add_argument("--cap2", type=float, default=90, help="one 1-step run of (c) with allocator_check + the planner")
     p.add_argument("--cap3", type=float, default=75)
     p.add_argument("--cap4", type=float, default=80)
     p.add_argument("--seq3", type=int, default=8192, help="part 3's length (SP=2 over gloo host copies is slow)")
