@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 21 in ONE device command (bench/device/README.md). On the lent machine, from the
-# repo root with .whl carried:
+# Every GPU check of issues 32 and 21 in ONE device command (bench/device/README.md). On the lent machine, from
+# the repo root with .whl carried:
 #     bash bench/device/run_all.sh            # whole budget: RUN_ALL_BUDGET seconds (default 530)
 # On CPU, before any device time is spent (tiny sizes, same code paths where the CPU has them):
 #     bash bench/device/run_all.sh --dry-run
-# Results go to $OUT (at most 8 files come back): env.txt, attention.json, checks.json, train_metrics.jsonl,
-# train_plan.json, nvme.json, long.json, log.txt. Carry [".whl", ".aio"]. Each step writes as it goes and has a limit cut to what is left of
-# the budget, so a slow step cannot take the later ones with it.
+# Results go to $OUT (at most 8 files come back): env.txt, log.txt, issue32.json (parts 1-4 merged),
+# checks.json, attention.json, nvme.json, long.json. Carry [".whl", ".aio"]. Each step writes as it goes and has
+# a limit cut to what is left of the budget, so a slow step cannot take the later ones with it; issue 32's parts
+# come first (each with its own cap), issue 21's steps after with what is left.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
@@ -19,7 +20,8 @@ step() {  # step NAME MAX_SECONDS CMD...: runs CMD under min(MAX, what is left -
     local lim; lim=$(left); lim=$(( lim - 5 < max ? lim - 5 : max ))
     if [ "$lim" -lt 20 ]; then echo "== $name: skipped, ${lim}s left" | tee -a "$LOG"; return; fi
     echo "== $name ($(date -u +%T), limit ${lim}s): $*" | tee -a "$LOG"
-    timeout -k 5 "$lim" "$@" >> "$LOG" 2>&1; local rc=$?
+    # STEP_LIMIT: bench/alst_compare.py keeps each part's cap under it (writes its JSON before timeout ends it)
+    STEP_LIMIT=$lim timeout -k 5 "$lim" "$@" >> "$LOG" 2>&1; local rc=$?
     echo "== $name rc=$rc after $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 }
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -41,36 +43,28 @@ if [ $DRY = 0 ]; then
     { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nproc; free -g; df -h /tmp; } \
         > "$OUT/env.txt" 2>&1
     ATT="--seq 32768 131072 --hpc 1 8 --steps 3"; VL="--varlen-seq 32768 131072 --docs 64 --steps 3 --keep-seq 131072"
-    TRAIN_CFG=ds_configs/llama3.2-1b-1gpu.json; TRAIN_MODEL=ds_configs/models/llama3.2-1b.json
-    TRAIN_ARGS="--seq-len 131072 --steps 3 --eval-samples 0"; NGPU=1
-    LONG="--seq 524288 --hpc 1 8 --steps 1 --minimal"; NV=""
+    LONG="--seq 524288 --hpc 1 8 --steps 1 --minimal"; NV=""; DRY32=""
 else
     export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
     PY=python; DRYF=--dry-run
     echo "dry run on $(hostname)" > "$OUT/env.txt"
     ATT="$DRYF"; VL="$DRYF"
-    TRAIN_CFG=ds_configs/tiny-cpu.json; TRAIN_MODEL=ds_configs/models/tiny-llama.json
-    TRAIN_ARGS="--seq-len 256 --steps 2 --eval-samples 0"; NGPU=2
-    LONG="$DRYF --minimal"; NV="$DRYF"
+    LONG="$DRYF --minimal"; NV="$DRYF"; DRY32="$DRYF"
 fi
 $PY -c "import torch, deepspeed, transformers, pydantic; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'pydantic', pydantic.VERSION)" \
     2>&1 | tail -1 | tee -a "$OUT/env.txt"
 
-# first what no earlier GPU run has measured: the planner's reserved bytes (train) and keep_attention_output
-# f: train.py, world 1, NCCL (gloo on the dry run), ZeRO-3, full stack, ~1B Llama, 3 steps; the planner's
-# prediction for the same config and length first (CPU work, seconds)
-step plan 60 bash -c "$PY -m ds_longctx.planner.cli plan --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL \
-    --gpus $NGPU --gpu-mem h100 --host-mem none --seq-len $(echo $TRAIN_ARGS | awk '{print $2}') --json \
-    > $OUT/train_plan.json"
-if [ $DRY = 0 ]; then
-    # the caching-allocator model (measure/allocator.py) replayed on steps 1-2's real trace, next to
-    # max_memory_reserved: the planner's reserved-bytes check (issue 21); CUDA only
-    $PY -c "import json,sys; c=json.load(open(sys.argv[1])); c['long_context'].setdefault('profile', {}).update(allocator_check=True, steps=[1, 2]); json.dump(c, open('/tmp/train_cfg.json', 'w'))" "$TRAIN_CFG"
-    TRAIN_CFG=/tmp/train_cfg.json
-fi
-step train 170 $PY -m deepspeed.launcher.runner --num_gpus $NGPU --master_port 29561 train.py \
-    --deepspeed_config $TRAIN_CFG --model-config $TRAIN_MODEL $TRAIN_ARGS --no-progress \
-    --metrics "$OUT/train_metrics.jsonl"
+# issue 32 first, parts in order, each with its own cap (bench/alst_compare.py; caps from the measured 25.4 s/step
+# of train.py at 128K): 1 ALST vs ds_longctx (shipped, planner's picks) side by side, Llama-3.2-1B shape, 128K,
+# bf16, ZeRO-3, 3 steps each, one process per variant, as many a b c rounds as fit (one predicted); 2 reserved
+# bytes (allocator_check) and the planner vs (c); 3 SP=2 on one device over gloo vs SP=1; 4 Llama-3-8B shape at 2
+# layers, longest length that fits, peak vs the planner. Part 1's (b) is issue 21's former `train` step.
+I32="$PY bench/alst_compare.py $DRY32 --out $OUT/issue32.json"
+step issue32_part1 290 $I32 --part 1
+step issue32_part2 95 $I32 --part 2
+step issue32_part3 75 $I32 --part 3
+step issue32_part4 120 $I32 --part 4
+# issue 21's steps with what is left (each skipped under 20 s)
 # c/d/e: varlen vs per-document loop (64 docs), block Function vs HF in bf16, pinned arena bit-exact;
 # keep_attention_output on vs off at 128K (issue 20); the block backward's shared tile passes vs one per GEMM
 step checks 200 $PY bench/gpu_checks.py --part keep,passes,varlen,block,arena $VL --out "$OUT/checks.json"
