@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._version import __version__
+from .corpus import atomic_write
 from .errors import ConfigError
 from .layout import zero_stage
 from .models import text_config
@@ -77,15 +78,6 @@ def _step_of(tag: str) -> Optional[int]:
 # ---------------------------------------------------------------------------------------------
 # small helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: str) -> None:
@@ -597,7 +589,7 @@ class SaveDir:
             if hf_config is not None or tokenizer is not None:
                 _save_hf_side_files(os.path.join(tmp_dir, HF_CONFIG_DIR), hf_config, tokenizer)
             _kill_point(rank, "before_record")
-            _atomic_write(os.path.join(tmp_dir, RECORD_FILE),
+            atomic_write(os.path.join(tmp_dir, RECORD_FILE),
                           json.dumps(dict(record, files=tag_files(tmp_dir)), indent=1, default=str))
             _kill_point(rank, "after_record")
             old = None
@@ -613,7 +605,7 @@ class SaveDir:
                 os.replace(tmp_dir, tag_dir)
             _fsync_dir(self.path)
             _kill_point(rank, "after_rename")
-            _atomic_write(os.path.join(self.path, "latest"), tag)
+            atomic_write(os.path.join(self.path, "latest"), tag)
             _fsync_dir(self.path)
             _kill_point(rank, "after_latest")
             if old:

@@ -419,7 +419,7 @@ def _identity(path: str, root: str, verify: bool) -> dict:
             ident = None
     if ident is None:
         ident = {"path": apath, "kind": data_kind(path), "size": size, "sha256": _content_hash(path)}
-        _atomic_write(record, json.dumps({"path": apath, "stat_key": key, "identity": ident}))
+        atomic_write(record, json.dumps({"path": apath, "stat_key": key, "identity": ident}))
     _IDENTITIES[(apath, key)] = ident
     return dict(ident)
 
@@ -545,7 +545,9 @@ def _locked(root: str, name: str, flag: str):
             fcntl.lockf(f, fcntl.LOCK_UN)
 
 
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file (named by host and pid: writers on a shared
+    filesystem never meet), fsynced, then renamed over ``path``."""
     tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
