@@ -61,8 +61,6 @@ MODEL_1B = os.path.join(ROOT, "ds_configs", "models", "llama3.2-1b.json")
 CFG_8B = os.path.join(ROOT, "ds_configs", "llama3-8b-1gpu-512k.json")
 MODEL_8B = os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json")
 TINY = os.path.join(ROOT, "ds_configs", "models", "tiny-llama.json")
-AUTO_KEYS = (("attention", "heads_per_chunk"), ("activation_checkpointing", "keep_on_device"),
-             ("activation_checkpointing", "keep_attention_output"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -393,8 +391,11 @@ def _alst_variant(cfg_path, model, seq, steps, limit, work, sdpa, seed=0):
 
 def planned_config(src, dst, seq=None) -> None:
     """(c): the shipped config with the planner's "auto" for heads_per_chunk, keep_on_device, keep_attention_output."""
+    from ds_longctx.config import AUTO_KEYS  # the planner-resolved keys: heads_per_chunk and the two reinvestments
+
     c = json.load(open(src))
-    for sec, key in AUTO_KEYS:
+    for path in AUTO_KEYS:
+        sec, key = path.split(".")
         c["long_context"].setdefault(sec, {})[key] = "auto"
     if seq:
         c["long_context"]["sequence_length"] = seq

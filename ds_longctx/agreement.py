@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import watchdog
 from .config import load_ds_config
 from .errors import ConfigError
+from .runtime import proc_start_time
 
 ROW_BYTES = 128  # digest 32, pid 8, start time 8, host name up to 80 (utf-8, zero padded)
 _HOST_BYTES = ROW_BYTES - 48
@@ -50,17 +51,9 @@ class Member:
     digest: bytes = b""
 
 
-def _start_time(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def this_member(rank: int = 0) -> Member:
     pid = os.getpid()
-    return Member(rank, socket.gethostname(), pid, _start_time(pid))
+    return Member(rank, socket.gethostname(), pid, int(proc_start_time(pid) or 0))
 
 
 # ------------------------------------------------------------------ what must be equal --------------------------

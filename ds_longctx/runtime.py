@@ -332,13 +332,21 @@ PR_SET_PDEATHSIG = 1
 _watching = False
 
 
-def _proc_start_time(pid: int) -> Optional[str]:
-    """Field 22 of /proc/PID/stat (start time in clock ticks): tells a live pid from a reused one."""
+def proc_stat(pid: int) -> Optional[list]:
+    """The fields of /proc/PID/stat after the command name (``[0]`` the state, ``[1]`` the parent pid, ``[19]`` the
+    start time in clock ticks), None when the process is gone. The one reader of that file."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return fields if len(fields) > 19 else None
+
+
+def proc_start_time(pid: int) -> Optional[str]:
+    """Field 22 of /proc/PID/stat (start time in clock ticks): tells a live pid from a reused one."""
+    fields = proc_stat(pid)
+    return fields[19] if fields else None
 
 
 def _cmdline(pid: int) -> str:
@@ -350,11 +358,8 @@ def _cmdline(pid: int) -> str:
 
 
 def _ppid_of(pid: int) -> Optional[int]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = proc_stat(pid)
+    return int(fields[1]) if fields else None
 
 
 def launcher_chain() -> list:
@@ -381,7 +386,7 @@ def watch_launcher(interval_s: float = 0.5) -> bool:
     global _watching
     if _watching or not sys.platform.startswith("linux"):
         return _watching
-    chain = [(pid, _proc_start_time(pid)) for pid in launcher_chain()]
+    chain = [(pid, proc_start_time(pid)) for pid in launcher_chain()]
     if not chain:
         return False
     try:
@@ -399,7 +404,7 @@ def watch_launcher(interval_s: float = 0.5) -> bool:
             if os.getppid() != first_parent:
                 gone = first_parent
             else:
-                gone = next((pid for pid, start in chain if _proc_start_time(pid) != start), None)
+                gone = next((pid for pid, start in chain if proc_start_time(pid) != start), None)
             if gone is not None:
                 _terminate(143, f"the launcher process {gone} exited: ending this rank so that it does not "
                            "train on as an orphan (exit 143)")

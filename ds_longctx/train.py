@@ -49,7 +49,7 @@ from .loss import IGNORE_INDEX
 from .measure.profiler import StepProfiler, format_flops
 from .metrics import StepLog, peak_tflops, step_record
 from .models import text_config
-from .models.loading import load_model_config as _load_model_config
+from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from .planner import planned_work
 from .preflight import reserve_offload_storage
 from .runtime import graceful_stop, stop_requested
@@ -169,33 +169,29 @@ def parse_args(argv=None):
     return args
 
 
-def _config_error(key, problem, fix):
-    return ConfigError(key, problem, fix)
-
-
 def _check_writable_file(flag, path):
     """``path`` can be created or overwritten by this process."""
     if os.path.isdir(path):
-        raise _config_error(flag, f"{path!r} is a directory", "give a file path")
+        raise ConfigError(flag, f"{path!r} is a directory", "give a file path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise _config_error(flag, f"directory {parent!r} does not exist", f"create it (mkdir -p {parent})")
+        raise ConfigError(flag, f"directory {parent!r} does not exist", f"create it (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise _config_error(flag, f"{path!r} is not writable", "give a path this user can write")
+        raise ConfigError(flag, f"{path!r} is not writable", "give a path this user can write")
 
 
 def _check_writable_dir(key, path):
     """``path`` exists as a writable directory or can be created (checked at start, not after the last step)."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
-        raise _config_error(key, f"{path!r} exists and is not a directory", "give a directory")
+        raise ConfigError(key, f"{path!r} exists and is not a directory", "give a directory")
     existing = path
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise _config_error(key, f"{existing!r} is not a directory", "give a directory path")
+        raise ConfigError(key, f"{existing!r} is not a directory", "give a directory path")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise _config_error(key, f"{existing!r} is not writable by this user", "give a directory this user can write")
+        raise ConfigError(key, f"{existing!r} is not writable by this user", "give a directory this user can write")
 
 
 def _model_config_path(path):
@@ -215,41 +211,41 @@ def validate_args(args, lc):
                                     ("--keep-last", args.keep_last, 0, "use 0 to keep every checkpoint"),
                                     ("--eval-every", args.eval_every, 0, "use 0 to evaluate at the end only")):
         if value < least:
-            raise _config_error(flag, f"must be >= {least}, got {value}", fix)
+            raise ConfigError(flag, f"must be >= {least}, got {value}", fix)
     if not args.save:
         for flag, value in (("--save-every", args.save_every), ("--save-interval", args.save_interval),
                             ("--keep-last", args.keep_last)):
             if value:
-                raise _config_error(flag, "needs --save (where to write the checkpoints)", f"add --save DIR or drop "
+                raise ConfigError(flag, "needs --save (where to write the checkpoints)", f"add --save DIR or drop "
                                     f"{flag}")
         if args.resume == "auto":
-            raise _config_error("--resume", "'auto' resumes from --save's directory, and there is no --save",
+            raise ConfigError("--resume", "'auto' resumes from --save's directory, and there is no --save",
                                 "add --save DIR (the same on every start of the job)")
     seq_len = args.seq_len if args.seq_len is not None else (lc.sequence_length or 512)
     flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
     if seq_len < 1:
-        raise _config_error(flag, f"must be >= 1, got {seq_len}", "give the global tokens per sample")
+        raise ConfigError(flag, f"must be >= 1, got {seq_len}", "give the global tokens per sample")
     if seq_len % sp:
-        raise _config_error(flag, f"{seq_len} is not divisible by sequence_parallel_size={sp}",
+        raise ConfigError(flag, f"{seq_len} is not divisible by sequence_parallel_size={sp}",
                             f"use a multiple of {sp}, e.g. {(seq_len // sp + 1) * sp}")
     if args.data in TASKS:
         if args.data == "copy" and (seq_len < 4 or seq_len % 2):
-            raise _config_error(flag, f"the copy task needs an even length >= 4, got {seq_len}",
+            raise ConfigError(flag, f"the copy task needs an even length >= 4, got {seq_len}",
                                 "use an even sequence length")
     elif not os.path.exists(args.data):
-        raise _config_error("--data", f"{args.data!r} is neither a task ({sorted(TASKS)}) nor an existing path",
+        raise ConfigError("--data", f"{args.data!r} is neither a task ({sorted(TASKS)}) nor an existing path",
                             "give a task name, a .txt/.jsonl/.parquet/.arrow file or a datasets save_to_disk "
                             "directory")
     for f, path in (("--data", None if args.data in TASKS else args.data), ("--eval-data", args.eval_data)):
         if path is not None:
             check_data_path(f, path, args.data_column)
             if not (args.tokenizer or args.model):
-                raise _config_error(f, "a file needs a tokenizer", "pass --tokenizer (or --model)")
+                raise ConfigError(f, "a file needs a tokenizer", "pass --tokenizer (or --model)")
     if args.eval_every and not args.eval_data:
-        raise _config_error("--eval-every", "needs --eval-data (what to evaluate)", "add --eval-data PATH or drop "
+        raise ConfigError("--eval-every", "needs --eval-data (what to evaluate)", "add --eval-data PATH or drop "
                             "--eval-every")
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
-        raise _config_error("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
+        raise ConfigError("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")
     for flag, value in (("--model", args.model), ("--tokenizer", args.tokenizer)):
         _check_local_or_hub(flag, value)
@@ -262,7 +258,7 @@ def validate_args(args, lc):
     if args.save_hf:
         _check_writable_dir("--save-hf", args.save_hf)
         if os.path.isdir(args.save_hf) and os.listdir(args.save_hf):
-            raise _config_error("--save-hf", f"{args.save_hf!r} is not empty", "give a new or empty directory (an "
+            raise ConfigError("--save-hf", f"{args.save_hf!r} is not empty", "give a new or empty directory (an "
                                 "export never mixes its files with another model's)")
     if args.resume and args.resume != "auto":
         find_resume_tag(args.resume)  # raises when there is no usable checkpoint
@@ -276,7 +272,7 @@ def _check_local_or_hub(flag, value):
     if not value or os.path.exists(os.path.expanduser(value)):
         return
     if os.path.isabs(value) or value.startswith((".", "~")) or value.count("/") > 1:
-        raise _config_error(flag, f"local path {value!r} does not exist", "give an existing model directory, or a "
+        raise ConfigError(flag, f"local path {value!r} does not exist", "give an existing model directory, or a "
                             "hub id of the form 'org/name'")
 
 
@@ -293,7 +289,7 @@ def hub_load(flag, name, load):
         else:
             local = ("--model-config path/to/config.json (random init, e.g. ds_configs/models/llama3-8b.json) or "
                      "--model <local model directory>")
-        raise _config_error(flag, f"{name!r} is not a local directory and could not be loaded from the Hugging Face "
+        raise ConfigError(flag, f"{name!r} is not a local directory and could not be loaded from the Hugging Face "
                             f"hub: the hub is unreachable{' (HF_HUB_OFFLINE is set)' if offline else ''}, the repo "
                             f"is gated or private, or the id does not exist (transformers: {first[:300]})",
                             f"pass {local}; or point HF_HOME at a cache that holds it; for a gated repo accept its "
@@ -307,7 +303,7 @@ def check_max_position(args, model_config, seq_len):
     mpe = getattr(text_config(model_config), "max_position_embeddings", None)
     if isinstance(mpe, int) and seq_len > mpe and not args.allow_beyond_max_position:
         flag = "--seq-len" if args.seq_len is not None else "long_context.sequence_length"
-        raise _config_error(flag, f"{seq_len} is above the model's max_position_embeddings {mpe}",
+        raise ConfigError(flag, f"{seq_len} is above the model's max_position_embeddings {mpe}",
                             f"use at most {mpe}, set rope_scaling/max_position_embeddings in the model config, or pass "
                             "--allow-beyond-max-position to train past it on purpose (context extension)")
 
@@ -315,11 +311,6 @@ def check_max_position(args, model_config, seq_len):
 # ---------------------------------------------------------------------------------------------
 # model, data
 # ---------------------------------------------------------------------------------------------
-
-
-def load_model_config(path):
-    """The HF config of ``--model-config`` (a config.json or a directory holding one)."""
-    return _load_model_config(path)
 
 
 def build_model(args, ds_config):
@@ -461,8 +452,9 @@ def prepare(args) -> Job:
     # the first collective: every rank holds the same ds_config, the same values of every flag that shapes the
     # run (a --save or --save-every that differs would have ranks save at different steps: a hang) and the same
     # data (agreement.py); then the job's watchdog
+    data = data_identity(args)  # hashed once: compared here, recorded in the checkpoints
     values = {"cli": {flag: getattr(args, dest) for flag, dest in AGREED_FLAGS.items()} | {"--seq-len": seq_len},
-              "data": data_identity(args)}
+              "data": data}
     if args.eval_data:  # by content, as --data (two nodes may mount the same file at different paths)
         values["eval_data"] = corpus_identity(args.eval_data)
     check_agreement(ds_config, values=values)
@@ -474,7 +466,7 @@ def prepare(args) -> Job:
     dp = world // sp
     micro, gas = ckpt.batch_sizes(ds_config, dp)
     record = ckpt.run_record(world_size=world, sp=sp, dp=dp, zero_stage=zero_stage(ds_config), micro_batch=micro,
-                             gas=gas, seq_len=seq_len, seed=args.seed, data=data_identity(args),
+                             gas=gas, seq_len=seq_len, seed=args.seed, data=data,
                              concat_documents=args.concat_documents, model_config=model_config, ds_config=ds_config)
     saves = ckpt.SaveDir.acquire(args.save, keep_last=args.keep_last or None, name="--save") if args.save else None
     resume_dir = args.resume
@@ -488,7 +480,7 @@ def prepare(args) -> Job:
         # the same files, the same verdict on every rank; rank 0 converts to a universal checkpoint when needed
         plan = ckpt.resume(resume_dir, record, name="--resume", log=info)
         if plan.step >= args.steps:
-            raise _config_error("--steps", f"{args.steps} is not past the checkpoint's step {plan.step}",
+            raise ConfigError("--steps", f"{args.steps} is not past the checkpoint's step {plan.step}",
                                 f"give --steps > {plan.step}")
         ds_config = plan.ds_config(ds_config)
 
@@ -581,7 +573,7 @@ def train(job: Job):
                      + "\n".join(format_flops(rec["flops_by_category"])))
             if not math.isfinite(loss):  # the same value on every rank (all-reduced): every rank stops here
                 last = f"step {last_finite[0]}: {last_finite[1]:.6g}" if last_finite else "none (the first step)"
-                raise _config_error(f"step {step}", f"the loss is {loss} (last finite loss: {last})",
+                raise ConfigError(f"step {step}", f"the loss is {loss} (last finite loss: {last})",
                                     "lower the learning rate or check the data and the config (lr, loss scaling, "
                                     "bf16/fp16); --resume the last checkpoint to continue")
             last_finite = (step, loss)

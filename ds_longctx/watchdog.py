@@ -39,7 +39,6 @@ machine: the floor applies.
 from __future__ import annotations
 
 import atexit
-import copy
 import datetime
 import json
 import logging
@@ -52,7 +51,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import runtime
-from .config import parse
+from .config import parse, resolved_ds_config
 from .errors import ConfigError
 from .planner.core import Planner, load_model_config
 
@@ -210,12 +209,8 @@ def _default_store_maker():
 
 # ------------------------------------------------------------------ the watchdog ----------------------------------
 def _proc_state(pid: int) -> Optional[Tuple[str, int]]:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = runtime.proc_stat(pid)
+    return (fields[0], int(fields[19])) if fields else None
 
 
 class Watchdog:
@@ -453,17 +448,10 @@ def after_initialize(ds_config: dict, lc, model_config, world: int) -> None:
 
 def predicted_step_seconds(ds_config: dict, lc, model_config, world: int, gpu_mem: int, target: str,
                            gpus_per_node: Optional[int] = None) -> float:
-    """The planner's predicted step seconds for this (resolved) config on ``target``'s rates."""
-    cfg = copy.deepcopy(ds_config)
-    section = cfg.setdefault("long_context", {})
-    ac = lc.activation_checkpointing
-    for part, key, value in (("attention", "heads_per_chunk", lc.attention.heads_per_chunk),
-                             ("activation_checkpointing", "keep_attention_output", ac.keep_attention_output),
-                             ("activation_checkpointing", "keep_on_device", ac.keep_on_device)):
-        if (section.get(part) or {}).get(key) == "auto":  # the value initialize resolved
-            section[part][key] = value
-    p = Planner(cfg, load_model_config(model_config), world, gpu_mem=gpu_mem, reserve="0", gpus_per_node=gpus_per_node,
-                target=target)
+    """The planner's predicted step seconds for this config, with ``lc`` (the section as initialize resolved it:
+    "auto" values written in), on ``target``'s rates."""
+    p = Planner(resolved_ds_config(ds_config, lc), load_model_config(model_config), world, gpu_mem=gpu_mem,
+                reserve="0", gpus_per_node=gpus_per_node, target=target)
     return float(p.run(int(lc.sequence_length)).time["seconds"])
 
 

@@ -122,12 +122,12 @@ def test_stale_activation_dirs_removed_only_when_ours_and_dead(tmp_path):
     import socket
 
     from ds_longctx.memory.nvme import MARKER, remove_stale_dirs
-    from ds_longctx.runtime import _proc_start_time
+    from ds_longctx.runtime import proc_start_time
 
     me = {"host": socket.gethostname(), "uid": os.getuid()}
     parent = os.getppid()
     owners = {"dead": dict(me, pid=_dead_pid(), start_time="1"),
-              "alive": dict(me, pid=parent, start_time=_proc_start_time(parent)),
+              "alive": dict(me, pid=parent, start_time=proc_start_time(parent)),
               "reused_pid": dict(me, pid=parent, start_time="1"),  # same pid, another process: stale
               "other_host": dict(me, host="elsewhere", pid=_dead_pid(), start_time="1"),
               "other_user": dict(me, uid=os.getuid() + 1, pid=_dead_pid(), start_time="1")}

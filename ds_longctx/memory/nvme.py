@@ -41,7 +41,7 @@ from typing import List, Optional
 
 import torch
 
-from ..runtime import _proc_start_time, cancel_on_exit, on_exit
+from ..runtime import cancel_on_exit, on_exit, proc_start_time
 from .arena import HostBlock
 from .offload import OffloadTarget, _dispatch_free
 
@@ -169,7 +169,7 @@ def free_bytes(path: str) -> int:
 
 def _owner() -> dict:
     return {"host": socket.gethostname(), "uid": os.getuid(), "pid": os.getpid(),
-            "start_time": _proc_start_time(os.getpid())}
+            "start_time": proc_start_time(os.getpid())}
 
 
 def remove_stale_dirs(base: str) -> List[str]:
@@ -192,7 +192,7 @@ def remove_stale_dirs(base: str) -> List[str]:
             continue  # no readable marker: not provably ours, leave it
         if host != me["host"] or uid != me["uid"] or pid == me["pid"]:
             continue
-        if _proc_start_time(pid) == start and start is not None:
+        if proc_start_time(pid) == start and start is not None:
             continue  # the owner is alive: a running job's files
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
