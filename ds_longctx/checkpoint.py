@@ -52,6 +52,7 @@ from .corpus import atomic_write
 from .errors import ConfigError
 from .layout import zero_stage
 from .models import text_config
+from .models.adapters import is_peft_model
 from .planner.model_states import optimizer_states_per_param
 from .planner.units import fmt_bytes
 
@@ -1086,13 +1087,25 @@ def _write_hf(out_dir: str, state_dict: dict, hf_config, tokenizer=None, dtype=N
         tokenizer.save_pretrained(out_dir)
 
 
+def _write_peft(out_dir: str, state_dict: dict, peft_model, tokenizer=None, dtype=None) -> None:
+    """peft's own ``save_pretrained`` of a PeftModel from the gathered ``state_dict`` (it keeps the adapters'
+    weights and writes adapter_config.json): ``PeftModel.from_pretrained(base_model, out_dir)`` loads it."""
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    peft_model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
 def export_hf(engine, out_dir: str, tokenizer=None, dtype=None, max_shard_size: str = "5GB", log=print) -> None:
     """Write the engine's current weights as a Hugging Face model directory (every rank calls it; rank 0 writes).
 
     Weights are gathered by DeepSpeed: ZeRO-3's consolidated 16-bit state dict (what HF Trainer's save_model and
     ``engine.save_16bit_model`` use), the module's own state dict otherwise. ds_longctx's patches leave parameter
     names and the config untouched (checked: the names must be the model class's). ``from_pretrained(out_dir)``
-    needs no ds_longctx."""
+    needs no ds_longctx. A ``peft.PeftModel`` writes its adapters (peft's format: ``PeftModel.from_pretrained(base,
+    out_dir)``)."""
     rank, _ = _rank_world()
     t0 = time.monotonic()
     if engine.zero_optimization_partition_weights():
@@ -1103,9 +1116,12 @@ def export_hf(engine, out_dir: str, tokenizer=None, dtype=None, max_shard_size: 
     if rank == 0:
         try:
             sd = {k: v.detach().to("cpu") for k, v in sd.items()}
-            _write_hf(out_dir, sd, engine.module.config, tokenizer=tokenizer, dtype=dtype,
-                      generation_config=getattr(engine.module, "generation_config", None),
-                      max_shard_size=max_shard_size)
+            if is_peft_model(engine.module):  # an adapter run: the adapter directory PeftModel.from_pretrained loads
+                _write_peft(out_dir, sd, engine.module, tokenizer=tokenizer, dtype=dtype)
+            else:
+                _write_hf(out_dir, sd, engine.module.config, tokenizer=tokenizer, dtype=dtype,
+                          generation_config=getattr(engine.module, "generation_config", None),
+                          max_shard_size=max_shard_size)
         except ConfigError as e:
             outcome = (e.key, e.problem, e.fix)
         except OSError as e:

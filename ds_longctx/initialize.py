@@ -22,6 +22,7 @@ from .errors import ConfigError
 from .hostmem import check_host_memory
 from .launch import env_from_slurm, master_port
 from .layout import Layout, zero_stage
+from .models.adapters import hf_model_of
 from .models.logits import describe_logit_path
 from .patch import patch_model
 from .planner import resolve_auto
@@ -151,7 +152,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world))
     if mpu is None:  # Accelerate's layout (with an mpu) has its own, clearer check
         check_train_batch_size(ds_config, world, sp)
-    describe_logit_path(model)  # a logit path the loss forward cannot reproduce: refused before any collective
+    # a logit path the loss forward cannot reproduce (or a prompt-learning PEFT model under SP): refused before
+    # any collective; a PeftModel is seen through (models/adapters.py)
+    describe_logit_path(hf_model_of(model, sp))
 
     ds_mpu = comm.initialize_groups(sp)
     compat.check_mpu(mpu, sp)

@@ -12,6 +12,7 @@ import types
 from typing import List, Optional
 
 from . import comm
+from .attention import registry
 from .attention.hf import install_untied
 from .attention.ulysses import install_ulysses
 from .compat import causal_lm_output, fused_lm_head_output
@@ -21,6 +22,9 @@ from .memory import apply_memory_stack
 from .memory.checkpointing import decoder_layers
 from .memory.tiling import tiled_causal_lm_loss_sum, tiled_token_fields
 from .models import supported_names
+from .models.adapters import hf_model_of
+from .models.rope import install as install_global_rope
+from .models.temperature import install as install_temperature, scale_query
 from .models.logits import decoder_of, logit_transform
 from .sp_batch import install_document_forward
 from .spec import LongContextSpec, ModelFacts
@@ -37,6 +41,8 @@ class PatchHandle:
         self.memory = None      # memory.MemoryStackHandle
         self.loss_forward = False
         self.document_forward = False  # the packed-documents wrapper around the loss forward
+        self.rope = None        # models.rope.RopeInstall: sequence-dependent RoPE on the group's length (SP > 1)
+        self.temperature = None  # _Temperature: query scaling by global token index (Llama 4's NoPE layers)
         self.swapped: List[str] = []  # what was swapped in, for print(model)
 
     def remove(self) -> None:
@@ -53,9 +59,46 @@ class PatchHandle:
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
+        if self.rope is not None:
+            self.rope.remove()
+            self.rope = None
+        if self.temperature is not None:
+            self.temperature.remove()
+            self.temperature = None
         model.__dict__.pop("extra_repr", None)
         model.__dict__.pop("_ds_longctx_patch", None)
         self.swapped = []
+
+
+class _Temperature:
+    def __init__(self, install, undo):
+        self.install, self.undo = install, undo
+
+    def remove(self) -> None:
+        self.undo()
+        self.install.remove()
+
+
+def _install_temperature(model, attention, spec: LongContextSpec) -> Optional[_Temperature]:
+    """Query scaling by token index inside attention modules (Llama 4's NoPE temperature, models/temperature.py)
+    moved into the SP attention function, where the shard's global indices are known."""
+    inst = install_temperature(model)
+    if inst is None:
+        return None
+    routed = getattr(attention, "function_level", attention)
+    if not isinstance(routed, registry.Installation):
+        inst.remove()
+        raise ConfigError("long_context.attention.fuse_projections", "the model scales queries by token index "
+                          "(attention temperature tuning), which the fused untied path does not apply",
+                          "set long_context.attention.fuse_projections to false")
+    group = spec.group
+
+    def wrapper(fn):
+        def scaled(module, query, *args, **kwargs):
+            return fn(module, scale_query(module, query, comm.sp_rank(group) * query.shape[2]), *args, **kwargs)
+        return scaled
+
+    return _Temperature(inst, registry.wrap(routed, inst.modules, wrapper))
 
 
 def _install_loss_forward(model, spec: LongContextSpec) -> None:
@@ -126,6 +169,17 @@ def _show_in_repr(model, handle: PatchHandle) -> None:
 
 def _check_model_against(model, lc, sp: int) -> None:
     """What the config asks of the built model (not of its config): refused before anything is installed."""
+    if sp > 1:
+        # the loss forward hands the shard's global position_ids to the decoder; a decoder that takes none (BART-style
+        # decoders as causal LMs, MusicGen) numbers every shard from 0 itself (tools/position_audit.py)
+        import inspect
+
+        decoder = decoder_of(model)
+        params = inspect.signature(decoder.forward).parameters
+        if "position_ids" not in params:
+            raise ConfigError("model", f"{type(decoder).__name__}.forward takes no position_ids: under sequence "
+                              "parallelism each rank would number its shard's positions from 0", "train this model at "
+                              "sequence_parallel_size 1 (long_context.attention.implementation 'none')")
     impl = lc.attention.implementation
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         get_decoder = getattr(model, "get_decoder", None)
@@ -157,6 +211,9 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
     Returns a :class:`PatchHandle` (also stored as ``model._ds_longctx_patch``) whose ``remove()``
     undoes every patch. Issues no collectives, so the planner can run it under a fake process group.
     """
+    # a peft.PeftModel: patch the Hugging Face model inside (its forward is what the wrapper calls); the
+    # handle lives there and is read through the wrapper (models/adapters.py)
+    model = hf_model_of(model, getattr(getattr(spec, "layout", None), "sp", 1))
     if getattr(model, "_ds_longctx_patch", None) is not None:
         raise RuntimeError("model is already patched by ds_longctx (initialize it once, or call "
                            "model._ds_longctx_patch.remove() first)")
@@ -181,11 +238,18 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
             handle.swapped.append(f"attention=DeepSpeed Ulysses (sp={sp})")
         elif impl == "untied_ulysses":
             handle.attention = install_untied(model, spec)
-            path = "fused projections" if spec.fused else "attention-function level"
+            path = "fused projections" if handle.attention.fused else "attention-function level"
             if lc.attention.fuse_projections == "auto":
-                path += " (fuse_projections 'auto')"
+                path += " (fuse_projections 'auto'" + (f": {handle.attention.fused_off_because})"
+                                                       if handle.attention.fused_off_because else ")")
             handle.swapped.append(f"attention=untied Ulysses ({path}, sp={sp}, heads_per_chunk="
                                   f"{spec.heads_per_chunk}, kernel={spec.kernel.name})")
+        if sp > 1:
+            handle.temperature = _install_temperature(model, handle.attention, spec)
+            handle.rope = install_global_rope(model)  # dynamic / LongRoPE scale by the group's sequence, not the shard's
+            if handle.rope is not None:
+                handle.swapped.append(f"rope=scaled by the SP group's sequence length ({len(handle.rope.modules)} "
+                                      "rotary embeddings)")
         ac, tm = lc.activation_checkpointing, lc.tiled_mlp
         if ac.enabled or tm.enabled or lc.rms_norm.enabled:
             handle.memory = apply_memory_stack(model, spec)
@@ -215,7 +279,8 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
 
 def get_patch(model) -> Optional[PatchHandle]:
     """The handle of a patched model (accepts a DeepSpeed engine too)."""
-    return getattr(getattr(model, "module", model), "_ds_longctx_patch", None)
+    model = getattr(model, "module", model)
+    return getattr(model, "_ds_longctx_patch", None) or getattr(hf_model_of(model), "_ds_longctx_patch", None)
 
 
 __all__ = ["patch_model", "PatchHandle", "get_patch"]

@@ -35,6 +35,7 @@ from .errors import BatchError, LongContextError, error_class
 from .hf_loader import shard_in_turns
 from .loss import shift_labels_of
 from .models import ARCHITECTURES, text_config
+from .models.rope import group_positions, local_max_position, sequence_dependent_rotaries
 
 _LOADER_FIX = ("feed batches from the loader returned by ds_longctx.initialize, or shard each full batch with "
                "ds_longctx.data.shard_batch(batch, sp_rank, sp_size)")
@@ -102,12 +103,15 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
 
 
 def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, input_ids, position_ids, attention_mask,
-          cu, kwargs) -> None:
-    """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank."""
+          cu, kwargs, positions: bool = False) -> Optional[int]:
+    """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank.
+    ``positions``: also agree on the group's sequence length as RoPE sees it (max position + 1 over the group, for
+    sequence-dependent rotary embeddings: models/rope.py), returned (None when not asked or not known)."""
     t = token_input(input_ids, position_ids, kwargs)
     b, s = (t.shape[0], t.shape[1]) if t is not None else (0, 0)
-    # tiny: 5 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
-    rows = all_gather_ints([int(fault is not None), b, s, int(cu is not None), int(full_eval)], group)
+    top = local_max_position(position_ids) if positions and fault is None else 0
+    # tiny: 6 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
+    rows = all_gather_ints([int(fault is not None), b, s, int(cu is not None), int(full_eval), top], group)
     if any(r[0] for r in rows):
         msgs = [None] * sp
         with control_plane():
@@ -122,7 +126,7 @@ def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, in
                           "mode) and the others sequence shards", "give every rank of the SP group the same kind "
                           "of batch")
     if full_eval:
-        return
+        return None
     if len({r[3] for r in rows}) > 1:
         which = [i for i, r in enumerate(rows) if r[3]]
         raise BatchError("batch.doc_cu_seqlens", f"given on SP ranks {which} only", _LOADER_FIX)
@@ -134,6 +138,7 @@ def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, in
                           "to pad)")
     if cu is None:
         _check_contiguous(position_ids, attention_mask, group, sp)
+    return max(r[5] for r in rows) or None  # 0: no values (the planner's fake positions): the shard's own
 
 
 def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
@@ -247,6 +252,8 @@ def install_document_forward(model, spec) -> None:
     """
     sp, group, own_attention = spec.sp, spec.group, spec.owns_attention
     inner = model.forward
+    # RoPE that rescales by the longest position it sees (dynamic, LongRoPE) is given the group's (models/rope.py)
+    global_rope = sp > 1 and bool(sequence_dependent_rotaries(model))
     no_hf_mask = hands_hf_no_mask(model, own_attention)
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
@@ -254,15 +261,22 @@ def install_document_forward(model, spec) -> None:
         cu = kwargs.pop(BATCH_KEY, None)
         doc_lens = kwargs.pop(LENS_KEY, None)
         docs = None
+        global_len = None
         if sp > 1:
             # every rank's verdict on its shard, agreed over the group before any collective
             full_eval = is_full_eval_batch(self.training, labels, shift_labels, cu)
             fault, docs = local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp,
                                       self.training, kwargs)
-            agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs)
+            global_len = agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs,
+                               positions=global_rope)
             if full_eval:
                 return eval_in_turns(types.MethodType(forward, self), group, sp, input_ids, attention_mask,
                                      position_ids, labels, kwargs)
+        with group_positions(global_len):
+            return _inner(self, input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, docs,
+                          kwargs)
+
+    def _inner(self, input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, docs, kwargs):
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
             if sp == 1 and not own_attention and cu is None and doc_lens is None:
                 # SP=1 on transformers' own attention: HF applies the custom mask itself, exactly

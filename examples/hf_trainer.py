@@ -91,7 +91,7 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
           parallelism_config: bool = True, config: dict | None = None, data_seed: int | None = 0,
           dp_replicate_size: int | None = None, sample_order: list | None = None, optim: str = "sgd",
           lr_scheduler_type: str = "constant", warmup_steps: int = 0, gradient_accumulation_steps: int = 1,
-          save_steps: int | None = None, resume_from_checkpoint: str | None = None):
+          save_steps: int | None = None, resume_from_checkpoint: str | None = None, lora: bool = False):
     """Train ``steps`` steps (SGD unless ``optim``); returns {"losses": [...], "inputs": [...], "lrs": [...],
     "before"/"after": params (if asked)} (StepLossTrainer; ``lrs``: the rate of every logged step).
 
@@ -99,7 +99,9 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
     it declared. ``sample_order``: read the samples sequentially in this order (default: shuffled).
     ``save_steps``: a checkpoint (DeepSpeed's, through the Trainer) every that many steps under ``output_dir``;
     ``resume_from_checkpoint``: continue from one (the Trainer skips the samples already trained); ``losses`` and
-    ``inputs`` then hold the steps after it. ``optim``/``lr_scheduler_type``/``warmup_steps``: the Trainer's."""
+    ``inputs`` then hold the steps after it. ``optim``/``lr_scheduler_type``/``warmup_steps``: the Trainer's.
+    ``lora``: train a PEFT LoRA adapter (r=8 on every projection; the base frozen) handed to the Trainer as the
+    PeftModel, the usual fine-tuning setup."""
     from transformers import Trainer, TrainingArguments
 
     import ds_longctx
@@ -107,6 +109,12 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
     if use_ds_longctx:
         ds_longctx.enable()  # <- the one line
     model = tiny_model(seed=seed)  # same weights on every rank (built before ZeRO-3 partitions it)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed + 1)  # init_lora_weights=False: lora_B random too, so the adapters act from step 1
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     before = {n: p.detach().clone() for n, p in model.named_parameters()} if record_params else None
     kw = {}
     if sp > 1 and parallelism_config:
@@ -157,12 +165,13 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--save-steps", type=int, default=None, help="a checkpoint every N steps (Trainer save_steps)")
     p.add_argument("--resume", default=None, help="a checkpoint-N directory to resume from")
+    p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (the PeftModel to the Trainer)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
     prepare_launched_process()
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps, seq_len=a.seq_len, optim=a.optim, lr=a.lr, save_steps=a.save_steps,
-                resume_from_checkpoint=a.resume)
+                resume_from_checkpoint=a.resume, lora=a.lora)
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({"losses": res["losses"]}))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import types
 import weakref
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ from ..config import FUSE_KEY, KERNEL_KEY
 from ..errors import ConfigError, naming
 from ..models import (AttentionFacts, AttentionShape, attention_shape, facts_for, is_llama_style_rmsnorm, rms_norm,
                       rope_bshd, text_config)
+from ..models.adapters import effective_linear, fused_adapter_problem
 from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG, is_no_mask
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
+
+logger = logging.getLogger("ds_longctx")
 
 
 @contextlib.contextmanager
@@ -81,6 +85,8 @@ class UntiedInstall:
         self.leaf_class = None       # the attention class marked as a ZeRO-3 leaf, and the model
         self.model = None
         self.function_level = None   # registry.Installation on the attention-function path
+        self.fused = False           # the fused path installed (the spec's 'auto' may meet adapters it cannot fuse)
+        self.fused_off_because = None  # why 'auto' was not fused (a sentence), else None
         self.fused_norms = []        # (attention, its input norm) whose norm runs inside the attention block
 
     def remove(self) -> None:
@@ -126,11 +132,38 @@ def install_untied(model, spec) -> UntiedInstall:
                    kernel=spec.kernel.name, backend=spec.kernel, schedule=spec.schedule, shape=shape,
                    layers=tuple(layer_attention(tc)))
     handle = UntiedInstall()
-    if spec.fused:
+    fused = spec.fused
+    if fused:
+        problem = _fused_adapter_problem(model, tc, spec.layout.zero_stage)
+        if problem is not None:
+            if spec.config.attention.fuse_projections is True:
+                raise ConfigError(FUSE_KEY, f"is true, but {problem}", f"set {FUSE_KEY} to false or 'auto' (the "
+                                  "attention-function path calls the projection modules, adapters included)")
+            logger.warning("ds_longctx: untied attention at the attention-function level, not fused (%s is 'auto' "
+                           "and %s)", FUSE_KEY, problem)
+            handle.fused_off_because = problem
+            fused = False
+    handle.fused = fused
+    if fused:
         _install_fused(model, tc, state, handle)
     else:
         handle.function_level = _install_function_level(model, state)
     return handle
+
+
+def _fused_adapter_problem(model, tc, zero_stage: int):
+    """The first q/k/v/o projection whose forward the fused GEMMs cannot reproduce (a PEFT layer they cannot
+    apply as a weight delta, models/adapters.py), as a sentence; None when every projection is fusable."""
+    facts = facts_for(getattr(tc, "model_type", None))
+    mod = importlib.import_module(f"transformers.models.{tc.model_type}.modeling_{tc.model_type}")
+    cls = getattr(mod, facts.attention_class)
+    for name, m in model.named_modules():
+        if isinstance(m, cls):
+            for proj in (facts.q, facts.k, facts.v, facts.o):
+                problem = fused_adapter_problem(getattr(m, proj), f"{name}.{proj}", zero_stage)
+                if problem is not None:
+                    return problem
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,7 +311,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     if self.training and getattr(self, "attention_dropout", 0.0):
         raise ValueError(_dropout_message(self.attention_dropout))
     cos, sin = position_embeddings
-    q, k, v, o = (getattr(self, n) for n in (facts.q, facts.k, facts.v, facts.o))
+    # what each projection's forward applies: its own weight, or with PEFT LoRA the base weight plus the active
+    # adapters' deltas (models/adapters.py; the stage loop runs GEMMs, it never calls these modules)
+    (wq, bq), (wk, bk), (wv, bv), (wo, bo) = (effective_linear(getattr(self, n))
+                                              for n in (facts.q, facts.k, facts.v, facts.o))
     qn = getattr(self, facts.q_norm) if facts.q_norm else None
     kn = getattr(self, facts.k_norm) if facts.k_norm else None
     norm = self.__dict__.get("_ds_longctx_input_norm")
@@ -293,10 +329,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     # weights are gathered with the attention module (a ZeRO-3 leaf)
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
         out = untied_attention_block(
-            hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), q.weight, k.weight, v.weight,
-            o.weight, schedule=state.schedule, spec=layer.spec, norm_weight=norm_w,
-            norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=q.bias, bk=k.bias, bv=v.bias,
-            bo=o.bias, q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
+            hidden_states, cos.to(hidden_states.dtype), sin.to(hidden_states.dtype), wq, wk, wv,
+            wo, schedule=state.schedule, spec=layer.spec, norm_weight=norm_w,
+            norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=bq, bk=bk, bv=bv,
+            bo=bo, q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
             group=state.group, backend=backend, causal=True, scale=self.scaling, docs=docs)
     return out, None
 

@@ -212,4 +212,21 @@ def installed_labels(model: torch.nn.Module) -> List[str]:
     return [impl for impl, slot in _SLOTS.items() if any(id(m) in mods for m in list(slot.modules.keys()))]
 
 
-__all__ = ["install", "uninstall", "restored", "original", "is_installed", "Installation", "displace", "undisplace"]
+__all__ = ["install", "uninstall", "restored", "original", "is_installed", "Installation", "displace", "undisplace",
+           "wrap"]
+
+
+def wrap(inst: Installation, modules, wrapper: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Route ``modules`` (routed by ``inst``) to ``wrapper(fn)`` instead of ``inst``'s function (a per-module step
+    before or after it, e.g. models/temperature.py's query scaling); returns the undo."""
+    slot = _SLOTS[inst.impl]
+    mods = [m for m in modules if m in slot.modules]
+    for m in mods:
+        slot.modules[m] = wrapper(slot.modules[m])
+
+    def undo():
+        for m in mods:
+            if m in slot.modules:
+                slot.modules[m] = inst.fn
+
+    return undo
