@@ -334,6 +334,7 @@ class Rule:
     line: Optional[str] = None  # regex searched in the stripped line
     where: Optional[str] = None  # regex searched in "module:role" (e.g. modeling_llama:*Attention.forward)
     guard: Optional[str] = None  # regex searched in the conditions the line runs under ("a and not (b)")
+    fix: Optional[str] = None  # for WRONG: a suggested fix, one line
 
 
 
@@ -410,32 +411,59 @@ def audit(model_types: Optional[List[str]] = None) -> dict:
             "counts_distinct_hits": counts, "hits": hits}
 
 
+def _by_rule(hits, verdict):
+    """hits of ``verdict`` grouped per rule: rule index -> {(where, code): (model types, locations)}."""
+    out: Dict[Optional[int], Dict[Tuple[str, str], Tuple[set, list]]] = {}
+    for g in hits:
+        if g["verdict"] != verdict:
+            continue
+        mts, locs = out.setdefault(g.get("rule"), {}).setdefault((g["where"], g["code"]), (set(), []))
+        mts.update(g["model_types"])
+        locs += [loc for loc in g["locations"] if loc not in locs]
+    return out
+
+
 def markdown(res: dict) -> str:
     out = [f"# Shard-local positions / sizes in transformers {res['transformers_version']}'s causal LMs",
            "", f"`{res['command']}`, {res['date']}; {len(res['model_types'])} model types audited "
-           f"(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), {len(res['hits'])} distinct hits: "
-           + ", ".join(f"{k} {v}" for k, v in sorted(res["counts_distinct_hits"].items())) + ".", ""]
-    wrong = [g for g in res["hits"] if g["verdict"] == "WRONG"]
-    out += ["## WRONG under SP", ""]
-    if not wrong:
-        out.append("None.")
-    for g in wrong:
-        out += [f"- `{g['code']}` in `{g['where']}` ({g['pattern']}): {g['why']}",
-                f"  - model types: {', '.join(g['model_types'])}",
-                f"  - at: {', '.join(g['locations'][:8])}{' ...' if len(g['locations']) > 8 else ''}"]
-    for v in ("handled", "refused"):
-        sel = [g for g in res["hits"] if g["verdict"] == v]
-        out += ["", f"## {v}", ""]
-        for g in sel:
-            out += [f"- `{g['code']}` in `{g['where']}`: {g['why']} ({len(g['model_types'])} model types: "
-                    f"{', '.join(g['model_types'][:12])}{' ...' if len(g['model_types']) > 12 else ''})"]
-    harmless: Dict[str, int] = {}
-    for g in res["hits"]:
-        if g["verdict"] == "harmless":
-            harmless[g["why"]] = harmless.get(g["why"], 0) + 1
-    out += ["", "## harmless (distinct hits per reason)", ""]
-    out += [f"- {n}: {why}" for why, n in sorted(harmless.items(), key=lambda x: -x[1])]
-    return "\n".join(out) + "\n"
+           f"(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), {len(res['hits'])} distinct hits (pattern, line, function, "
+           "guard): " + ", ".join(f"{k} {v}" for k, v in sorted(res["counts_distinct_hits"].items())) + ".",
+           "", "Verdicts: see tools/position_audit.py (RULES). Under SP ds_longctx passes the shard's global "
+           "position_ids and use_cache=False; the attention runs on the gathered sequence.", ""]
+    for verdict, title in (("WRONG", "WRONG under SP (silent)"), ("review", "review (not settled by this audit)"),
+                           ("handled", "handled by ds_longctx")):
+        out += [f"## {title}", ""]
+        groups = _by_rule(res["hits"], verdict)
+        if not groups:
+            out.append("None.")
+        for ri, lines in groups.items():
+            rule = RULES[ri] if ri is not None else None
+            mts = sorted(set().union(*(m for m, _ in lines.values())))
+            out += [f"- **{', '.join(mts)}**: {rule.why if rule else ''}"]
+            if rule is not None and rule.fix:
+                out.append(f"  - suggested fix: {rule.fix}")
+            for (where, code), (_, locs) in sorted(lines.items()):
+                out.append(f"  - `{code}` ({where}; {', '.join(locs[:3])}{' ...' if len(locs) > 3 else ''})")
+        out.append("")
+    noif = sorted(k for k, v in res["model_types"].items() if not v["attention_interface"])
+    nopos = sorted(k for k, v in res["model_types"].items() if v["attention_interface"]
+                   and not v["forward_takes_position_ids"])
+    out += ["## model types whose attention does not call transformers' attention interface", "",
+            "ds_longctx's SP attention is installed in ALL_ATTENTION_FUNCTIONS; these fail to load with sdpa / flash, "
+            "are multimodal wrappers whose language model is another model type, or call their own attention "
+            "(falcon calls torch's SDPA itself when _attn_implementation == 'sdpa': whether ds_longctx refuses it is "
+            "not checked here). Their hits are 'no_interface':", "", ", ".join(noif),
+            "", "## model types whose causal-LM forward has no position_ids parameter", "",
+            "(the position_ids ds_longctx passes land in **kwargs; whisper's decoder reads them from there, the "
+            "BART family and MusicGen do not: WRONG above)", "", ", ".join(nopos), ""]
+    for verdict in ("refused", "harmless", NO_INTERFACE):
+        counts: Dict[str, int] = {}
+        for g in res["hits"]:
+            if g["verdict"] == verdict:
+                counts[g["why"]] = counts.get(g["why"], 0) + 1
+        out += [f"## {verdict} (distinct hits per reason)", ""]
+        out += [f"- {n}: {why}" for why, n in sorted(counts.items(), key=lambda x: -x[1])] + [""]
+    return "\n".join(out)
 
 
 NO_INTERFACE = "no_interface"
@@ -475,31 +503,42 @@ RULES: List[Rule] = [
          "scale cos/sin by short_mscale while one process uses long_mscale",
          line=r"seq_len = torch\.max\(position_ids\) \+ 1|rope_type\"\] != \"default\" and seq_len|"
               r"if seq_len > self\.config\.rope_parameters\[\"original_max_position_embeddings\"\]",
-         where=r"modeling_phimoe:\*RotaryEmbedding\.forward"),
+         where=r"modeling_phimoe:\*RotaryEmbedding\.forward",
+         fix="rope.py: give PhiMoE's undecorated forward the group's length for its mscale (or refuse phimoe with "
+             "rope type longrope under SP); i.e. detect rotary forwards that read max(position_ids) themselves"),
     Rule("WRONG", "Inkling's relative-position bias and NoPE-style log-scaling tau from torch.arange over the shard "
          "(q_positions = arange(q_length)): local token indices, and the bias is handed to the attention function as "
          "the position_bias kwarg, which ds_longctx's untied attention ignores (only s_aux is refused)",
-         where=r"modeling_inkling:\*Attention\.forward", line=r"_positions = torch\.arange\("),
+         where=r"modeling_inkling:\*Attention\.forward", line=r"_positions = torch\.arange\(",
+         fix="refuse in attention/hf.py _function_level_attention a non-None position_bias (as s_aux is), or add the "
+             "SP offset to q/kv positions and apply the bias in the kernel; the tau needs temperature.py's offset"),
     Rule("WRONG", "Inkling2's relative distance q_positions[:, None] - kv_positions[None, :] from torch.arange over the "
          "shard: a [S/C, S/C] local distance matrix; the bias built from it goes to the attention function as the "
          "position_bias kwarg, which ds_longctx's untied attention ignores",
-         where=r"modeling_inkling2(_loop)?:get_relative_distance", line=r"_positions = torch\.arange\(|^q_length = "),
+         where=r"modeling_inkling2(_loop)?:get_relative_distance", line=r"_positions = torch\.arange\(|^q_length = ",
+         fix="same as Inkling: refuse a non-None position_bias kwarg in the SP attention functions"),
     Rule("WRONG", "BLT's global (patch-level) transformer positions from torch.arange over the shard's patches: "
          "restart at 0 on every rank",
-         where=r"modeling_blt:\*Model\.forward", line=r"global_position_ids = torch\.arange"),
+         where=r"modeling_blt:\*Model\.forward", line=r"global_position_ids = torch\.arange",
+         fix="refuse blt under SP (its byte patching and patch-level positions are per shard)"),
     Rule("WRONG", "Zaya's CCA projection mixes neighbouring tokens (causal depthwise/grouped conv over the sequence, "
          "value half from the previous token): each shard starts from zero padding instead of the previous rank's "
-         "last tokens", where=r"modeling_zaya:\*CCAProjection\.forward"),
+         "last tokens", where=r"modeling_zaya:\*CCAProjection\.forward",
+         fix="refuse zaya under SP (a token-mixing conv in the attention projection, like the Mamba / conv layers)"),
     Rule("WRONG", "BART-family decoders (XForCausalLM.forward has no position_ids parameter: the one ds_longctx passes "
          "is swallowed by **kwargs) make their learned absolute positions as torch.arange(local length) + cache "
          "length: every rank embeds positions 0 .. S/C - 1",
          where=r"modeling_(bart|mbart|marian|pegasus|blenderbot|blenderbot_small|plbart|bigbird_pegasus):\*Decoder\.forward",
          line=r"^position_ids = torch\.arange\(seq_length, device=inputs_embeds\.device\) \+ cache_length$|"
-              r"embed_positions\(\(batch_size, seq_length\), cache_length, position_ids=position_ids\)"),
+              r"embed_positions\(\(batch_size, seq_length\), cache_length, position_ids=position_ids\)",
+         fix="refuse under SP (ConfigError) a model whose causal-LM forward has no position_ids parameter, or shift "
+             "embed_positions by the shard's offset (SP rank x shard length) as models/temperature.py does"),
     Rule("WRONG", "MusicGen's sinusoidal positions are torch.arange(local length) + cache length (its forward takes no "
          "position_ids): every rank embeds positions 0 .. S/C - 1",
          where=r"modeling_musicgen(_melody)?:\*SinusoidalPositionalEmbedding\.forward",
-         line=r"^position_ids = torch\.arange\(seq_len"),
+         line=r"^position_ids = torch\.arange\(seq_len",
+         fix="refuse under SP any model whose causal-LM forward takes no position_ids and whose decoder does not "
+             "read them from **kwargs (see model_types[*].forward_takes_position_ids; whisper reads them: fine)"),
     # ---- handled by ds_longctx -----------------------------------------------------------------------------------
     Rule("handled", "transformers' dynamic / LongRoPE update from max(position_ids)+1: ds_longctx/models/rope.py runs it "
          "on the SP group's length (sp_batch header)", where=r"modeling_rope_utils:dynamic_rope_update"),
