@@ -32,24 +32,10 @@ KNOWN_WRONG = {
     # MusicGen: sinusoidal positions from arange(local length), no position_ids
     ('modeling_musicgen:*SinusoidalPositionalEmbedding.forward', 'position_ids = torch.arange(seq_len, device=input_ids.device) + cache_length'),
     ('modeling_musicgen_melody:*SinusoidalPositionalEmbedding.forward', 'position_ids = torch.arange(seq_len, device=inputs_embeds.device) + cache_length'),
-    # BLT: the patch-level transformer's positions restart on every rank
-    ('modeling_blt:*Model.forward', 'global_position_ids = torch.arange(0, encoder_cross_states.shape[1], device=encoder_cross_states.device)'),
-    # Inkling / Inkling2: relative-position bias (and Inkling's log-scaling tau) from arange over the shard
-    ('modeling_inkling2:get_relative_distance', 'kv_positions = torch.arange(kv_length, device=inputs_embeds.device) + kv_offset'),
-    ('modeling_inkling2:get_relative_distance', 'q_length = inputs_embeds.shape[1]'),
-    ('modeling_inkling2:get_relative_distance', 'q_positions = torch.arange(q_length, device=inputs_embeds.device) + q_offset'),
-    ('modeling_inkling2_loop:get_relative_distance', 'kv_positions = torch.arange(kv_length, device=inputs_embeds.device) + kv_offset'),
-    ('modeling_inkling2_loop:get_relative_distance', 'q_length = inputs_embeds.shape[1]'),
-    ('modeling_inkling2_loop:get_relative_distance', 'q_positions = torch.arange(q_length, device=inputs_embeds.device) + q_offset'),
-    ('modeling_inkling:*Attention.forward', 'kv_positions = torch.arange(kv_length, device=hidden_states.device) + kv_offset'),
-    ('modeling_inkling:*Attention.forward', 'q_positions = torch.arange(q_length, device=hidden_states.device) + q_offset'),
     # PhiMoE: its own rotary forward picks the LongRoPE mscale from the shard's max(position_ids) + 1
     ('modeling_phimoe:*RotaryEmbedding.forward', 'if self.config.rope_parameters["rope_type"] != "default" and seq_len:'),
     ('modeling_phimoe:*RotaryEmbedding.forward', 'if seq_len > self.config.rope_parameters["original_max_position_embeddings"]'),
     ('modeling_phimoe:*RotaryEmbedding.forward', 'seq_len = torch.max(position_ids) + 1'),
-    # Zaya: CCA's causal conv / previous-token value over the sequence, zero-padded at each shard start
-    ('modeling_zaya:*CCAProjection.forward', 'input_shape = hidden_states.shape[:-1]'),
-    ('modeling_zaya:*CCAProjection.forward', 'query_hidden_size = query_residual.shape[-2] * query_residual.shape[-1]'),
 }
 
 
@@ -94,3 +80,4 @@ def test_rules_classify_a_new_shard_local_index():
                                      "modeling_newmodel:*Attention.forward") is None
     assert position_audit.verdict_of("arange", "position_ids = torch.arange(seq_length) + past_seen_tokens",
                                      "modeling_newmodel:*Model.forward", guard="position_ids is None").verdict == "harmless"
+

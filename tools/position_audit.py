@@ -506,25 +506,30 @@ RULES: List[Rule] = [
          where=r"modeling_phimoe:\*RotaryEmbedding\.forward",
          fix="rope.py: give PhiMoE's undecorated forward the group's length for its mscale (or refuse phimoe with "
              "rope type longrope under SP); i.e. detect rotary forwards that read max(position_ids) themselves"),
-    Rule("WRONG", "Inkling's relative-position bias and NoPE-style log-scaling tau from torch.arange over the shard "
+    Rule("refused", "Inkling's relative-position bias and NoPE-style log-scaling tau from torch.arange over the shard "
          "(q_positions = arange(q_length)): local token indices, and the bias is handed to the attention function as "
-         "the position_bias kwarg, which ds_longctx's untied attention ignores (only s_aux is refused)",
+         "the position_bias kwarg, which ds_longctx's untied attention ignores (only s_aux is refused). Refused today only because "
+         "its layer_types are 'hybrid' / 'hybrid_sliding' (checks.check_sp_attention_pattern): were those names read "
+         "as full / sliding attention, it would train silently wrong",
          where=r"modeling_inkling:\*Attention\.forward", line=r"_positions = torch\.arange\(",
          fix="refuse in attention/hf.py _function_level_attention a non-None position_bias (as s_aux is), or add the "
              "SP offset to q/kv positions and apply the bias in the kernel; the tau needs temperature.py's offset"),
-    Rule("WRONG", "Inkling2's relative distance q_positions[:, None] - kv_positions[None, :] from torch.arange over the "
+    Rule("refused", "Inkling2's relative distance q_positions[:, None] - kv_positions[None, :] from torch.arange over the "
          "shard: a [S/C, S/C] local distance matrix; the bias built from it goes to the attention function as the "
-         "position_bias kwarg, which ds_longctx's untied attention ignores",
+         "position_bias kwarg, which ds_longctx's untied attention ignores. Refused today: its layer_types are 'hybrid' / "
+         "'hybrid_sliding' (checks.check_sp_attention_pattern), and it supports only eager attention "
+         "(_supports_sdpa/flash/flex False)",
          where=r"modeling_inkling2(_loop)?:get_relative_distance", line=r"_positions = torch\.arange\(|^q_length = ",
          fix="same as Inkling: refuse a non-None position_bias kwarg in the SP attention functions"),
-    Rule("WRONG", "BLT's global (patch-level) transformer positions from torch.arange over the shard's patches: "
-         "restart at 0 on every rank",
-         where=r"modeling_blt:\*Model\.forward", line=r"global_position_ids = torch\.arange",
-         fix="refuse blt under SP (its byte patching and patch-level positions are per shard)"),
-    Rule("WRONG", "Zaya's CCA projection mixes neighbouring tokens (causal depthwise/grouped conv over the sequence, "
+    Rule("refused", "BLT's global (patch-level) transformer positions from torch.arange over the shard's patches "
+         "(restart at 0 on every rank). Refused today: BltConfig has no num_attention_heads, so "
+         "models.attention_shape raises; keep it so",
+         where=r"modeling_blt:\*Model\.forward", line=r"global_position_ids = torch\.arange"),
+    Rule("refused", "Zaya's CCA projection mixes neighbouring tokens (causal depthwise/grouped conv over the sequence, "
          "value half from the previous token): each shard starts from zero padding instead of the previous rank's "
-         "last tokens", where=r"modeling_zaya:\*CCAProjection\.forward",
-         fix="refuse zaya under SP (a token-mixing conv in the attention projection, like the Mamba / conv layers)"),
+         "last tokens. Refused today: its config's layer_types are 'hybrid' / 'hybrid_sliding', which "
+         "checks.check_sp_attention_pattern refuses (not full / sliding attention); keep it so",
+         where=r"modeling_zaya:\*CCAProjection\.forward"),
     Rule("WRONG", "BART-family decoders (XForCausalLM.forward has no position_ids parameter: the one ds_longctx passes "
          "is swallowed by **kwargs) make their learned absolute positions as torch.arange(local length) + cache "
          "length: every rank embeds positions 0 .. S/C - 1",
@@ -547,14 +552,19 @@ RULES: List[Rule] = [
          where=r"modeling_llama4:\*TextAttention\.forward",
          line=r"positions = torch\.arange\(hidden_states\.shape\[1\]|past_seen_tokens = "),
     # ---- review: not settled by this audit (the report lists them) -----------------------------------------------
-    Rule("review", "sparse attention / KV compression (indexer top-k, compressed windows) computed over the shard's "
-         "keys only; whether ds_longctx refuses it (a non-causal mask into _check_mask, layer_types) or runs it "
-         "silently is not settled here",
-         where=r"modeling_(deepseek_v4|minimax_m3_vl|qwen4_exp):\*(Text)?(CSACompressor|HCACompressor|Indexer|"
-               r"QSAIndexer)\.forward"),
-    Rule("review", "qwen4_exp's attention slices the indexer's full-length cos/sin to the last local length and its "
+    Rule("refused", "sparse attention / KV compression over the shard's keys (DeepSeek-V4's compressors and indexer, "
+         "qwen4_exp's QSA indexer); refused: their layer_types (heavily_compressed_attention, "
+         "compressed_sparse_attention, indexed_attention, linear_attention) fail checks.check_sp_attention_pattern",
+         where=r"modeling_(deepseek_v4|qwen4_exp):\*(Text)?(CSACompressor|HCACompressor|Indexer|QSAIndexer)\.forward"),
+    Rule("review", "MiniMax-M3's lightning indexer compares local key indices (arange(k_len)) with the global "
+         "position_ids and selects top-k key blocks among the shard's keys; its layer_types pass the SP checks. With "
+         "sdpa/eager the block mask goes to _check_mask (on ranks > 0 global positions vs local keys make it "
+         "non-causal: an error there, while rank 0 may pass); with flash the block_indices kwarg is ignored by HF and "
+         "by ds_longctx alike. Needs a run to settle",
+         where=r"modeling_minimax_m3_vl:\*Indexer\.forward"),
+    Rule("refused", "qwen4_exp's attention slices the indexer's full-length cos/sin to the last local length and its "
          "n-gram embedding takes EOS as the context of the shard's first tokens (ranks > 0 need the previous rank's "
-         "tokens); the family also has gated-delta layers (refused by layer_types) and a top-k mask (_check_mask)",
+         "tokens); refused: its layer_types (linear_attention, indexed_attention) fail checks.check_sp_attention_pattern",
          where=r"modeling_qwen4_exp:\*Text(Attention|NGramEmbedding)\.|modeling_qwen4_exp:\*TextNGramEmbedding"),
     Rule("review", "Dory's shared-KV loop path keeps the last sliding_window - 1 + local query length keys",
          where=r"modeling_dory:\*Attention\.forward", line=r"num_visible"),
@@ -571,8 +581,9 @@ RULES: List[Rule] = [
          line=r"^position_ids = \(position_ids \+ past_seen_tokens\)\.unsqueeze\(0\)$"),
     Rule("harmless", _MEDIA, where=_MEDIA_WHERE),
     Rule("harmless", _MEDIA, line=r"audio_features|pixel_values"),
-    Rule("review", "BLT's byte patching (patch shapes of the shard's bytes): the whole model mixes bytes into "
-         "patches per shard; see its WRONG global positions", where=r"modeling_blt:"),
+    Rule("refused", "BLT's byte patching (patch shapes of the shard's bytes): the whole model mixes bytes into "
+         "patches per shard; refused (BltConfig has no num_attention_heads: models.attention_shape)",
+         where=r"modeling_blt:"),
     Rule("harmless", "OPT: the given position_ids are embedded (its cumsum default runs only without them)",
          where=r"modeling_opt:\*Decoder\.forward", line=r"embed_positions\(position_attention_mask"),
     Rule("harmless", "grows the sinusoidal table to the positions asked for", line=r"self\.make_weights\("),
