@@ -1,0 +1,83 @@
+"""tools/position_audit.py over the installed transformers: every shard-local position / size it finds has a
+reviewed verdict, and the silently-wrong set is exactly the one below (issue 35's check for the class).
+
+A new transformers that adds a pattern (a new model, a new helper) fails test_every_hit_has_a_verdict, naming it:
+review it and add a rule to position_audit.RULES. A change of the WRONG set (a family fixed upstream, or a new
+one) fails test_wrong_set_is_known.
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+
+import position_audit  # noqa: E402
+
+# (where, code) of every hit the table calls WRONG under SP, for transformers 5.24
+KNOWN_WRONG = {
+    # BART-family decoders: XForCausalLM.forward has no position_ids; learned positions from arange(local length)
+    ('modeling_bart:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_bigbird_pegasus:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_blenderbot:*Decoder.forward', 'position_ids = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
+    ('modeling_blenderbot:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_blenderbot_small:*Decoder.forward', 'position_ids = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
+    ('modeling_blenderbot_small:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_marian:*Decoder.forward', 'position_ids = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
+    ('modeling_marian:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_mbart:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_pegasus:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    ('modeling_pegasus:*Decoder.forward', 'positions = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
+    ('modeling_plbart:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
+    # MusicGen: sinusoidal positions from arange(local length), no position_ids
+    ('modeling_musicgen:*SinusoidalPositionalEmbedding.forward', 'position_ids = torch.arange(seq_len, device=input_ids.device) + cache_length'),
+    ('modeling_musicgen_melody:*SinusoidalPositionalEmbedding.forward', 'position_ids = torch.arange(seq_len, device=inputs_embeds.device) + cache_length'),
+    # PhiMoE: its own rotary forward picks the LongRoPE mscale from the shard's max(position_ids) + 1
+    ('modeling_phimoe:*RotaryEmbedding.forward', 'if self.config.rope_parameters["rope_type"] != "default" and seq_len:'),
+    ('modeling_phimoe:*RotaryEmbedding.forward', 'if seq_len > self.config.rope_parameters["original_max_position_embeddings"]'),
+    ('modeling_phimoe:*RotaryEmbedding.forward', 'seq_len = torch.max(position_ids) + 1'),
+}
+
+
+@pytest.fixture(scope="module")
+def result():
+    return position_audit.audit()
+
+
+def _name(g):
+    return f"{g['pattern']}: {g['code']!r} in {g['where']} ({g['locations'][0]}; {len(g['model_types'])} model types)"
+
+
+def test_every_hit_has_a_verdict(result):
+    assert len(result["model_types"]) >= 150 and not result["unresolved"], result["unresolved"]
+    missing = [_name(g) for g in result["hits"] if g["verdict"] is None]
+    assert not missing, ("shard-local positions / sizes with no verdict in tools/position_audit.py RULES (read the "
+                         "code, then add a rule):\n" + "\n".join(missing))
+
+
+def test_wrong_set_is_known(result):
+    if result["transformers_version"] != "5.24.0":
+        pytest.skip(f"KNOWN_WRONG is for transformers 5.24.0, this is {result['transformers_version']}")
+    wrong = {(g["where"], g["code"]) for g in result["hits"] if g["verdict"] == "WRONG"}
+    assert wrong == KNOWN_WRONG, (f"new WRONG: {sorted(wrong - KNOWN_WRONG)}\n"
+                                  f"no longer WRONG: {sorted(KNOWN_WRONG - wrong)}")
+
+
+def test_finds_the_issue_35_cases(result):
+    """The audit sees the two shard-local computations issue 35 found by hand (now fixed: 'handled'): a rule
+    table that stopped matching them, or a reachability walk that stopped reaching them, fails here."""
+    handled = {}
+    for g in result["hits"]:
+        if g["verdict"] == "handled":
+            handled.setdefault(g["where"], set()).update(g["model_types"])
+    assert {"llama4", "llama4_text"} <= handled.get("modeling_llama4:*TextAttention.forward", set())
+    assert {"llama", "qwen3", "mistral", "phi3"} <= handled.get("modeling_rope_utils:dynamic_rope_update", set())
+
+
+def test_rules_classify_a_new_shard_local_index():
+    """A line of the class in a place no rule covers has no verdict (the table does not wave new code through)."""
+    assert position_audit.verdict_of("arange", "scale = torch.arange(hidden_states.shape[1]) * self.alpha",
+                                     "modeling_newmodel:*Attention.forward") is None
+    assert position_audit.verdict_of("arange", "position_ids = torch.arange(seq_length) + past_seen_tokens",
+                                     "modeling_newmodel:*Model.forward", guard="position_ids is None").verdict == "harmless"
+
