@@ -15,28 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import position_audit  # noqa: E402
 
 # (where, code) of every hit the table calls WRONG under SP, for transformers 5.24
-KNOWN_WRONG = {
-    # BART-family decoders: XForCausalLM.forward has no position_ids; learned positions from arange(local length)
-    ('modeling_bart:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_bigbird_pegasus:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_blenderbot:*Decoder.forward', 'position_ids = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
-    ('modeling_blenderbot:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_blenderbot_small:*Decoder.forward', 'position_ids = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
-    ('modeling_blenderbot_small:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_marian:*Decoder.forward', 'position_ids = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
-    ('modeling_marian:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_mbart:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_pegasus:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    ('modeling_pegasus:*Decoder.forward', 'positions = self.embed_positions((batch_size, seq_length), cache_length, position_ids=position_ids)'),
-    ('modeling_plbart:*Decoder.forward', 'position_ids = torch.arange(seq_length, device=inputs_embeds.device) + cache_length'),
-    # MusicGen: sinusoidal positions from arange(local length), no position_ids
-    ('modeling_musicgen:*SinusoidalPositionalEmbedding.forward', 'position_ids = torch.arange(seq_len, device=input_ids.device) + cache_length'),
-    ('modeling_musicgen_melody:*SinusoidalPositionalEmbedding.forward', 'position_ids = torch.arange(seq_len, device=inputs_embeds.device) + cache_length'),
-    # PhiMoE: its own rotary forward picks the LongRoPE mscale from the shard's max(position_ids) + 1
-    ('modeling_phimoe:*RotaryEmbedding.forward', 'if self.config.rope_parameters["rope_type"] != "default" and seq_len:'),
-    ('modeling_phimoe:*RotaryEmbedding.forward', 'if seq_len > self.config.rope_parameters["original_max_position_embeddings"]'),
-    ('modeling_phimoe:*RotaryEmbedding.forward', 'seq_len = torch.max(position_ids) + 1'),
-}
+KNOWN_WRONG = set()  # BART family, MusicGen, PhiMoE (LongRoPE): found here, refused under SP since (patch.py, rope.py)
 
 
 @pytest.fixture(scope="module")

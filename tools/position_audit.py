@@ -497,10 +497,9 @@ _MEDIA_WHERE = (r"Vision|Audio|Image|Patch|get_image_features|get_audio_features
 
 RULES: List[Rule] = [
     # ---- WRONG: silent errors under SP -------------------------------------------------------------------------
-    Rule("WRONG", "PhiMoE's own rotary forward picks long_mscale vs short_mscale from the shard's max(position_ids)+1 "
-         "(rope type longrope): rope.py runs transformers' decorator on the group's length but then calls this "
-         "undecorated forward on the shard, so ranks whose positions stay below original_max_position_embeddings "
-         "scale cos/sin by short_mscale while one process uses long_mscale",
+    Rule("refused", "PhiMoE's own rotary forward picks long_mscale vs short_mscale from the shard's max(position_ids)+1 "
+         "(rope type longrope): refused under SP by ds_longctx/models/rope.py (a rotary forward that reads "
+         "max(position_ids) itself), found by this audit",
          line=r"seq_len = torch\.max\(position_ids\) \+ 1|rope_type\"\] != \"default\" and seq_len|"
               r"if seq_len > self\.config\.rope_parameters\[\"original_max_position_embeddings\"\]",
          where=r"modeling_phimoe:\*RotaryEmbedding\.forward",
@@ -530,16 +529,16 @@ RULES: List[Rule] = [
          "last tokens. Refused today: its config's layer_types are 'hybrid' / 'hybrid_sliding', which "
          "checks.check_sp_attention_pattern refuses (not full / sliding attention); keep it so",
          where=r"modeling_zaya:\*CCAProjection\.forward"),
-    Rule("WRONG", "BART-family decoders (XForCausalLM.forward has no position_ids parameter: the one ds_longctx passes "
-         "is swallowed by **kwargs) make their learned absolute positions as torch.arange(local length) + cache "
-         "length: every rank embeds positions 0 .. S/C - 1",
+    Rule("refused", "BART-family decoders (the decoder's forward has no position_ids parameter) make their learned "
+         "absolute positions as torch.arange(local length) + cache length: refused under SP by "
+         "ds_longctx/patch.py _check_model_against (a decoder taking no position_ids), found by this audit",
          where=r"modeling_(bart|mbart|marian|pegasus|blenderbot|blenderbot_small|plbart|bigbird_pegasus):\*Decoder\.forward",
          line=r"^position_ids = torch\.arange\(seq_length, device=inputs_embeds\.device\) \+ cache_length$|"
               r"embed_positions\(\(batch_size, seq_length\), cache_length, position_ids=position_ids\)",
          fix="refuse under SP (ConfigError) a model whose causal-LM forward has no position_ids parameter, or shift "
              "embed_positions by the shard's offset (SP rank x shard length) as models/temperature.py does"),
-    Rule("WRONG", "MusicGen's sinusoidal positions are torch.arange(local length) + cache length (its forward takes no "
-         "position_ids): every rank embeds positions 0 .. S/C - 1",
+    Rule("refused", "MusicGen's sinusoidal positions are torch.arange(local length) + cache length (its forward takes no "
+         "position_ids): refused under SP by ds_longctx/patch.py _check_model_against, found by this audit",
          where=r"modeling_musicgen(_melody)?:\*SinusoidalPositionalEmbedding\.forward",
          line=r"^position_ids = torch\.arange\(seq_len",
          fix="refuse under SP any model whose causal-LM forward takes no position_ids and whose decoder does not "
