@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from . import comm
 from .attention.hf import install_untied
+from .attention.mixers import install_mixers
 from .attention.ulysses import install_ulysses
 from .compat import causal_lm_output, fused_lm_head_output
 from .errors import BatchError, ConfigError
@@ -34,6 +35,7 @@ class PatchHandle:
         self.spec = spec
         self.lc = spec.config
         self.attention = None   # registry.Installation (Ulysses / function-level untied) or UntiedInstall
+        self.mixers = None      # attention.mixers.MixerInstall (hybrid models' Gated DeltaNet layers)
         self.memory = None      # memory.MemoryStackHandle
         self.loss_forward = False
         self.document_forward = False  # the packed-documents wrapper around the loss forward
@@ -53,6 +55,9 @@ class PatchHandle:
         if self.attention is not None:
             self.attention.remove()
             self.attention = None
+        if self.mixers is not None:
+            self.mixers.remove()
+            self.mixers = None
         model.__dict__.pop("extra_repr", None)
         model.__dict__.pop("_ds_longctx_patch", None)
         self.swapped = []
@@ -186,6 +191,10 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
                 path += " (fuse_projections 'auto')"
             handle.swapped.append(f"attention=untied Ulysses ({path}, sp={sp}, heads_per_chunk="
                                   f"{spec.heads_per_chunk}, kernel={spec.kernel.name})")
+        if spec.owns_attention:  # hybrid models: their recurrent layers split by heads too (models.hybrid)
+            handle.mixers = install_mixers(model, spec)
+            if handle.mixers is not None:
+                handle.swapped.append(f"mixers={handle.mixers.label}")
         ac, tm = lc.activation_checkpointing, lc.tiled_mlp
         if ac.enabled or tm.enabled or lc.rms_norm.enabled:
             handle.memory = apply_memory_stack(model, spec)
