@@ -93,6 +93,17 @@ def _worker(rank, world, cases):
     from sp_cases import ds_config, full_params
 
     out = {}
+    if world == 2:  # first (Accelerate builds the SP groups itself): the HF Trainer route, enable() +
+        # ParallelismConfig, past Accelerate's recurrent-layer refusal
+        import hf_trainer
+        from eco_cases import ProcessState  # (puts examples/ on sys.path)
+
+        state = ProcessState()
+        hf_trainer.tiny_model = lambda seed=0: build_hybrid("qwen3_5", seed)  # the example's trainer, this model
+        out["trainer"] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ, samples=2,
+                                          sample_order=[0, 1], lr=TRAINER_LR,
+                                          output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}")
+        state.reset()  # the engines below start as in a fresh process (Accelerate's SP groups and attention gone)
     for name, impl, packed in cases:
         lc = {"ulysses": ULYSSES, "untied": UNTIED, "untied+stack": {**UNTIED, **STACK}}[impl]
         model = build_hybrid(name)
@@ -109,10 +120,11 @@ def _worker(rank, world, cases):
     return out
 
 
-SP_CASES = {
-    2: [(n, impl, packed) for n in FAMILIES for impl in ("ulysses", "untied") for packed in (False, True)]
-    + [("qwen3_5", "untied+stack", True)],
-    4: [("qwen3_5", "ulysses", True), ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", False)],
+SP_CASES = {  # one spawn per degree, side by side; each family plain and packed, each path
+    2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
+        ("qwen3_next", "ulysses", True), ("qwen3_next", "untied", False),
+        ("olmo_hybrid", "ulysses", False), ("olmo_hybrid", "untied", True)],
+    4: [("qwen3_5", "ulysses", True), ("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True)],
 }
 
 
@@ -153,6 +165,71 @@ def test_references_see_documents_and_whole_sequence():
         plain = reference(name, batch(False))
         cut = reference(name, batch(True), [[5, 3, 4, 4], [8, 7, 1]])  # row 0 also restarted at the SP=2 edge 8
         assert abs(packed[0] - plain[0]) > 1e-4 and abs(packed[0] - cut[0]) > 1e-5, (name, packed[0], plain[0], cut[0])
+
+
+TRAINER_STEPS, TRAINER_LR = 2, 0.05
+
+
+def trainer_reference():
+    """One process, no Trainer: SGD(lr) on the example's samples in order (the Trainer's steps at SP=1)."""
+    import eco_cases  # noqa: F401  (puts examples/ on sys.path)
+    from _common import RandomTokens
+
+    model = build_hybrid("qwen3_5")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data, losses = RandomTokens(2, SEQ, VOCAB, seed=0), []
+    for i in range(TRAINER_STEPS):
+        loss = model(input_ids=data[i]["input_ids"][None], labels=data[i]["labels"][None], use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= TRAINER_LR * p.grad
+                p.grad = None
+    return losses, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_hf_trainer_with_enable_trains_qwen3_5_at_sp2(sp_results):
+    losses, deltas = trainer_reference()
+    for rank_out in result_or_raise(sp_results[2]):
+        got = rank_out["trainer"]
+        assert len(got["losses"]) == TRAINER_STEPS
+        for a, b in zip(got["losses"], losses):
+            assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], losses)
+        for n, ref in deltas.items():
+            torch.testing.assert_close(got["after"][n] - got["before"][n], ref, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{n}: {m}")
+
+
+def test_accelerate_refusal_stays_for_what_ds_longctx_does_not_run():
+    """enable() lets Accelerate's recurrent-layer check pass a model only under a long_context config and only
+    for layer types ds_longctx splits; everything else keeps Accelerate's refusal; disable() restores it."""
+    import types
+
+    import accelerate.accelerator as acc
+
+    import ds_longctx
+    from ds_longctx import integration
+
+    original = acc._refuse_recurrent_layers_under_sequence_parallelism
+    qwen = types.SimpleNamespace(config=hybrid_config("qwen3_5"))
+    minimax = types.SimpleNamespace(config=types.SimpleNamespace(model_type="minimax",
+                                                                 layer_types=["linear_attention", "full_attention"]))
+    ds_longctx.enable()
+    try:
+        gate = acc._refuse_recurrent_layers_under_sequence_parallelism
+        integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={"long_context": {}})
+        assert gate(qwen) is None
+        with pytest.raises(ValueError, match="linear_attention"):
+            gate(minimax)
+        integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={})  # DeepSpeed's own SP
+        with pytest.raises(ValueError, match="linear_attention"):
+            gate(qwen)
+    finally:
+        integration._in_accelerate.accelerator = None
+        ds_longctx.disable()
+    assert acc._refuse_recurrent_layers_under_sequence_parallelism is original
 
 
 def _check(name, impl, sp, **kw):
