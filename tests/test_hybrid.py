@@ -1,4 +1,5 @@
-"""Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid) split by heads
+"""Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid) and LFM2's gated short
+convolutions split by heads
 (attention/mixers.py) train exactly like one process: per-step loss and SGD(lr=1) parameter deltas, ZeRO-3 through
 ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples (documents crossing the shard edges, each document
 restarting the conv and the recurrence), under 'ulysses' and 'untied_ulysses'. Heads that SP does not divide, and
@@ -15,7 +16,7 @@ SEQ, VOCAB = 16, 64
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid")
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 # the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
@@ -39,6 +40,11 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
                                   shared_expert_intermediate_size=24)
     if name == "olmo_hybrid":
         return tf.OlmoHybridConfig(**kw)
+    if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
+        # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.Lfm2Config(**dict(kw, layer_types=["conv", "full_attention"]), conv_bias=True, conv_L_cache=3,
+                             initializer_range=0.5)
     raise KeyError(name)
 
 
@@ -122,8 +128,8 @@ def _worker(rank, world, cases):
 
 SP_CASES = {  # one spawn per degree, side by side: every family under both paths, plain and packed
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
-        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True)],
-    4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True)],
+        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True)],
+    4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False)],
 }
 
 

@@ -1,4 +1,5 @@
-"""Sequence parallelism for head-parallel mixers that carry state along the sequence (Gated DeltaNet): split by heads.
+"""Sequence parallelism for head-parallel mixers that carry state along the sequence (Gated DeltaNet, LFM2's gated
+short convolutions): split by heads.
 
 Each head's recurrence (and each channel of the depthwise causal conv before it) reads only its own head over the
 whole sequence, so Ulysses' pattern is exact by construction: the projections run on the sequence shard
@@ -6,7 +7,8 @@ whole sequence, so Ulysses' pattern is exact by construction: the projections ru
 full sequence to it (one more, fp32, the per-head decay g and beta), the conv runs on them with the conv weights of
 these channels, transformers' own core function (its chunked gated-delta rule: the torch reference on CPU, the hub
 kernel where transformers installed one) runs on this rank's heads, and one all-to-all brings the output back to the
-sequence shard before what mixes heads again (gated norm, out projection). Packed documents restart the conv and the
+sequence shard before what mixes heads again (gated norm, out projection). A short conv (LFM2) is the same with its
+conv input's channels as heads and no recurrence. Packed documents restart the conv and the
 recurrence at every document start: the conv and the core run per document (transformers' torch reference ignores
 ``cu_seqlens``).
 
@@ -125,6 +127,36 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
     return fam.finish(module, core, gate)
 
 
+def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None, **kwargs):
+    """One gated short-conv layer (LFM2) of a training forward under SP: the conv input's channels of this rank over
+    the gathered sequence, the depthwise conv with these channels' weights (per document), back before the gate."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path trains without a cache (use_cache=False)")
+    docs = kwargs.pop(DOCS_KWARG, None)
+    hf = sys.modules[type(module).__module__]
+    hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
+    b, s, H = hidden_states.shape
+    x, gate = fam.project(module, hidden_states)
+    c = H // sp
+    if group is not None:
+        x = SeqToHeads.apply(x.reshape(b, s, sp, c), group)
+    S = x.shape[1]
+    w = module.conv.weight.squeeze(1)[rank * c:(rank + 1) * c]
+    bias = module.conv.bias[rank * c:(rank + 1) * c] if module.conv.bias is not None else None
+    xt = x.transpose(1, 2)
+    rows = []
+    for i, spans in enumerate(_segments(docs, b, S)):
+        outs = [hf.causal_conv1d_fn(xt[i:i + 1, :, a:e], w, bias) for a, e in spans]
+        rows.append(torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])
+    y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)  # [b, S, c]
+    if group is not None:
+        y = HeadsToSeq.apply(y.contiguous(), group).reshape(b, s, H)
+    return fam.finish(module, y, gate)
+
+
+_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward}
+
+
 class MixerInstall:
     """The mixer forwards installed on one model (instance attributes; ``remove()`` lets the class's show again)."""
 
@@ -151,11 +183,12 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
     sp = spec.sp if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     mods = [m for m in model.modules() if type(m).__name__ == fam.module_class]
+    run = _FORWARDS[fam.kind]
     for m in mods:
         def forward(self, hidden_states, *args, attention_mask=None, **kwargs):
             if args:  # transformers passes them by keyword; a positional call is a layout we did not check
                 raise TypeError(f"{type(self).__name__}: ds_longctx's SP path takes its arguments by keyword")
-            return gated_deltanet_forward(self, fam, group, sp, rank, hidden_states, attention_mask, **kwargs)
+            return run(self, fam, group, sp, rank, hidden_states, attention_mask, **kwargs)
 
         m.forward = types.MethodType(forward, m)
     label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp})"
@@ -167,4 +200,5 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
     return MixerInstall(mods, label)
 
 
-__all__ = ["HeadsToSeq", "MixerInstall", "SeqToHeads", "gated_deltanet_forward", "install_mixers"]
+__all__ = ["HeadsToSeq", "MixerInstall", "SeqToHeads", "gated_deltanet_forward", "install_mixers",
+           "short_conv_forward"]

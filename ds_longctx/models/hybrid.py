@@ -5,6 +5,9 @@ projects on the sequence shard before the per-head core and what it does after (
 The SP plumbing (all-to-all, conv slice, documents) is shared in ``attention/mixers.py``; this module holds only
 the per-family facts. Families not listed here keep the refusal of ``checks.check_sp_attention_pattern``.
 
+Short convolutions (``lfm2``, ``lfm2_moe``, ``lfm3``): B * x through a depthwise causal conv over the hidden channels,
+gated by C: every channel is its own head.
+
 Gated DeltaNet (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``olmo_hybrid``): per layer a depthwise causal conv over
 the q|k|v channels (key-head-major: q channel h*dk + i is key head h), then transformers' chunked gated-delta rule per
 value head; value head j reads key head j // (value heads / key heads). The decay ``g`` and ``beta`` are per value
@@ -55,20 +58,37 @@ def _finish_norm_out(norm: str, out: str):
     return finish
 
 
+def _project_short_conv(m, h):
+    """LFM2's gated short conv: B * x goes through the conv, C gates its output (transformers' forward)."""
+    B, C, x = m.in_proj(h).chunk(3, dim=-1)
+    return B * x, C
+
+
+def _finish_short_conv(m, conv, C):
+    return m.out_proj(C * conv)
+
+
+def _gdn_heads(tc) -> Tuple[int, int]:
+    return int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
+
+
 @dataclass(frozen=True)
 class MixerFamily:
-    """One family's sequence mixer: the layer type in ``config.layer_types``, the module class (by name), the
-    projections on the sequence shard (``project(module, hidden) -> (q|k|v before the conv [b, s, 2*kd + vd], gate,
-    g [b, s, Hv] fp32, beta [b, s, Hv])``) and what follows the core (``finish(module, core [b, s, Hv, dv], gate)``)."""
+    """One family's sequence mixer: ``kind`` (the plumbing of attention/mixers.py that runs it: 'gated_deltanet' or
+    'short_conv'), the layer type in ``config.layer_types``, the module class (by name), the projections on the
+    sequence shard and what follows the per-head core.
+
+    gated_deltanet: ``project(module, hidden) -> (q|k|v before the conv [b, s, 2*kd + vd], gate, g [b, s, Hv] fp32,
+    beta [b, s, Hv])``, ``finish(module, core [b, s, Hv, dv], gate)``; ``heads``: (key heads, value heads).
+    short_conv: ``project(module, hidden) -> (conv input [b, s, hidden], gate)``, ``finish(module, conv output,
+    gate)``; ``heads``: (channels, channels) (the conv is depthwise: a channel is a head)."""
     kind: str
     module_class: str
     layer_type: str
     project: Callable
     finish: Callable
-
-    def heads(self, tc) -> Tuple[int, int]:
-        """(key heads, value heads) of the mixer."""
-        return int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
+    heads: Callable = _gdn_heads
+    units: Tuple[str, str] = ("key heads", "value heads")
 
 
 _QWEN_FINISH = _finish_norm_out("norm", "out_proj")
@@ -82,6 +102,9 @@ MIXERS: Dict[str, MixerFamily] = {
     "olmo_hybrid": MixerFamily("gated_deltanet", "OlmoHybridGatedDeltaNet", "linear_attention",
                                _project_olmo_hybrid, _finish_norm_out("o_norm", "o_proj")),
 }
+_CHANNELS = (lambda tc: (int(tc.hidden_size), int(tc.hidden_size)), ("channels", "channels"))
+for _t, _cls in (("lfm2", "Lfm2ShortConv"), ("lfm2_moe", "Lfm2MoeShortConv"), ("lfm3", "Lfm3ShortConv")):
+    MIXERS[_t] = MixerFamily("short_conv", _cls, "conv", _project_short_conv, _finish_short_conv, *_CHANNELS)
 
 
 def mixer_for(model_config) -> Optional[MixerFamily]:
@@ -104,10 +127,13 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
     hk, hv = fam.heads(tc)
     if hk % sp or hv % sp:
         ok = [d for d in range(1, max(hk, hv) + 1) if hk % d == 0 and hv % d == 0]
+        counts = f"{hk} {fam.units[0]} and {hv} {fam.units[1]}" if fam.units[0] != fam.units[1] else \
+            f"{hk} {fam.units[0]}"
         raise ConfigError(key, f"the {tc.model_type} model's {fam.layer_type} layers ({fam.module_class}) have "
-                          f"{hk} key heads and {hv} value heads, which sequence_parallel_size {sp} does not divide "
-                          "(each rank runs whole heads over the gathered sequence)",
-                          f"use a sequence_parallel_size dividing both: {', '.join(map(str, ok))}")
+                          f"{counts}, which sequence_parallel_size {sp} does not divide (each rank runs whole "
+                          "heads over the gathered sequence)",
+                          f"use a sequence_parallel_size dividing {'both' if fam.units[0] != fam.units[1] else 'it'}: "
+                          f"{', '.join(map(str, ok[:12]))}{', ...' if len(ok) > 12 else ''}")
 
 
 __all__ = ["MIXERS", "MixerFamily", "check_mixer_heads", "mixer_for", "runs_layer_type"]
