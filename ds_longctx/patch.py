@@ -191,7 +191,9 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
                 path += " (fuse_projections 'auto')"
             handle.swapped.append(f"attention=untied Ulysses ({path}, sp={sp}, heads_per_chunk="
                                   f"{spec.heads_per_chunk}, kernel={spec.kernel.name})")
-        if spec.owns_attention:  # hybrid models: their recurrent layers split by heads too (models.hybrid)
+        # hybrid models' recurrent / conv layers: split by heads under our SP attention; at SP 1 run whole, but per
+        # document for packed batches (transformers' torch reference ignores cu_seqlens: documents would leak)
+        if spec.owns_attention or sp == 1:
             handle.mixers = install_mixers(model, spec)
             if handle.mixers is not None:
                 handle.swapped.append(f"mixers={handle.mixers.label}")

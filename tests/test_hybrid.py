@@ -237,6 +237,25 @@ def test_accelerate_refusal_stays_for_what_ds_longctx_does_not_run():
     assert acc._refuse_recurrent_layers_under_sequence_parallelism is original
 
 
+@pytest.mark.parametrize("impl", ["none", "untied_ulysses"])
+def test_sp1_packed_restarts_every_document(impl):
+    """One process through patch_model (transformers' own attention, or ours): a packed sample trains as its
+    documents alone (transformers' torch reference of these layers alone would carry the state across them)."""
+    from ds_longctx.config import parse
+    from tiny_models import patch
+
+    lc = parse({"long_context": {"attention": {"implementation": impl}}})
+    for name in ("qwen3_5", "lfm2"):
+        ref_loss, ref_deltas = reference(name, batch(True), DOC_LENS)
+        model = build_hybrid(name)
+        assert patch(model, lc).mixers is not None
+        loss = model(**batch(True)).loss
+        loss.backward()
+        assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6), (name, loss.item(), ref_loss)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(-p.grad, ref_deltas[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+
+
 def _check(name, impl, sp, **kw):
     from ds_longctx.checks import check_against
     from ds_longctx.config import parse
