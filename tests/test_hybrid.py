@@ -264,6 +264,15 @@ def _check(name, impl, sp, **kw):
     check_against(lc, hybrid_config(name, **kw), world_size=sp)
 
 
+def test_untied_head_chunks_keep_key_head_groups():
+    from ds_longctx.attention.mixers import _head_chunks
+
+    assert _head_chunks(4, 2, None) == [(0, 4)]
+    assert _head_chunks(4, 2, 1) == [(0, 2), (2, 2)]  # at least one key head's group of value heads
+    assert _head_chunks(6, 2, 4) == [(0, 4), (4, 2)]
+    assert _head_chunks(4, 1, 3) == [(0, 3), (3, 1)]
+
+
 def test_heads_sp_does_not_divide_are_refused():
     for impl in ("ulysses", "untied_ulysses"):
         _check("qwen3_5", impl, 2, key_heads=2, value_heads=4)  # both divide

@@ -7,7 +7,8 @@ whole sequence, so Ulysses' pattern is exact by construction: the projections ru
 full sequence to it (one more, fp32, the per-head decay g and beta), the conv runs on them with the conv weights of
 these channels, transformers' own core function (its chunked gated-delta rule: the torch reference on CPU, the hub
 kernel where transformers installed one) runs on this rank's heads, and one all-to-all brings the output back to the
-sequence shard before what mixes heads again (gated norm, out projection). A short conv (LFM2) is the same with its
+sequence shard before what mixes heads again (gated norm, out projection). Under 'untied_ulysses' the conv and the
+core loop over this rank's value heads ``heads_per_chunk`` at a time (whole key-head groups). A short conv (LFM2) is the same with its
 conv input's channels as heads and no recurrence. Packed documents restart the conv and the
 recurrence at every document start: the conv and the core run per document (transformers' torch reference ignores
 ``cu_seqlens``).
@@ -17,7 +18,6 @@ one head dim, and the channels here are three groups of heads with two head dims
 """
 from __future__ import annotations
 
-import logging
 import sys
 import types
 import weakref
@@ -26,11 +26,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..models import text_config
 from ..models.hybrid import mixer_for
 from .documents import DOCS_KWARG
-
-log = logging.getLogger(__name__)
 
 
 def _seq_to_heads(x, group):
@@ -82,8 +79,18 @@ def _segments(docs, b: int, S: int):
     return docs.bounds
 
 
-def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None, **kwargs):
-    """One Gated DeltaNet layer of a training forward under SP (see the module doc); no cache."""
+def _head_chunks(hq: int, ratio: int, per_chunk: Optional[int]):
+    """This rank's value heads in chunks of ``per_chunk`` (None: all at once), whole key-head groups of ``ratio``
+    value heads each: (first value head, value heads) per chunk."""
+    n = hq if not per_chunk else min(hq, max(ratio, per_chunk // ratio * ratio))
+    return [(j, min(n, hq - j)) for j in range(0, hq, n)]
+
+
+def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
+                           heads_per_chunk: Optional[int] = None, **kwargs):
+    """One Gated DeltaNet layer of a training forward under SP (see the module doc); no cache. ``heads_per_chunk``
+    (untied): the conv and the core run over this rank's value heads that many at a time (whole key-head groups),
+    so their intermediates are one chunk's."""
     if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
         raise ValueError(f"{type(module).__name__}: ds_longctx's SP path trains without a cache (use_cache=False)")
     docs = kwargs.pop(DOCS_KWARG, None)
@@ -108,26 +115,37 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
     w = w.index_select(0, idx)
     bias = bias.index_select(0, idx) if bias is not None else None
     x = qkv.transpose(1, 2)  # [b, channels, S]
-    rows = []
-    for i, spans in enumerate(_segments(docs, b, S)):
-        outs = []
-        for a, e in spans:
-            mixed = hf.causal_conv1d_fn(x[i:i + 1, :, a:e], w, bias, activation=module.activation).transpose(1, 2)
-            q, k, v = torch.split(mixed, [kq, kq, vq], dim=-1)
-            out, _ = hf.torch_chunk_gated_delta_rule(
-                q.reshape(1, e - a, -1, dk), k.reshape(1, e - a, -1, dk), v.reshape(1, e - a, -1, dv),
-                g=g[i:i + 1, a:e], beta=beta[i:i + 1, a:e], initial_state=None, output_final_state=False,
-                use_qk_l2norm_in_kernel=True)
-            outs.append(out)
-        rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
-    core = torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]  # [b, S, hq, dv]
+    ratio = hv // hk
+    chunks = []
+    for j, n in _head_chunks(hq, ratio, heads_per_chunk):
+        kc = slice(j // ratio * dk, (j + n) // ratio * dk)  # the chunk's q (and k) channels, then its v channels
+        sel = torch.cat([torch.arange(kq)[kc], kq + torch.arange(kq)[kc],
+                         2 * kq + torch.arange(j * dv, (j + n) * dv)]).to(w.device)
+        xc, wc, bc = x.index_select(1, sel.to(x.device)), w.index_select(0, sel), \
+            bias.index_select(0, sel) if bias is not None else None
+        nk = (j + n) // ratio * dk - j // ratio * dk
+        rows = []
+        for i, spans in enumerate(_segments(docs, b, S)):
+            outs = []
+            for a, e in spans:
+                mixed = hf.causal_conv1d_fn(xc[i:i + 1, :, a:e], wc, bc, activation=module.activation).transpose(1, 2)
+                q, k, v = torch.split(mixed, [nk, nk, n * dv], dim=-1)
+                out, _ = hf.torch_chunk_gated_delta_rule(
+                    q.reshape(1, e - a, -1, dk), k.reshape(1, e - a, -1, dk), v.reshape(1, e - a, n, dv),
+                    g=g[i:i + 1, a:e, j:j + n], beta=beta[i:i + 1, a:e, j:j + n], initial_state=None,
+                    output_final_state=False, use_qk_l2norm_in_kernel=True)
+                outs.append(out)
+            rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+        chunks.append(torch.cat(rows, dim=0) if len(rows) > 1 else rows[0])
+    core = torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]  # [b, S, hq, dv]
     if group is not None:
         core = HeadsToSeq.apply(core.reshape(b, S, hq * dv), group)
     core = core.reshape(b, s, hv, dv)
     return fam.finish(module, core, gate)
 
 
-def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None, **kwargs):
+def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
+                       heads_per_chunk: Optional[int] = None, **kwargs):
     """One gated short-conv layer (LFM2) of a training forward under SP: the conv input's channels of this rank over
     the gathered sequence, the depthwise conv with these channels' weights (per document), back before the gate."""
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
@@ -184,19 +202,18 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
     rank = dist.get_rank(group) if group is not None else 0
     mods = [m for m in model.modules() if type(m).__name__ == fam.module_class]
     run = _FORWARDS[fam.kind]
+    # untied: the Gated DeltaNet core loops over this rank's value heads heads_per_chunk at a time (whole key-head
+    # groups); a short conv has no per-head intermediates to bound (its conv output is the layer's activation)
+    per_chunk = spec.heads_per_chunk if spec.config.attention.implementation == "untied_ulysses" else None
     for m in mods:
         def forward(self, hidden_states, *args, attention_mask=None, **kwargs):
             if args:  # transformers passes them by keyword; a positional call is a layout we did not check
                 raise TypeError(f"{type(self).__name__}: ds_longctx's SP path takes its arguments by keyword")
-            return run(self, fam, group, sp, rank, hidden_states, attention_mask, **kwargs)
+            return run(self, fam, group, sp, rank, hidden_states, attention_mask, heads_per_chunk=per_chunk, **kwargs)
 
         m.forward = types.MethodType(forward, m)
-    label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp})"
-    if spec.config.attention.implementation == "untied_ulysses":
-        label += ", whole heads per rank (no heads_per_chunk loop)"
-        log.warning("ds_longctx: %s layers of %s run head-parallel with all of this rank's heads at once: "
-                    "attention.heads_per_chunk applies to the attention layers only", fam.module_class,
-                    text_config(model.config).model_type)
+    label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp}"
+    label += f", heads_per_chunk={per_chunk})" if per_chunk and fam.kind == "gated_deltanet" else ")"
     return MixerInstall(mods, label)
 
 
