@@ -17,6 +17,7 @@ from .config import (FUSE_KEY, KERNEL_KEY, KERNEL_NAMES, SECTION, LongContextCon
                      check_sp_heads)
 from .errors import ConfigError, naming
 from .models import FUSED_ARCHITECTURES, attention_shape, facts_for, text_config
+from .models.hybrid import check_mixer_heads, runs_layer_type
 from .models.windows import is_bidirectional, restricted_layers
 
 _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
@@ -73,6 +74,7 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
                               "attn_implementation='flex_attention' under long_context.attention.implementation "
                               "'ulysses'")
         check_sp_heads(heads, kv, sp)
+        check_mixer_heads(model_config, sp, "sequence_parallel_size")
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         check_sp_attention_pattern(impl, model_config, seq)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
@@ -136,6 +138,8 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     for group in restricted_layers(model_config):
         if group.kind == "sliding_attention" or group.exact_for(seq_len):
             continue  # windows are applied on the gathered sequence (a window covering it is full causal)
+        if runs_layer_type(model_config, group.kind):
+            continue  # split by heads (attention/mixers.py, models/hybrid.py)
         if group.span is None:
             raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
                               "computes causal attention (with sliding windows) over the gathered sequence",

@@ -42,7 +42,13 @@ Whether a ``deepspeed.initialize`` call comes from Accelerate (whose loader then
 ``ParallelismConfig`` for SP, checked here) is known explicitly: while enabled,
 ``accelerate.Accelerator._prepare_deepspeed`` is wrapped to mark its thread for the duration of the call.
 
-All six patches are process-global; this module is their one owner. ``disable()`` undoes them.
+Accelerate refuses every model with 'linear_attention' layers under SP
+(``accelerate.accelerator._refuse_recurrent_layers_under_sequence_parallelism``: each rank would restart the state).
+While enabled that name lets a model through only when the accelerator's DeepSpeed config has a ``long_context``
+section (ds_longctx then runs the model) and every such layer type is one ds_longctx splits by heads exactly
+(``models.hybrid``); anything else gets Accelerate's refusal.
+
+All seven patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ from .initialize import initialize
 from .layout import Layout
 from .loss import IGNORE_INDEX
 from .models import attention_shape, text_config
+from .models.hybrid import runs_layer_type
 from .patch import get_patch
 
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
@@ -89,6 +96,7 @@ def enable() -> None:
     _install_register()
     _install_accelerate_mark()
     _install_skip()
+    _install_recurrent_gate()
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
@@ -127,6 +135,10 @@ def disable() -> None:
         import transformers.trainer as hf_trainer
 
         hf_trainer.deepspeed_sp_compute_loss = _ORIGINALS.pop("sp_loss")
+    if "recurrent" in _ORIGINALS:
+        import accelerate.accelerator as acc
+
+        acc._refuse_recurrent_layers_under_sequence_parallelism = _ORIGINALS.pop("recurrent")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,13 +177,43 @@ def _install_accelerate_mark() -> None:
     @functools.wraps(original)
     def _prepare_deepspeed(self, *args, **kwargs):
         _in_accelerate.depth = getattr(_in_accelerate, "depth", 0) + 1
+        _in_accelerate.accelerator = self  # its deepspeed_config, read by the recurrent-layer gate
         try:
             return original(self, *args, **kwargs)
         finally:
             _in_accelerate.depth -= 1
+            _in_accelerate.accelerator = None
 
     _ORIGINALS["accelerate_prepare"] = original
     Accelerator._prepare_deepspeed = _prepare_deepspeed
+
+
+_RECURRENT_GATE = "_refuse_recurrent_layers_under_sequence_parallelism"
+
+
+def _install_recurrent_gate() -> None:
+    """Route Accelerate's refusal of recurrent layers under SP (see the module doc); ``disable()`` puts it back."""
+    try:
+        import accelerate.accelerator as acc
+    except ImportError:
+        return
+    original = getattr(acc, _RECURRENT_GATE, None)
+    if original is None:
+        return
+
+    def gate(model, *args, **kwargs):
+        accelerator = getattr(_in_accelerate, "accelerator", None)
+        ds_config = getattr(accelerator, "deepspeed_config", None)
+        config = getattr(model, "config", None)
+        types = set(getattr(text_config(config), "layer_types", None) or []) if config is not None else set()
+        recurrent = {t for t in types if "linear_attention" in t}
+        if isinstance(ds_config, dict) and SECTION in ds_config and recurrent and \
+                all(runs_layer_type(config, t) for t in recurrent):
+            return None  # ds_longctx splits these layers by heads (attention/mixers.py); initialize checks the rest
+        return original(model, *args, **kwargs)
+
+    _ORIGINALS["recurrent"] = original
+    setattr(acc, _RECURRENT_GATE, gate)
 
 
 def check_sp_wiring(ds_config: dict, mpu, from_accelerate: bool) -> None:

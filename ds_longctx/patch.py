@@ -14,6 +14,7 @@ from typing import List, Optional
 from . import comm
 from .attention import registry
 from .attention.hf import install_untied
+from .attention.mixers import install_mixers
 from .attention.ulysses import install_ulysses
 from .compat import causal_lm_output, fused_lm_head_output
 from .errors import BatchError, ConfigError
@@ -38,6 +39,7 @@ class PatchHandle:
         self.spec = spec
         self.lc = spec.config
         self.attention = None   # registry.Installation (Ulysses / function-level untied) or UntiedInstall
+        self.mixers = None      # attention.mixers.MixerInstall (hybrid models' Gated DeltaNet layers)
         self.memory = None      # memory.MemoryStackHandle
         self.loss_forward = False
         self.document_forward = False  # the packed-documents wrapper around the loss forward
@@ -65,6 +67,9 @@ class PatchHandle:
         if self.temperature is not None:
             self.temperature.remove()
             self.temperature = None
+        if self.mixers is not None:
+            self.mixers.remove()
+            self.mixers = None
         model.__dict__.pop("extra_repr", None)
         model.__dict__.pop("_ds_longctx_patch", None)
         self.swapped = []
@@ -250,6 +255,12 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
             if handle.rope is not None:
                 handle.swapped.append(f"rope=scaled by the SP group's sequence length ({len(handle.rope.modules)} "
                                       "rotary embeddings)")
+        # hybrid models' recurrent / conv layers: split by heads under our SP attention; at SP 1 run whole, but per
+        # document for packed batches (transformers' torch reference ignores cu_seqlens: documents would leak)
+        if spec.owns_attention or sp == 1:
+            handle.mixers = install_mixers(model, spec)
+            if handle.mixers is not None:
+                handle.swapped.append(f"mixers={handle.mixers.label}")
         ac, tm = lc.activation_checkpointing, lc.tiled_mlp
         if ac.enabled or tm.enabled or lc.rms_norm.enabled:
             handle.memory = apply_memory_stack(model, spec)

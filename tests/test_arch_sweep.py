@@ -66,8 +66,8 @@ def test_architecture_under_our_attention_is_exact_or_refused(model_type):
 
 SP2_CASES = {  # at SP=2 (two processes, gloo): type -> (attention, final)
     "llama": ("ulysses", "exact"),
-    "qwen3_next": ("ulysses", "refused"),   # linear-attention layers see only their shard: refused, not trained wrong
-    "jamba": ("untied", "refused"),         # Mamba layers, likewise
+    "qwen3_next": ("ulysses", "exact"),     # Gated DeltaNet layers split by heads (its MoE block: tiled MLP refused)
+    "jamba": ("untied", "refused"),         # Mamba layers see only their shard: refused, not trained wrong
     "doge": ("ulysses", "refused"),         # its own attention table (was trained on local shards, silently)
     "deepseek_v2": ("untied", "refused"),   # multi-head latent attention (was a gloo size mismatch under untied)
     "ctrl": ("ulysses", "refused"),         # no position_ids in its attention call (was DeepSpeed's raw assertion)
@@ -91,8 +91,9 @@ def test_architectures_at_sp2_are_exact_or_refused():
 
 def test_patch_model_directly_refuses_non_attention_layers():
     """A direct patch_model (its spec from spec.build_spec, without initialize): a hybrid model's linear-attention
-    layers would mix only their rank's shard under SP, so they are refused when the spec is built, not left to train
-    wrong (Qwen3-Next, Jamba)."""
+    layers that ds_longctx does not split by heads would mix only their rank's shard under SP, so they are refused
+    when the spec is built, not left to train wrong (Jamba's Mamba, MiniMax's lightning attention); Qwen3-Next's
+    Gated DeltaNet is split by heads (tests/test_hybrid.py)."""
     from transformers import AutoModelForCausalLM
 
     from ds_longctx.config import parse
@@ -101,7 +102,9 @@ def test_patch_model_directly_refuses_non_attention_layers():
 
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "untied_ulysses",
                                                                             "fuse_projections": False}}})
-    for model_type in ("qwen3_next", "jamba"):
+    for model_type in ("jamba", "minimax"):
         model = AutoModelForCausalLM.from_config(arch_sweep.tiny_config(model_type), attn_implementation="sdpa")
         with pytest.raises(ConfigError, match="'linear_attention' layers"):
             patch(model, lc)
+    model = AutoModelForCausalLM.from_config(arch_sweep.tiny_config("qwen3_next"), attn_implementation="sdpa")
+    assert patch(model, lc).mixers is not None

@@ -1,0 +1,139 @@
+"""Hybrid models' sequence mixers that are not softmax attention, as far as ds_longctx runs them under SP:
+which module class a layer type is, which of its tensors are per head (key heads vs value heads), what it
+projects on the sequence shard before the per-head core and what it does after (gated norm, out projection).
+
+The SP plumbing (all-to-all, conv slice, documents) is shared in ``attention/mixers.py``; this module holds only
+the per-family facts. Families not listed here keep the refusal of ``checks.check_sp_attention_pattern``.
+
+Short convolutions (``lfm2``, ``lfm2_moe``, ``lfm3``): B * x through a depthwise causal conv over the hidden channels,
+gated by C: every channel is its own head.
+
+Gated DeltaNet (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``olmo_hybrid``): per layer a depthwise causal conv over
+the q|k|v channels (key-head-major: q channel h*dk + i is key head h), then transformers' chunked gated-delta rule per
+value head; value head j reads key head j // (value heads / key heads). The decay ``g`` and ``beta`` are per value
+head and elementwise over tokens, so they are computed on the sequence shard from the full per-head parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ._common import text_config
+
+
+def _decay(m, a):
+    """transformers' own formula (every GDN family): g = -exp(A_log) * softplus(a + dt_bias), in fp32."""
+    return -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+
+
+def _project_qwen3_5(m, h):
+    qkv = m.in_proj_qkv(h)
+    z = m.in_proj_z(h)
+    return qkv, z, _decay(m, m.in_proj_a(h)), m.in_proj_b(h).sigmoid()
+
+
+def _project_qwen3_next(m, h):
+    q, k, v, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(h), m.in_proj_ba(h))
+    qkv = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (q, k, v)], dim=-1)
+    return qkv, z, _decay(m, a), b.sigmoid()
+
+
+def _project_olmo_hybrid(m, h):
+    qkv = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+    beta = m.b_proj(h).sigmoid()
+    if m.allow_neg_eigval:
+        beta = beta * 2.0
+    return qkv, m.g_proj(h), _decay(m, m.a_proj(h)), beta
+
+
+def _finish_norm_out(norm: str, out: str):
+    def finish(m, core, gate):
+        b, s = core.shape[:2]
+        x = getattr(m, norm)(core.reshape(-1, m.head_v_dim), gate.reshape(-1, m.head_v_dim))
+        return getattr(m, out)(x.reshape(b, s, -1))
+    return finish
+
+
+def _project_short_conv(m, h):
+    """LFM2's gated short conv: B * x goes through the conv, C gates its output (transformers' forward)."""
+    B, C, x = m.in_proj(h).chunk(3, dim=-1)
+    return B * x, C
+
+
+def _finish_short_conv(m, conv, C):
+    return m.out_proj(C * conv)
+
+
+def _gdn_heads(tc) -> Tuple[int, int]:
+    return int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
+
+
+@dataclass(frozen=True)
+class MixerFamily:
+    """One family's sequence mixer: ``kind`` (the plumbing of attention/mixers.py that runs it: 'gated_deltanet' or
+    'short_conv'), the layer type in ``config.layer_types``, the module class (by name), the projections on the
+    sequence shard and what follows the per-head core.
+
+    gated_deltanet: ``project(module, hidden) -> (q|k|v before the conv [b, s, 2*kd + vd], gate, g [b, s, Hv] fp32,
+    beta [b, s, Hv])``, ``finish(module, core [b, s, Hv, dv], gate)``; ``heads``: (key heads, value heads).
+    short_conv: ``project(module, hidden) -> (conv input [b, s, hidden], gate)``, ``finish(module, conv output,
+    gate)``; ``heads``: (channels, channels) (the conv is depthwise: a channel is a head)."""
+    kind: str
+    module_class: str
+    layer_type: str
+    project: Callable
+    finish: Callable
+    heads: Callable = _gdn_heads
+    units: Tuple[str, str] = ("key heads", "value heads")
+
+
+_QWEN_FINISH = _finish_norm_out("norm", "out_proj")
+MIXERS: Dict[str, MixerFamily] = {
+    "qwen3_5_text": MixerFamily("gated_deltanet", "Qwen3_5GatedDeltaNet", "linear_attention", _project_qwen3_5,
+                                _QWEN_FINISH),
+    "qwen3_5_moe_text": MixerFamily("gated_deltanet", "Qwen3_5MoeGatedDeltaNet", "linear_attention",
+                                    _project_qwen3_5, _QWEN_FINISH),
+    "qwen3_next": MixerFamily("gated_deltanet", "Qwen3NextGatedDeltaNet", "linear_attention", _project_qwen3_next,
+                              _QWEN_FINISH),
+    "olmo_hybrid": MixerFamily("gated_deltanet", "OlmoHybridGatedDeltaNet", "linear_attention",
+                               _project_olmo_hybrid, _finish_norm_out("o_norm", "o_proj")),
+}
+_CHANNELS = (lambda tc: (int(tc.hidden_size), int(tc.hidden_size)), ("channels", "channels"))
+for _t, _cls in (("lfm2", "Lfm2ShortConv"), ("lfm2_moe", "Lfm2MoeShortConv"), ("lfm3", "Lfm3ShortConv")):
+    MIXERS[_t] = MixerFamily("short_conv", _cls, "conv", _project_short_conv, _finish_short_conv, *_CHANNELS)
+
+
+def mixer_for(model_config) -> Optional[MixerFamily]:
+    """The family of the model's non-attention sequence mixer that ds_longctx runs under SP (None: none)."""
+    return MIXERS.get(getattr(text_config(model_config), "model_type", None))
+
+
+def runs_layer_type(model_config, layer_type: str) -> bool:
+    fam = mixer_for(model_config)
+    return fam is not None and fam.layer_type == layer_type
+
+
+def check_mixer_heads(model_config, sp: int, key: str) -> None:
+    """Key and value heads of the mixer divide by the SP degree (each rank runs whole heads), else one error naming
+    the counts and the degrees that work. Pure."""
+    fam = mixer_for(model_config)
+    if fam is None or sp <= 1:
+        return
+    tc = text_config(model_config)
+    hk, hv = fam.heads(tc)
+    if hk % sp or hv % sp:
+        ok = [d for d in range(1, max(hk, hv) + 1) if hk % d == 0 and hv % d == 0]
+        counts = f"{hk} {fam.units[0]} and {hv} {fam.units[1]}" if fam.units[0] != fam.units[1] else \
+            f"{hk} {fam.units[0]}"
+        raise ConfigError(key, f"the {tc.model_type} model's {fam.layer_type} layers ({fam.module_class}) have "
+                          f"{counts}, which sequence_parallel_size {sp} does not divide (each rank runs whole "
+                          "heads over the gathered sequence)",
+                          f"use a sequence_parallel_size dividing {'both' if fam.units[0] != fam.units[1] else 'it'}: "
+                          f"{', '.join(map(str, ok[:12]))}{', ...' if len(ok) > 12 else ''}")
+
+
+__all__ = ["MIXERS", "MixerFamily", "check_mixer_heads", "mixer_for", "runs_layer_type"]

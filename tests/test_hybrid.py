@@ -1,0 +1,282 @@
+"""Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid) and LFM2's gated short
+convolutions split by heads
+(attention/mixers.py) train exactly like one process: per-step loss and SGD(lr=1) parameter deltas, ZeRO-3 through
+ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples (documents crossing the shard edges, each document
+restarting the conv and the recurrence), under 'ulysses' and 'untied_ulysses'. Heads that SP does not divide, and
+layer types it does not run, are one clear ConfigError."""
+import math
+
+import pytest
+import torch
+
+from dist_utils import result_or_raise, run_distributed_side_by_side
+from eco_cases import config_error
+
+SEQ, VOCAB = 16, 64
+# row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
+# edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
+DOC_LENS = [[5, 7, 4], [8, 7, 1]]
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2")
+UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
+ULYSSES = {"attention": {"implementation": "ulysses"}}
+# the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
+STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+         "tiled_loss": {"enabled": True, "shards": 2}}
+
+
+def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
+    """One Gated DeltaNet layer and one full-attention layer (value heads grouped 2 per key head)."""
+    import transformers as tf
+
+    kw = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
+              intermediate_size=48, max_position_embeddings=256, tie_word_embeddings=False,
+              layer_types=["linear_attention", "full_attention"], linear_num_key_heads=key_heads,
+              linear_num_value_heads=value_heads, linear_key_head_dim=4, linear_value_head_dim=4,
+              linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "qwen3_5":
+        return tf.Qwen3_5TextConfig(**kw, head_dim=8)
+    if name == "qwen3_next":
+        return tf.Qwen3NextConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                  shared_expert_intermediate_size=24)
+    if name == "olmo_hybrid":
+        return tf.OlmoHybridConfig(**kw)
+    if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
+        # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.Lfm2Config(**dict(kw, layer_types=["conv", "full_attention"]), conv_bias=True, conv_L_cache=3,
+                             initializer_range=0.5)
+    raise KeyError(name)
+
+
+def build_hybrid(name: str, seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(hybrid_config(name, **kw), dtype=torch.float32, attn_implementation="sdpa")
+
+
+def _positions(rows):
+    return torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in rows])
+
+
+def batch(packed: bool):
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (len(DOC_LENS), SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = labels[1, 9] = -100
+    out = {"input_ids": ids, "labels": labels}
+    if packed:
+        out["position_ids"] = _positions(DOC_LENS)
+    return out
+
+
+def reference(name: str, b: dict, doc_lens=None):
+    """One process, no DeepSpeed, unpatched HF: loss and SGD(lr=1) deltas. ``doc_lens``: every document runs
+    alone (what a packed sample means: transformers' torch reference of the gated delta rule ignores cu_seqlens),
+    the loss the token mean of the packed sample's shifted targets (the same targets ds_longctx trains)."""
+    model = build_hybrid(name)
+    if doc_lens is None:
+        loss = model(**b, use_cache=False).loss
+    else:
+        rows = []
+        for i, lens in enumerate(doc_lens):
+            a, parts = 0, []
+            for n in lens:
+                parts.append(model(input_ids=b["input_ids"][i:i + 1, a:a + n], use_cache=False).logits)
+                a += n
+            rows.append(torch.cat(parts, dim=1))
+        logits = torch.cat(rows)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), b["labels"][:, 1:].reshape(-1),
+                                                 ignore_index=-100)
+    loss.backward()
+    return loss.item(), {n: -p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, world, cases):
+    import ds_longctx
+    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.data import shard_batch
+    from sp_cases import ds_config, full_params
+
+    out = {}
+    if world == 2:  # first (Accelerate builds the SP groups itself): the HF Trainer route, enable() +
+        # ParallelismConfig, past Accelerate's recurrent-layer refusal
+        import hf_trainer
+        from eco_cases import ProcessState  # (puts examples/ on sys.path)
+
+        state = ProcessState()
+        hf_trainer.tiny_model = lambda seed=0: build_hybrid("qwen3_5", seed)  # the example's trainer, this model
+        out["trainer"] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ, samples=2,
+                                          sample_order=[0, 1], lr=TRAINER_LR,
+                                          output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}")
+        state.reset()  # the engines below start as in a fresh process (Accelerate's SP groups and attention gone)
+    for name, impl, packed in cases:
+        lc = {"ulysses": ULYSSES, "untied": UNTIED, "untied+stack": {**UNTIED, **STACK}}[impl]
+        model = build_hybrid(name)
+        engine, *_ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                           config=ds_config(3, world, lc))
+        assert engine.module._ds_longctx_patch.mixers is not None
+        before = full_params(engine.module)
+        loss = engine(**shard_batch(batch(packed), sp_rank(sp_group()), world)).loss
+        engine.backward(loss)
+        engine.step()
+        after = full_params(engine.module)
+        engine.module._ds_longctx_patch.remove()
+        out[name, impl, packed] = (loss.item(), {n: after[n] - before[n] for n in after})
+    return out
+
+
+SP_CASES = {  # one spawn per degree, side by side: every family under both paths, plain and packed
+    2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
+        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True)],
+    4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False)],
+}
+
+
+@pytest.fixture(scope="module")
+def sp_results():
+    sps = sorted(SP_CASES)
+    runs = run_distributed_side_by_side(*[(_worker, sp, SP_CASES[sp]) for sp in sps], return_exceptions=True)
+    return dict(zip(sps, runs))
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {(n, packed): reference(n, batch(packed), DOC_LENS if packed else None)
+            for n in FAMILIES for packed in (False, True)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sp", sorted(SP_CASES))
+def test_gated_deltanet_sp_equals_one_process(sp, sp_results, references):
+    results = result_or_raise(sp_results[sp])
+    for case in SP_CASES[sp]:
+        name, _, packed = case
+        ref_loss, ref_deltas = references[name, packed]
+        assert min(float(d.abs().max()) for d in ref_deltas.values()) > 0  # every parameter moves: the test can fail
+        for rank_out in results:
+            loss, deltas = rank_out[case]
+            assert math.isclose(loss, ref_loss, rel_tol=1e-6), (case, loss, ref_loss)
+            for n, ref in ref_deltas.items():
+                torch.testing.assert_close(deltas[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
+
+
+def test_references_see_documents_and_whole_sequence():
+    """The references can fail the SP runs: documents change the one-process result (a recurrence that crossed a
+    document start would differ), and so does a recurrence restarted at a shard edge (what the layer computed on
+    each rank's shard alone, before this split)."""
+    for name in FAMILIES:
+        packed = reference(name, batch(True), DOC_LENS)
+        plain = reference(name, batch(False))
+        cut = reference(name, batch(True), [[5, 3, 4, 4], [8, 7, 1]])  # row 0 also restarted at the SP=2 edge 8
+        assert abs(packed[0] - plain[0]) > 1e-4 and abs(packed[0] - cut[0]) > 1e-5, (name, packed[0], plain[0], cut[0])
+
+
+TRAINER_STEPS, TRAINER_LR = 2, 0.05
+
+
+def trainer_reference():
+    """One process, no Trainer: SGD(lr) on the example's samples in order (the Trainer's steps at SP=1)."""
+    import eco_cases  # noqa: F401  (puts examples/ on sys.path)
+    from _common import RandomTokens
+
+    model = build_hybrid("qwen3_5")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data, losses = RandomTokens(2, SEQ, VOCAB, seed=0), []
+    for i in range(TRAINER_STEPS):
+        loss = model(input_ids=data[i]["input_ids"][None], labels=data[i]["labels"][None], use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= TRAINER_LR * p.grad
+                p.grad = None
+    return losses, {n: p.detach() - before[n] for n, p in model.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_hf_trainer_with_enable_trains_qwen3_5_at_sp2(sp_results):
+    losses, deltas = trainer_reference()
+    for rank_out in result_or_raise(sp_results[2]):
+        got = rank_out["trainer"]
+        assert len(got["losses"]) == TRAINER_STEPS
+        for a, b in zip(got["losses"], losses):
+            assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], losses)
+        for n, ref in deltas.items():
+            torch.testing.assert_close(got["after"][n] - got["before"][n], ref, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{n}: {m}")
+
+
+def test_accelerate_refusal_stays_for_what_ds_longctx_does_not_run():
+    """enable() lets Accelerate's recurrent-layer check pass a model only under a long_context config and only
+    for layer types ds_longctx splits; everything else keeps Accelerate's refusal; disable() restores it."""
+    import types
+
+    import accelerate.accelerator as acc
+
+    import ds_longctx
+    from ds_longctx import integration
+
+    original = acc._refuse_recurrent_layers_under_sequence_parallelism
+    qwen = types.SimpleNamespace(config=hybrid_config("qwen3_5"))
+    minimax = types.SimpleNamespace(config=types.SimpleNamespace(model_type="minimax",
+                                                                 layer_types=["linear_attention", "full_attention"]))
+    ds_longctx.enable()
+    try:
+        gate = acc._refuse_recurrent_layers_under_sequence_parallelism
+        integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={"long_context": {}})
+        assert gate(qwen) is None
+        with pytest.raises(ValueError, match="linear_attention"):
+            gate(minimax)
+        integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={})  # DeepSpeed's own SP
+        with pytest.raises(ValueError, match="linear_attention"):
+            gate(qwen)
+    finally:
+        integration._in_accelerate.accelerator = None
+        ds_longctx.disable()
+    assert acc._refuse_recurrent_layers_under_sequence_parallelism is original
+
+
+@pytest.mark.parametrize("impl", ["none", "untied_ulysses"])
+def test_sp1_packed_restarts_every_document(impl):
+    """One process through patch_model (transformers' own attention, or ours): a packed sample trains as its
+    documents alone (transformers' torch reference of these layers alone would carry the state across them)."""
+    from ds_longctx.config import parse
+    from tiny_models import patch
+
+    lc = parse({"long_context": {"attention": {"implementation": impl}}})
+    for name in ("qwen3_5", "lfm2"):
+        ref_loss, ref_deltas = reference(name, batch(True), DOC_LENS)
+        model = build_hybrid(name)
+        assert patch(model, lc).mixers is not None
+        loss = model(**batch(True)).loss
+        loss.backward()
+        assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6), (name, loss.item(), ref_loss)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(-p.grad, ref_deltas[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n}: {m}")
+
+
+def _check(name, impl, sp, **kw):
+    from ds_longctx.checks import check_against
+    from ds_longctx.config import parse
+
+    lc = parse({"sequence_parallel_size": sp, "long_context": {"attention": {"implementation": impl}}})
+    check_against(lc, hybrid_config(name, **kw), world_size=sp)
+
+
+def test_untied_head_chunks_keep_key_head_groups():
+    from ds_longctx.attention.mixers import _head_chunks
+
+    assert _head_chunks(4, 2, None) == [(0, 4)]
+    assert _head_chunks(4, 2, 1) == [(0, 2), (2, 2)]  # at least one key head's group of value heads
+    assert _head_chunks(6, 2, 4) == [(0, 4), (4, 2)]
+    assert _head_chunks(4, 1, 3) == [(0, 3), (3, 1)]
+
+
+def test_heads_sp_does_not_divide_are_refused():
+    for impl in ("ulysses", "untied_ulysses"):
+        _check("qwen3_5", impl, 2, key_heads=2, value_heads=4)  # both divide
+        e = config_error(_check, "qwen3_5", impl, 4, key_heads=2, value_heads=4)
+        assert e.startswith("sequence_parallel_size: the qwen3_5_text model's linear_attention layers "
+                            "(Qwen3_5GatedDeltaNet) have 2 key heads and 4 value heads"), e
+        assert "use a sequence_parallel_size dividing both: 1, 2" in e, e
