@@ -158,10 +158,13 @@ def cases(sp):
         return [("lora", "llama", None, False, "fused", 3), ("lora", "qwen3", None, True, "fused", 1),
                 ("lora", "qwen3", None, True, "ulysses", 2)]
     lora = [("lora", "llama", None, False, p, z) for p, z in
-            [("ulysses", 1), ("ulysses", 3), ("fused", 1), ("fused", 2), ("fused", 3), ("function", 3), ("stack", 3)]]
+            [("ulysses", 3), ("fused", 1), ("fused", 2), ("fused", 3), ("function", 3), ("stack", 3)]]
     lora += [("lora", "qwen3", None, True, "fused", 2), ("lora", "llama", None, True, "stack", 3)]
-    rope = [("rope", a, r, False, p, 1) for a in ("llama", "qwen3") for r in ROPES for p in ("ulysses", "fused")]
-    rope += [("rope", "llama", r, True, p, 3) for r in ROPES for p in ("function", "stack")]
+    # each rope type on each path once, both archs, plain and packed (8 of the 16 combinations: the suite's time)
+    rope = [("rope", "llama", "dynamic", False, "ulysses", 1), ("rope", "qwen3", "longrope", False, "ulysses", 1),
+            ("rope", "qwen3", "dynamic", False, "fused", 1), ("rope", "llama", "longrope", False, "fused", 1),
+            ("rope", "llama", "dynamic", True, "function", 3), ("rope", "qwen3", "longrope", True, "function", 3),
+            ("rope", "qwen3", "dynamic", True, "stack", 3), ("rope", "llama", "longrope", True, "stack", 3)]
     llama4 = [("llama4", None, None, packed, "function", 3) for packed in (False, True)]
     return lora + rope + llama4
 
