@@ -835,7 +835,9 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
     refusals = []
     sd, cd = saved.get("data"), current.get("data")
     if isinstance(sd, dict) and isinstance(cd, dict):
-        keys = [k for k in sorted(set(sd) | set(cd)) if k != "path" and sd.get(k) != cd.get(k)]
+        # tokenizer_sha256: recorded since the tokenizer is part of the data identity (a record without it resumes)
+        keys = [k for k in sorted(set(sd) | set(cd)) if k != "path" and sd.get(k) != cd.get(k)
+                and not (k == "tokenizer_sha256" and k not in sd)]
         if keys:
             refusals.append(("the data differ: " + ", ".join(f"{k} {sd.get(k)!r} in the checkpoint vs {cd.get(k)!r} "
                                                              "now" for k in keys),
