@@ -100,12 +100,12 @@ def truncate_metrics(path: str, step: int) -> int:
     """Cut the JSON-lines file ``path`` at its first line that is not a whole record of a step <= ``step``: a resume
     from ``step`` then appends no duplicate of a step the stopped run logged past its checkpoint, and no line
     follows a broken one (a write cut by a kill or a full disk). Shrinks in place (needs no free space). Returns
-    the size kept."""
+    the size kept and the last step kept (0: none)."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
-        return 0
-    keep = 0
+        return 0, 0
+    keep = last = 0
     with f:
         for line in f:
             try:
@@ -114,10 +114,10 @@ def truncate_metrics(path: str, step: int) -> int:
                 rec = None
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] > step:
                 break
-            keep += len(line)
+            keep, last = keep + len(line), rec["step"]
     if keep != os.path.getsize(path):
         os.truncate(path, keep)
-    return keep
+    return keep, last
 
 
 class StepLog:
@@ -137,7 +137,10 @@ class StepLog:
         self.path, self.file, self.failed, self._good = metrics_path, None, None, 0
         if metrics_path and rank == 0:
             if append:
-                self._good = truncate_metrics(metrics_path, start_step)
+                self._good, last = truncate_metrics(metrics_path, start_step)
+                if last < start_step:  # e.g. the step whose line a full disk refused (that run saved it)
+                    print_line(f"--metrics {metrics_path!r} holds steps up to {last}: steps {last + 1}..{start_step} "
+                               "(trained before the checkpoint this run resumes) have no line")
             self.file = os.open(metrics_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC),
                                 0o644)
             self._good = os.lseek(self.file, 0, os.SEEK_END)

@@ -62,12 +62,12 @@ def test_metrics_file_cut_back_to_the_resumed_step(tmp_path):
     path = tmp_path / "m.jsonl"
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8)]
     path.write_text("".join(lines) + '{"step": 8, "lo')  # a line cut by a full disk or a kill
-    assert truncate_metrics(str(path), 6) == len("".join(lines[:6]))
+    assert truncate_metrics(str(path), 6) == (len("".join(lines[:6])), 6)
     assert path.read_text() == "".join(lines[:6])  # steps 7 (past the checkpoint) and the broken 8 gone
     path.write_text("".join(lines[:3]) + '{"step": 4, "lo')
-    truncate_metrics(str(path), 6)
+    assert truncate_metrics(str(path), 6) == (len("".join(lines[:3])), 3)
     assert path.read_text() == "".join(lines[:3])
-    assert truncate_metrics(str(tmp_path / "absent.jsonl"), 3) == 0
+    assert truncate_metrics(str(tmp_path / "absent.jsonl"), 3) == (0, 0)
 
 
 def _word_tokenizer(path, reverse=False, eos="w1"):
