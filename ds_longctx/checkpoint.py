@@ -505,13 +505,23 @@ class SaveDir:
             if not group:
                 continue
             need = sum(facts[r]["bytes"] for r in group)
+            missing = [r for r in group if facts[r].get("missing")]
+            if missing:  # statvfs of a removed directory would read as 0 B free
+                hosts = sorted({facts[r]["host"] for r in missing})
+                raise ConfigError(self.name, f"{self.path!r} no longer exists on {', '.join(hosts)} (ranks "
+                                  f"{_ranks(missing)}): it was removed or renamed while this run saved to it, with "
+                                  f"its checkpoints and lock; {what} was not written",
+                                  "leave a --save directory in place while its run goes on; start again with --save "
+                                  "on an existing or new directory (with --resume from a copy of the checkpoints, "
+                                  "if one exists)")
             free = min(facts[r]["free"] for r in group)
             if need > free:
                 hosts = sorted({facts[r]["host"] for r in group})
                 raise ConfigError(self.name, f"{self.path!r} has {fmt_bytes(free)} free on {', '.join(hosts)}; {what} of "
                                   f"ranks {_ranks(group)} needs {fmt_bytes(need)} ({need} bytes)",
-                                  "free space there, save to a larger filesystem, or keep fewer checkpoints "
-                                  "(--keep-last)")
+                                  "free space there or save to a larger filesystem (--keep-last N removes older "
+                                  "checkpoints only after each save: the filesystem needs room for N+1 checkpoints, "
+                                  "so it helps only where two fit)")
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -540,7 +550,8 @@ class SaveDir:
         t0 = time.monotonic()
         # room for it, on every filesystem, before a byte is written
         facts = _all_gather({"free": _free_bytes(self.path) if os.path.isdir(self.path) else 0,
-                             "bytes": self.per_rank_bytes, "host": socket.gethostname()})
+                             "missing": not os.path.isdir(self.path), "bytes": self.per_rank_bytes,
+                             "host": socket.gethostname()})
         self._check_space(facts, f"the checkpoint of step {step}")
         if rank == 0 and os.path.exists(os.path.join(self.path, tmp)):
             shutil.rmtree(os.path.join(self.path, tmp), ignore_errors=True)
@@ -850,8 +861,10 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
                              "resume with the --data the run trained on"))
     for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed"), ("concat_documents", "--concat-documents")):
         if key in saved and key in current and saved[key] != current[key]:
+            how = ((f"with {flag}" if saved[key] else f"without {flag}") if key == "concat_documents"  # a switch
+                   else f"with {flag} {saved[key]!r}")
             refusals.append((f"{key} {saved[key]!r} in the checkpoint vs {current[key]!r} now (the samples and their "
-                             "order depend on it)", f"resume with {flag} {saved[key]!r}, or start a new run from the "
+                             "order depend on it)", f"resume {how}, or start a new run from the "
                              "weights (ds-longctx export, then --model)"))
     stages = _saved_zero_stages(saved)
     if stages and current.get("zero_stage") not in stages:

@@ -175,6 +175,12 @@ def _check_writable_file(flag, path):
         raise ConfigError(flag, f"{path!r} is a directory", "give a file path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
+        existing = parent
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):  # a regular file on the way: mkdir -p would fail too
+            raise ConfigError(flag, f"{existing!r} is a file, not a directory, so {path!r} cannot be created under "
+                              "it", "give a path whose directories are directories")
         raise ConfigError(flag, f"directory {parent!r} does not exist", f"create it (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(flag, f"{path!r} is not writable", "give a path this user can write")

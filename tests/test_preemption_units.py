@@ -119,3 +119,44 @@ def test_a_data_file_without_text_is_refused(tmp_path):
                        r"sample of 10"):  # before: one sample of 10 (EOS counted as text)
         open_corpus(str(short), tok, 10, cache_dir=str(tmp_path / "c2"))
     assert len(open_corpus(str(short), tok, 8, cache_dir=str(tmp_path / "c3"))) == 1
+
+
+def test_messages_that_tell_the_truth(tmp_path):
+    """Item 8: a save directory removed mid-run, a filesystem that fits one checkpoint, --metrics under a regular
+    file, the --concat-documents refusal (a switch); and item 2's resume refusal of another tokenizer (a record of
+    an older ds_longctx, without the tokenizer's hash, still resumes)."""
+    from test_checkpoint import _saved
+
+    from ds_longctx import checkpoint, train
+    from ds_longctx.errors import ConfigError
+
+    for saved, now, fix in ((True, False, "resume with --concat-documents,"),
+                            (False, True, "resume without --concat-documents,")):
+        current = _saved(tmp_path, concat_documents=saved)
+        with pytest.raises(ConfigError, match=rf"concat_documents {saved} in the checkpoint vs {now} now .*Fix: {fix} "
+                           r"or start a new run"):
+            checkpoint.plan_resume(str(tmp_path), dict(current, concat_documents=now))
+    data = {"path": "/a/d.jsonl", "bytes": 10, "sha256": "ab", "column": "text", "tokenizer_sha256": "t1"}
+    current = _saved(tmp_path, data=data)
+    with pytest.raises(ConfigError, match=r"the data differ: tokenizer_sha256 't1' in the checkpoint vs 't2' now"):
+        checkpoint.plan_resume(str(tmp_path), dict(current, data=dict(data, tokenizer_sha256="t2")))
+    older = {k: v for k, v in data.items() if k != "tokenizer_sha256"}
+    current = _saved(tmp_path, data=older)
+    checkpoint.plan_resume(str(tmp_path), dict(current, data=data))
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=rf"^--metrics: {str(blocker)!r} is a file, not a directory, so .* cannot "
+                       r"be created under it"):
+        train._check_writable_file("--metrics", str(blocker / "sub" / "m.jsonl"))
+
+    sd = checkpoint.SaveDir(path=str(tmp_path / "removed"), groups=[[0, 1]])
+    facts = [{"free": 0, "missing": True, "bytes": 10, "host": "h"}] * 2
+    with pytest.raises(ConfigError, match=r"^--save: '.*removed' no longer exists on h \(ranks 0,1\): it was removed "
+                       r"or renamed while this run saved to it"):
+        sd._check_space(facts, "the checkpoint of step 4")
+    facts = [{"free": 15, "bytes": 10, "host": "h"}] * 2
+    with pytest.raises(ConfigError, match=r"has 15 B free on h; the checkpoint of step 4 of ranks 0,1 needs 20 B .*"
+                       r"--keep-last N removes older checkpoints only after each save: the filesystem needs room for "
+                       r"N\+1 checkpoints, so it helps only where two fit"):
+        sd._check_space(facts, "the checkpoint of step 4")
