@@ -900,6 +900,51 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
     return ResumePlan(path=path, tag=tag, record=saved, note=note, universal=universal, changes=changes, name=name)
 
 
+_converting = False
+_fork_hook = False
+
+
+def _install_worker_death_signal() -> None:
+    """DeepSpeed's ds_to_universal extracts and merges in ``multiprocessing.Pool`` workers (forked), which outlive a
+    conversion killed with -9 (ppid 1, for good). Every process forked while a conversion runs asks the kernel for
+    SIGKILL when its parent dies (PR_SET_PDEATHSIG). Linux; once per process (fork hooks cannot be removed, so the
+    hook checks ``_converting``)."""
+    global _fork_hook
+    if _fork_hook or not sys.platform.startswith("linux") or not hasattr(os, "register_at_fork"):
+        return
+
+    def child():
+        if _converting:
+            try:
+                import ctypes
+                import signal
+
+                ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+                if os.getppid() == 1:  # the parent died between the fork and the prctl
+                    os._exit(1)
+            except (OSError, AttributeError):
+                pass
+
+    os.register_at_fork(after_in_child=child)
+    _fork_hook = True
+
+
+def _remove_dead_conversions(path: str, out_tag: str) -> None:
+    """Remove the partial conversions of ``out_tag`` a killed process left in ``path`` (``.tmp-<tag>.universal-<host>-
+    <pid>``): those of this host whose pid is gone (another host's, or a live one, may still be writing)."""
+    from .runtime import proc_stat
+
+    prefix = f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-"
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix):]
+        if entry.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and proc_stat(int(pid)) is None:
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
 def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> str:
     """DeepSpeed's ``ds_to_universal`` of ``path/tag`` into ``path/tag.universal`` (written under a temporary
     name, renamed when complete; reused when already there). Returns the universal tag. One process."""
@@ -917,6 +962,7 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
             if json.load(f).get("source_files") == record.get("files"):
                 return out_tag
         shutil.rmtree(out)
+    _remove_dead_conversions(path, out_tag)
     tmp = os.path.join(path, f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.monotonic()
@@ -927,7 +973,10 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
     import io
 
     buf = io.StringIO()
+    global _converting
+    _install_worker_death_signal()
     try:
+        _converting = True  # its multiprocessing pools' workers end with this process (kill -9 included)
         with contextlib.redirect_stdout(buf):  # its progress bars and prints: kept for the error message
             ds_to_universal(args)
     except Exception as e:
@@ -935,6 +984,7 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
         raise ConfigError("checkpoint", f"DeepSpeed's ds_to_universal failed on {src!r} ({type(e).__name__}: "
                           f"{str(e)[:400]})", "resume with the layout the checkpoint was saved with") from None
     finally:
+        _converting = False
         try:  # it writes <parent>/latest_universal naming its output folder (the temporary name): we load by tag
             os.remove(os.path.join(path, "latest_universal"))
         except OSError:

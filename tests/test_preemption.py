@@ -11,7 +11,9 @@ a .jsonl file and a local word tokenizer), batched into one test (three jobs sid
 * the three jobs' metrics equal an uninterrupted run's step for step (bit-equal: the same layout), each step once;
 * a resume with another tokenizer (the same words, other ids) is refused naming the tokenizer;
 * --metrics on a full filesystem: the step is saved and the job ends naming the file; the file holds whole lines;
-  after space is freed, --resume auto continues it without a duplicate step."""
+  after space is freed, --resume auto continues it without a duplicate step;
+* `ds-longctx convert` killed with -9: its pool workers end with it, the next conversion removes its partial
+  directory."""
 import json
 import os
 import random
@@ -175,6 +177,9 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
     assert d.returncode != 0, d_out[-3000:]
     assert "ds_longctx: error: --resume: " in d_out and "the data differ: tokenizer_sha256 '" in d_out, d_out[-3000:]
 
+    n_workers, partial = _convert_killed_then_again(a_ck)  # item 7
+    assert n_workers >= 2
+
     if full:
         code, out, metrics = full
         step = full_step(full)
@@ -189,6 +194,40 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
         assert got == {s: reference[s] for s in got}
         assert f"holds steps up to {step - 1}: steps {step}..{step} (trained before the checkpoint this run " \
                "resumes) have no line" in e.stdout, e.stdout[-3000:]
+
+
+def _convert_killed_then_again(ck):
+    """`ds-longctx convert` killed with -9 once its worker pool runs: no worker outlives it; the next conversion
+    removes the partial directory and completes."""
+    import psutil
+
+    cmd = [sys.executable, "-c", "import sys; from ds_longctx.cli import main; sys.exit(main())", "convert", str(ck),
+           "--workers", "4"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    parent, workers = psutil.Process(p.pid), []
+    deadline = time.monotonic() + 240
+    while len(workers) < 2 and p.poll() is None and time.monotonic() < deadline:
+        try:  # the pool's forked workers (the same command line), not a helper command the imports run
+            me = parent.cmdline()
+            workers = [c for c in parent.children() if c.cmdline() == me]
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.005)
+    if not workers:
+        pytest.fail(f"the conversion ended before its workers could be seen: {p.communicate()[0][-2000:]!r}")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    assert not alive, [w.pid for w in alive]
+    partial = [e for e in os.listdir(ck) if e.startswith(".tmp-") and ".universal-" in e]
+    import socket
+
+    tag = checkpoint.find_resume_tag(str(ck))[0]  # the killed one's directory (created here if it had not yet)
+    os.makedirs(os.path.join(ck, f".tmp-{tag}.universal-{socket.gethostname()}-{p.pid}", "x"), exist_ok=True)
+    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    assert not [e for e in os.listdir(ck) if e.startswith(".tmp-")], (partial, os.listdir(ck))
+    return len(workers), partial
 
 
 def full_step(full):
