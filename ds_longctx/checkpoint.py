@@ -1113,6 +1113,14 @@ def _clean_config(hf_config):
     return cfg
 
 
+def _config_has_dtype() -> bool:
+    """transformers >= 4.56 names the config's dtype ``dtype`` (``torch_dtype`` warns)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (4, 56)
+
+
 def _write_hf(out_dir: str, state_dict: dict, hf_config, tokenizer=None, dtype=None, generation_config=None,
               max_shard_size: str = "5GB") -> None:
     """transformers' ``save_pretrained`` of ``state_dict`` on an empty (meta) model of ``hf_config``: the
@@ -1123,7 +1131,10 @@ def _write_hf(out_dir: str, state_dict: dict, hf_config, tokenizer=None, dtype=N
     cfg = _clean_config(hf_config)
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        cfg.torch_dtype = dtype  # what from_pretrained(dtype="auto") picks
+        if _config_has_dtype():
+            cfg.dtype = dtype  # what from_pretrained(dtype="auto") picks (torch_dtype is deprecated since 4.56)
+        else:
+            cfg.torch_dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     expected = set(model.state_dict())

@@ -75,6 +75,12 @@ def _fmt_duration(s: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def plain_line(rec: dict, total: int, eta_s: Optional[float] = None) -> str:
     """The one-line summary of a step (logs, SLURM output)."""
     parts = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}"]
@@ -84,7 +90,8 @@ def plain_line(rec: dict, total: int, eta_s: Optional[float] = None) -> str:
         parts.append(f"grad norm {rec['grad_norm']:.3g}")
     parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
     tf = rec["tflops"]
-    parts.append(f"{tf:.1f} TFLOP/s/GPU" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s/GPU")
+    per = "GPU" if _cuda() else "rank"  # a CPU run has no GPU to divide by
+    parts.append(f"{tf:.1f} TFLOP/s/{per}" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s/{per}")
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
     parts.append(f"peak {fmt_bytes(rec['peak_mem_bytes'])}")

@@ -160,3 +160,40 @@ def test_messages_that_tell_the_truth(tmp_path):
                        r"--keep-last N removes older checkpoints only after each save: the filesystem needs room for "
                        r"N\+1 checkpoints, so it helps only where two fit"):
         sd._check_space(facts, "the checkpoint of step 4")
+
+
+def test_a_newcomers_hour(tmp_path, capfd):
+    """Item 11 (the parts in this area): --version; help without markup or source paths; `configs` lists the model
+    configs and not the planner's targets.json; a CPU run's plain line says GFLOP/s per rank, not per GPU; an export's
+    config sets dtype (torch_dtype is deprecated)."""
+    import torch
+
+    from ds_longctx import cli
+    from ds_longctx._version import __version__
+    from ds_longctx.metrics import plain_line
+
+    assert cli.main(["--version"]) == 0 and capfd.readouterr().out == f"ds-longctx {__version__}\n"
+    assert cli.main(["--help"]) == 0
+    out = capfd.readouterr().out
+    assert "``" not in out and ".py" not in out.replace("train.py", "") and "ds-longctx launch" in out, out
+    assert cli.main(["configs"]) == 0
+    out = capfd.readouterr().out
+    assert "  models/tiny-llama.json" in out and "targets.json" not in out and "  tiny-cpu.json" in out, out
+    rec = {"step": 3, "loss": 1.0, "tokens_per_s": 10.0, "tflops": 0.002, "peak_mem_bytes": 1, "step_time_s": 1.0}
+    line = plain_line(rec, 10)
+    assert ("2.00 GFLOP/s/rank" if not torch.cuda.is_available() else "2.00 GFLOP/s/GPU") in line, line
+
+    from transformers import LlamaConfig
+
+    from ds_longctx.checkpoint import _write_hf
+
+    cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1)
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_config(cfg).state_dict()
+    capfd.readouterr()
+    _write_hf(str(tmp_path / "hf"), sd, cfg, dtype=torch.bfloat16)
+    assert "torch_dtype" not in capfd.readouterr().err  # transformers logs "`torch_dtype` is deprecated!" once
+    saved = json.load(open(tmp_path / "hf" / "config.json"))
+    assert saved.get("dtype", saved.get("torch_dtype")) == "bfloat16", saved
