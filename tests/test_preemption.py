@@ -1,5 +1,5 @@
 """Preemption and the faults of issue 38, through real launches (CPU, gloo, ZeRO-3, SP 2, ds_configs/tiny-cpu.json,
-a .jsonl file and a local word tokenizer), batched into one test (three jobs side by side, then three):
+a .jsonl file and a local word tokenizer), batched into one test (three jobs side by side, then two):
 
 * the deepspeed runner started as users do (`setsid deepspeed ... &`), SIGUSR1 to its whole process group (what
   SLURM's --signal and most schedulers do): the runner and launch.py die of SIGUSR1's default action; the ranks
@@ -8,8 +8,8 @@ a .jsonl file and a local word tokenizer), batched into one test (three jobs sid
   the second SIGTERM ended them without the save);
 * `ds-longctx launch` (ds_longctx/preemptible.py, what launch/single_node.sh runs) resuming the first job, SIGTERM to
   its process group: every process exits 0 (the wrapper's code is the runner's, which is launch.py's);
-* the three jobs' metrics equal an uninterrupted run's step for step (bit-equal: the same layout), each step once;
-* a resume with another tokenizer (the same words, other ids) is refused naming the tokenizer;
+* the stopped and resumed jobs' metrics equal an uninterrupted run's step for step (bit-equal: the same layout),
+  each step once;
 * --metrics on a full filesystem: the step is saved and the job ends naming the file; the file holds whole lines;
   after space is freed, --resume auto continues it without a duplicate step;
 * `ds-longctx convert` killed with -9: its pool workers end with it, the next conversion removes its partial
@@ -110,7 +110,7 @@ def _metrics_error_run(tmp_path, common, mnt):
 
 
 def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path, request):
-    tok, rev = _tokenizer(tmp_path / "tok"), _tokenizer(tmp_path / "rev", reverse=True)
+    tok = _tokenizer(tmp_path / "tok")
     common = ["--seq-len", "64", "--eval-samples", "0", "--log-every", "0", "--data", _data(tmp_path / "d.jsonl"),
               "--tokenizer", tok]
     go = [*common, "--steps", "100000", "--save-every", "2"]
@@ -121,18 +121,18 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
         mnt = None
     from concurrent.futures import ThreadPoolExecutor
 
-    # side by side: the reference, a group SIGUSR1 and a group SIGTERM to the plain runner, the full metrics disk
-    with ThreadPoolExecutor(4) as pool:
-        ref = pool.submit(run_train, *common, "--steps", "20", "--metrics", str(tmp_path / "ref.jsonl"), timeout=500)
+    # side by side: a group SIGUSR1 and a group SIGTERM to the plain runner (job c, stopped after 18 steps, is the
+    # uninterrupted reference of the others' steps), the full metrics disk
+    with ThreadPoolExecutor(3) as pool:
         full = pool.submit(_metrics_error_run, tmp_path, common, mnt) if mnt else None
         a = pool.submit(_signal_after, _start(tmp_path / "a.log", [*go, "--save", str(a_ck), "--metrics", str(a_m)]),
                         a_m, 3, signal.SIGUSR1)
         c = pool.submit(_signal_after, _start(tmp_path / "c.log", [*go, "--save", str(c_ck), "--metrics", str(c_m)]),
-                        c_m, 3, signal.SIGTERM)
+                        c_m, 18, signal.SIGTERM)
         (a_code, a_out), (c_code, c_out) = a.result(), c.result()
-        ref.result()
         full = full.result() if full else None
-    reference = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ref.jsonl")}
+    reference = {r["step"]: r["loss"] for r in read_metrics(c_m)}
+    assert sorted(reference) == list(range(1, len(reference) + 1)) and len(reference) >= 18, reference
     for name, code, out, ck, metrics, sig in (("a", a_code, a_out, a_ck, a_m, "SIGUSR1"),
                                               ("c", c_code, c_out, c_ck, c_m, "SIGTERM")):
         last = read_metrics(metrics)[-1]["step"]
@@ -145,20 +145,18 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
     # (job c: launch.py's own SIGTERM reaches a rank either merged with the group's, absorbed as the launcher's copy,
     # or after the save; the runner's death is a stop request too: no path ends a rank before the save)
 
-    # then side by side: ds-longctx launch resumes job a and is preempted; job c resumed with another tokenizer;
-    # the full-disk job resumed once the disk has room
+    # then side by side: ds-longctx launch resumes job a and is preempted; the full-disk job resumed once the disk
+    # has room
     a_first = read_metrics(a_m)[-1]["step"]
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         b = pool.submit(_signal_after, _start(tmp_path / "b.log", [*go, "--save", str(a_ck), "--metrics", str(a_m),
                                                                     "--resume", "auto"], wrapper=True),
                         a_m, a_first + 3, signal.SIGTERM)
-        bad_tok = [*common[:-1], rev]
-        d = pool.submit(run_train, *bad_tok, "--steps", "30", "--resume", str(c_ck), check=False, timeout=400)
         if full:
             os.unlink(os.path.join(mnt, "filler"))
             e = pool.submit(run_train, *common, "--steps", str(full_step(full) + 2), "--save",
                             str(tmp_path / "ck_full"), "--resume", "auto", "--metrics", full[2], timeout=400)
-        (b_code, b_out), d = b.result(), d.result()
+        b_code, b_out = b.result()
         e = e.result() if full else None
     last = read_metrics(a_m)[-1]["step"]
     assert b_code == 0, b_out[-3000:]  # the wrapper's code: the runner's, launch.py's, every rank's
@@ -166,16 +164,11 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
     assert b_out.count("exits successfully") == 2, b_out[-3000:]  # launch.py: both ranks exited 0
     assert f"stopped after step {last} on SIGUSR1: saved" in b_out and "ending this rank" not in b_out, b_out[-3000:]
     assert checkpoint.find_resume_tag(str(a_ck))[0] == f"step{last}"
-    # the metrics of three jobs (stopped, resumed, stopped; appended to one file) and of job c: each step once,
-    # equal to the uninterrupted run's
-    for metrics in (a_m, c_m):
-        got = [(r["step"], r["loss"]) for r in read_metrics(metrics)]
-        assert [s for s, _ in got] == list(range(1, len(got) + 1)), got
-        assert all(loss == reference[s] for s, loss in got if s in reference), (got, reference)
-    assert len(read_metrics(a_m)) > a_first + 1  # the resumed job trained
-    d_out = d.stdout + d.stderr
-    assert d.returncode != 0, d_out[-3000:]
-    assert "ds_longctx: error: --resume: " in d_out and "the data differ: tokenizer_sha256 '" in d_out, d_out[-3000:]
+    # the metrics of two jobs (stopped, resumed and stopped; appended to one file): each step once, equal to the
+    # uninterrupted run's (the same layout: the same arithmetic)
+    got = [(r["step"], r["loss"]) for r in read_metrics(a_m)]
+    assert [s for s, _ in got] == list(range(1, last + 1)) and last > a_first + 1 and last <= len(reference), got
+    assert all(loss == reference[s] for s, loss in got), (got, reference)
 
     n_workers, partial = _convert_killed_then_again(a_ck)  # item 7
     assert n_workers >= 2
@@ -190,7 +183,7 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
         # the resumed run continues after the saved step: that step's line (refused by the full disk) stays missing,
         # and is said; no step twice, no broken line
         got = {r["step"]: r["loss"] for r in read_metrics(metrics)}
-        assert sorted(got) == [*range(1, step), step + 1, step + 2], got
+        assert sorted(got) == [*range(1, step), step + 1, step + 2] and step + 2 <= len(reference), got
         assert got == {s: reference[s] for s in got}
         assert f"holds steps up to {step - 1}: steps {step}..{step} (trained before the checkpoint this run " \
                "resumes) have no line" in e.stdout, e.stdout[-3000:]

@@ -94,6 +94,17 @@ def test_tokenizer_content_in_the_data_identity(tmp_path):
     other_eos = tokenizer_content_sha256(AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "e", eos="w2")))
     assert a == moved  # the content, not the path
     assert len({a, reversed_ids, other_eos}) == 3
+    # train.py records it in the data identity of a file (what a resume compares), not of a built-in task
+    import argparse
+
+    from ds_longctx import train
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "w2 w3"}\n')
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "r"))
+    ident = train.data_identity(argparse.Namespace(data=str(data), data_column="text"), tok)
+    assert ident["tokenizer_sha256"] == reversed_ids and ident["column"] == "text", ident
+    assert train.data_identity(argparse.Namespace(data="copy", data_column="text"), tok) == {"task": "copy"}
     flats = [fingerprint({"lr": 1}, {"cli": {"--tokenizer": "tok"}, "tokenizer": sha}) for sha in (a, reversed_ids)]
     err = disagreement(flats, [this_member(0), this_member(1)])
     assert str(err).startswith("tokenizer (the sha256 of its vocabulary, merges and special tokens): differs between "
