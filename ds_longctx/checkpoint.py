@@ -54,6 +54,7 @@ from .layout import zero_stage
 from .models import text_config
 from .planner.model_states import optimizer_states_per_param
 from .planner.units import fmt_bytes
+from .runtime import proc_stat
 
 RECORD_FILE = "ds_longctx_layout.json"   # ds_longctx's record in every tag (the name older runs used)
 HF_CONFIG_DIR = "hf"                      # the model's HF config (+ tokenizer, generation config) in every tag
@@ -932,8 +933,6 @@ def _install_worker_death_signal() -> None:
 def _remove_dead_conversions(path: str, out_tag: str) -> None:
     """Remove the partial conversions of ``out_tag`` a killed process left in ``path`` (``.tmp-<tag>.universal-<host>-
     <pid>``): those of this host whose pid is gone (another host's, or a live one, may still be writing)."""
-    from .runtime import proc_stat
-
     prefix = f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-"
     try:
         entries = os.listdir(path)

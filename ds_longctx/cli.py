@@ -17,10 +17,12 @@ import argparse
 import os
 import sys
 
+from ._version import __version__
 from .checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
 from .errors import ConfigError
 from .models.loading import load_model_config
 from .planner.cli import main as plan_main
+from .preemptible import main as launch_main
 from .train import shipped_configs_dir
 
 _COMMANDS = ("plan", "export", "convert", "configs", "launch")
@@ -91,8 +93,6 @@ def _configs(argv) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("--version", "-V"):
-        from ._version import __version__
-
         print(f"ds-longctx {__version__}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
@@ -102,8 +102,6 @@ def main(argv=None) -> int:
     if cmd == "plan":
         return plan_main(argv)
     if cmd == "launch":
-        from .preemptible import main as launch_main
-
         return launch_main(rest)
     try:
         return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
