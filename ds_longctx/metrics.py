@@ -145,7 +145,7 @@ class StepLog:
         if metrics_path and rank == 0:
             if append:
                 self._good, last = truncate_metrics(metrics_path, start_step)
-                if last < start_step:  # e.g. the step whose line a full disk refused (that run saved it)
+                if 0 < last < start_step:  # e.g. the step whose line a full disk refused (that run saved it)
                     print_line(f"--metrics {metrics_path!r} holds steps up to {last}: steps {last + 1}..{start_step} "
                                "(trained before the checkpoint this run resumes) have no line")
             self.file = os.open(metrics_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC),
