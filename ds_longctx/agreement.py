@@ -196,7 +196,8 @@ def _display_key(k: str) -> str:
     if k.startswith("cli\0"):
         return k[4:]
     if k.endswith("\0"):
-        return f"{k[:-1]} (the data this rank reads)" if k[:-1] == "data" else k[:-1]
+        return {"data": "data (the data this rank reads)",
+                "tokenizer": "tokenizer (the sha256 of its vocabulary, merges and special tokens)"}.get(k[:-1], k[:-1])
     return k
 
 
@@ -205,12 +206,16 @@ _FIXES = {
               "or read it from a shared file system)",
     "cli": "launch every rank with the same arguments",
     "data": "let every rank read the same data (copy the file to every node, or read it from a shared file system)",
+    "tokenizer": "let every rank load the same tokenizer files (copy the tokenizer directory to every node, or read "
+                 "it from a shared file system)",
 }
 
 
 def _kind(k: str) -> str:
     if k.startswith("cli\0"):
         return "cli"
+    if k == "tokenizer\0":
+        return "tokenizer"
     return "data" if k.endswith("\0") else "config"
 
 
@@ -222,7 +227,7 @@ def disagreement(flats: Sequence[Dict[str, str]], roster: Sequence[Member]) -> C
         for k in flat:
             if not k.endswith("\0shown") and k not in keys:
                 keys.append(k)
-    order = {"config": 0, "cli": 1, "data": 2}
+    order = {"config": 0, "cli": 1, "data": 2, "tokenizer": 3}
     differing = sorted((k for k in keys if len({f.get(k) for f in flats}) > 1),
                        key=lambda k: (order[_kind(k)], keys.index(k)))
     parts = []

@@ -55,6 +55,7 @@ from .models import text_config
 from .models.adapters import is_peft_model
 from .planner.model_states import optimizer_states_per_param
 from .planner.units import fmt_bytes
+from .runtime import proc_stat
 
 RECORD_FILE = "ds_longctx_layout.json"   # ds_longctx's record in every tag (the name older runs used)
 HF_CONFIG_DIR = "hf"                      # the model's HF config (+ tokenizer, generation config) in every tag
@@ -506,13 +507,23 @@ class SaveDir:
             if not group:
                 continue
             need = sum(facts[r]["bytes"] for r in group)
+            missing = [r for r in group if facts[r].get("missing")]
+            if missing:  # statvfs of a removed directory would read as 0 B free
+                hosts = sorted({facts[r]["host"] for r in missing})
+                raise ConfigError(self.name, f"{self.path!r} no longer exists on {', '.join(hosts)} (ranks "
+                                  f"{_ranks(missing)}): it was removed or renamed while this run saved to it, with "
+                                  f"its checkpoints and lock; {what} was not written",
+                                  "leave a --save directory in place while its run goes on; start again with --save "
+                                  "on an existing or new directory (with --resume from a copy of the checkpoints, "
+                                  "if one exists)")
             free = min(facts[r]["free"] for r in group)
             if need > free:
                 hosts = sorted({facts[r]["host"] for r in group})
                 raise ConfigError(self.name, f"{self.path!r} has {fmt_bytes(free)} free on {', '.join(hosts)}; {what} of "
                                   f"ranks {_ranks(group)} needs {fmt_bytes(need)} ({need} bytes)",
-                                  "free space there, save to a larger filesystem, or keep fewer checkpoints "
-                                  "(--keep-last)")
+                                  "free space there or save to a larger filesystem (--keep-last N removes older "
+                                  "checkpoints only after each save: the filesystem needs room for N+1 checkpoints, "
+                                  "so it helps only where two fit)")
 
     def close(self) -> None:
         if self._lock_fd is not None:
@@ -541,7 +552,8 @@ class SaveDir:
         t0 = time.monotonic()
         # room for it, on every filesystem, before a byte is written
         facts = _all_gather({"free": _free_bytes(self.path) if os.path.isdir(self.path) else 0,
-                             "bytes": self.per_rank_bytes, "host": socket.gethostname()})
+                             "missing": not os.path.isdir(self.path), "bytes": self.per_rank_bytes,
+                             "host": socket.gethostname()})
         self._check_space(facts, f"the checkpoint of step {step}")
         if rank == 0 and os.path.exists(os.path.join(self.path, tmp)):
             shutil.rmtree(os.path.join(self.path, tmp), ignore_errors=True)
@@ -836,7 +848,9 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
     refusals = []
     sd, cd = saved.get("data"), current.get("data")
     if isinstance(sd, dict) and isinstance(cd, dict):
-        keys = [k for k in sorted(set(sd) | set(cd)) if k != "path" and sd.get(k) != cd.get(k)]
+        # tokenizer_sha256: recorded since the tokenizer is part of the data identity (a record without it resumes)
+        keys = [k for k in sorted(set(sd) | set(cd)) if k != "path" and sd.get(k) != cd.get(k)
+                and not (k == "tokenizer_sha256" and k not in sd)]
         if keys:
             refusals.append(("the data differ: " + ", ".join(f"{k} {sd.get(k)!r} in the checkpoint vs {cd.get(k)!r} "
                                                              "now" for k in keys),
@@ -849,8 +863,10 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
                              "resume with the --data the run trained on"))
     for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed"), ("concat_documents", "--concat-documents")):
         if key in saved and key in current and saved[key] != current[key]:
+            how = ((f"with {flag}" if saved[key] else f"without {flag}") if key == "concat_documents"  # a switch
+                   else f"with {flag} {saved[key]!r}")
             refusals.append((f"{key} {saved[key]!r} in the checkpoint vs {current[key]!r} now (the samples and their "
-                             "order depend on it)", f"resume with {flag} {saved[key]!r}, or start a new run from the "
+                             "order depend on it)", f"resume {how}, or start a new run from the "
                              "weights (ds-longctx export, then --model)"))
     stages = _saved_zero_stages(saved)
     if stages and current.get("zero_stage") not in stages:
@@ -886,6 +902,49 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
     return ResumePlan(path=path, tag=tag, record=saved, note=note, universal=universal, changes=changes, name=name)
 
 
+_converting = False
+_fork_hook = False
+
+
+def _install_worker_death_signal() -> None:
+    """DeepSpeed's ds_to_universal extracts and merges in ``multiprocessing.Pool`` workers (forked), which outlive a
+    conversion killed with -9 (ppid 1, for good). Every process forked while a conversion runs asks the kernel for
+    SIGKILL when its parent dies (PR_SET_PDEATHSIG). Linux; once per process (fork hooks cannot be removed, so the
+    hook checks ``_converting``)."""
+    global _fork_hook
+    if _fork_hook or not sys.platform.startswith("linux") or not hasattr(os, "register_at_fork"):
+        return
+
+    def child():
+        if _converting:
+            try:
+                import ctypes
+                import signal
+
+                ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+                if os.getppid() == 1:  # the parent died between the fork and the prctl
+                    os._exit(1)
+            except (OSError, AttributeError):
+                pass
+
+    os.register_at_fork(after_in_child=child)
+    _fork_hook = True
+
+
+def _remove_dead_conversions(path: str, out_tag: str) -> None:
+    """Remove the partial conversions of ``out_tag`` a killed process left in ``path`` (``.tmp-<tag>.universal-<host>-
+    <pid>``): those of this host whose pid is gone (another host's, or a live one, may still be writing)."""
+    prefix = f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-"
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry[len(prefix):]
+        if entry.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and proc_stat(int(pid)) is None:
+            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+
+
 def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> str:
     """DeepSpeed's ``ds_to_universal`` of ``path/tag`` into ``path/tag.universal`` (written under a temporary
     name, renamed when complete; reused when already there). Returns the universal tag. One process."""
@@ -903,6 +962,7 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
             if json.load(f).get("source_files") == record.get("files"):
                 return out_tag
         shutil.rmtree(out)
+    _remove_dead_conversions(path, out_tag)
     tmp = os.path.join(path, f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.monotonic()
@@ -913,7 +973,10 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
     import io
 
     buf = io.StringIO()
+    global _converting
+    _install_worker_death_signal()
     try:
+        _converting = True  # its multiprocessing pools' workers end with this process (kill -9 included)
         with contextlib.redirect_stdout(buf):  # its progress bars and prints: kept for the error message
             ds_to_universal(args)
     except Exception as e:
@@ -921,6 +984,7 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
         raise ConfigError("checkpoint", f"DeepSpeed's ds_to_universal failed on {src!r} ({type(e).__name__}: "
                           f"{str(e)[:400]})", "resume with the layout the checkpoint was saved with") from None
     finally:
+        _converting = False
         try:  # it writes <parent>/latest_universal naming its output folder (the temporary name): we load by tag
             os.remove(os.path.join(path, "latest_universal"))
         except OSError:
@@ -1049,6 +1113,14 @@ def _clean_config(hf_config):
     return cfg
 
 
+def _config_has_dtype() -> bool:
+    """transformers >= 4.56 names the config's dtype ``dtype`` (``torch_dtype`` warns)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return (major, minor) >= (4, 56)
+
+
 def _write_hf(out_dir: str, state_dict: dict, hf_config, tokenizer=None, dtype=None, generation_config=None,
               max_shard_size: str = "5GB") -> None:
     """transformers' ``save_pretrained`` of ``state_dict`` on an empty (meta) model of ``hf_config``: the
@@ -1059,7 +1131,10 @@ def _write_hf(out_dir: str, state_dict: dict, hf_config, tokenizer=None, dtype=N
     cfg = _clean_config(hf_config)
     if dtype is not None:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-        cfg.torch_dtype = dtype  # what from_pretrained(dtype="auto") picks
+        if _config_has_dtype():
+            cfg.dtype = dtype  # what from_pretrained(dtype="auto") picks (torch_dtype is deprecated since 4.56)
+        else:
+            cfg.torch_dtype = dtype
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     expected = set(model.state_dict())

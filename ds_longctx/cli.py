@@ -1,11 +1,15 @@
-"""``ds-longctx``: the command line.
+"""ds-longctx: the command line.
 
-    ds-longctx plan    --deepspeed_config CFG --model-config CONFIG.json ...   the memory planner (planner/cli.py)
+    ds-longctx plan    --deepspeed_config CFG --model-config CONFIG.json ...   the memory planner
     ds-longctx export  CKPT_DIR OUT_DIR [--tag T] [--dtype auto|bf16|fp16|fp32]  a saved checkpoint -> a HF model
     ds-longctx convert CKPT_DIR [--tag T] [--workers N]    DeepSpeed's universal checkpoint of a tag, beside it
-    ds-longctx configs                                     the shipped ds_configs and where they are
+    ds-longctx configs                                     the shipped ds_configs and model configs, and where
+    ds-longctx launch  [deepspeed args] train.py ...       the deepspeed runner, preemptible: a SIGTERM, SIGUSR1 or
+                                                           Ctrl-C ends with the step saved and every process exit 0
+    ds-longctx --version
 
-Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input (one line naming it and the fix).
+Each command's own --help lists its options. Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input
+(one line naming it and the fix).
 """
 from __future__ import annotations
 
@@ -13,13 +17,15 @@ import argparse
 import os
 import sys
 
+from ._version import __version__
 from .checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
 from .errors import ConfigError
 from .models.loading import load_model_config
 from .planner.cli import main as plan_main
+from .preemptible import main as launch_main
 from .train import shipped_configs_dir
 
-_COMMANDS = ("plan", "export", "convert", "configs")
+_COMMANDS = ("plan", "export", "convert", "configs", "launch")
 
 
 def _export(argv) -> int:
@@ -73,19 +79,30 @@ def _configs(argv) -> int:
         return 2
     print(f"shipped ds_configs in {d} (train.py takes a name: --deepspeed_config tiny-cpu.json):")
     for name in sorted(os.listdir(d)):
-        if name.endswith(".json"):
+        if name.endswith(".json") and name != "targets.json":  # the planner's accelerator figures, not a config
             print(f"  {name}")
+    models = os.path.join(d, "models")
+    if os.path.isdir(models):
+        print(f"model configs (random init: --model-config {os.path.join(models, 'tiny-llama.json')}):")
+        for name in sorted(os.listdir(models)):
+            if name.endswith(".json"):
+                print(f"  models/{name}")
     return 0
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("--version", "-V"):
+        print(f"ds-longctx {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
         return plan_main(argv)
+    if cmd == "launch":
+        return launch_main(rest)
     try:
         return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
     except ConfigError as e:

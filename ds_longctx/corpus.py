@@ -441,6 +441,26 @@ def data_identity(path: str, *, cache_dir: Optional[str] = None, verify: Optiona
         return _identity(path, root, verify)
 
 
+def tokenizer_content_sha256(tokenizer) -> str:
+    """The SHA-256 of what decides a tokenizer's ids, and nothing else (not its path: two nodes may mount the same
+    files at different paths): its vocabulary and merges (a fast tokenizer's whole serialized pipeline, which holds
+    them with its added tokens, normalizer and pre-tokenizer; else the sorted vocabulary) and its special tokens
+    with their ids. Part of the data identity (train.data_identity): every rank agrees on it at start and a resume
+    compares it."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        h.update(backend.to_str().encode())
+    else:
+        h.update(json.dumps(sorted((str(k), int(v)) for k, v in tokenizer.get_vocab().items())).encode())
+    specials = {str(k): [str(v), tokenizer.convert_tokens_to_ids(str(v))] if isinstance(v, str) else str(v)
+                for k, v in (getattr(tokenizer, "special_tokens_map", None) or {}).items()}
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    h.update(json.dumps({"special": specials, "added": sorted((str(t), int(i)) for t, i in added.items())},
+                        sort_keys=True).encode())
+    return h.hexdigest()
+
+
 def tokenizer_fingerprint(tokenizer) -> dict:
     """What decides the ids a tokenizer gives: its serialized pipeline (a fast tokenizer's tokenizer.json, else
     its vocabulary), class, options and EOS, and the library versions (an upgrade rebuilds the cache)."""
@@ -857,6 +877,17 @@ def open_corpus(path: str, tokenizer, seq_len: int, *, documents: bool = True, c
         check_tokenizer_vocab(tokenizer, vocab_size, top=meta["max_id"] if meta["max_id"] >= 0 else None,
                               source=path, name=tokenizer_name)
     ds = CorpusDataset(cache, meta, seq_len, documents)
+    # the text's own tokens: every document is followed by one EOS (when the tokenizer has one); a file whose
+    # documents are empty would otherwise train on EOS-only samples
+    eos = meta["n_docs"] if getattr(tokenizer, "eos_token_id", None) is not None else 0
+    text_tokens = meta["n_tokens"] - eos
+    if text_tokens < seq_len:
+        what = (f"no text tokens: each of its {meta['n_docs']} document(s) is empty (only the end-of-document "
+                f"token)" if text_tokens <= 0 else f"{text_tokens} text tokens besides its {eos} end-of-document "
+                f"tokens, fewer than one sample of {seq_len}")
+        where = f" (column {column!r})" if column and data_kind(path) not in (None, "txt") else ""
+        raise ConfigError(flag, f"{path}{where} has {what}",
+                          "give a file with more text in that column, or a smaller --seq-len")
     if len(ds) == 0:
         raise ConfigError(flag, f"{path} has {meta['n_tokens']} tokens, fewer than one sample of {seq_len}",
                           "use a larger file or a smaller --seq-len")

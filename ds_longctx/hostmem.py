@@ -51,9 +51,23 @@ class HostNeed:
         return self.per_node <= self.budget
 
 
-def host_need(ds_config: dict, spec, model, world: int, budget: Tuple[int, str], local: int) -> HostNeed:
+# the part a run without an accelerator adds: what the planner puts "on the device" lives in host RAM there
+DEVICE_AS_HOST = "device side (host RAM: no CUDA device)"
+
+
+def _no_accelerator() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def host_need(ds_config: dict, spec, model, world: int, budget: Tuple[int, str], local: int,
+              device_is_host: Optional[bool] = None) -> HostNeed:
     """The planner's host bytes per rank for this run (by part); ``budget``: (the node's host bytes, where the
-    figure comes from: initialize._host_budget), ``local``: the ranks on this node (initialize._local_ranks)."""
+    figure comes from: initialize._host_budget), ``local``: the ranks on this node (initialize._local_ranks).
+    ``device_is_host`` (default: no CUDA device): the device side counts as host bytes too (part
+    :data:`DEVICE_AS_HOST`): the model states ZeRO keeps on the device and the checkpointed layer inputs not
+    offloaded (a lower bound: a layer's working activations come on top)."""
     lc = spec.config
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     states = ms.compute(ds_config, ms.ParamInfo(total=int(total), largest_module=0), world)
@@ -61,25 +75,32 @@ def host_need(ds_config: dict, spec, model, world: int, budget: Tuple[int, str],
     seq = lc.sequence_length
     ac = lc.activation_checkpointing
     offloading = ac.enabled and ac.offload != "none"
-    if seq is None or not offloading:
-        return HostNeed(dict(states.host), local, budget, source, seq, 0)
+    device_is_host = _no_accelerator() if device_is_host is None else device_is_host
     mc = getattr(model, "config", None)
     micro = _micro_batch(ds_config)
+    inputs = host_plan.layer_input_bytes(mc, ds_config, lc, seq, micro) if seq is not None and ac.enabled else 0
+    device = states.device_total + states.step_transient_device
+    if ac.enabled and inputs:
+        device += (spec.model.layers - (spec.offloaded_layers if offloading else 0)) * inputs
+    extra = {DEVICE_AS_HOST: device} if device_is_host and device else {}
+    if seq is None or not offloading:
+        return HostNeed(dict(states.host, **extra), local, budget, source, seq, 0)
     dtype = ms._DTYPE_BYTES[ms.model_dtype(ds_config)]
-    inputs = host_plan.layer_input_bytes(mc, ds_config, lc, seq, micro)
     kept = host_plan.kept_attention_bytes(mc, lc, seq, micro, dtype) if spec.kept_attention_layers else 0
     # exact: what the arena will hold (one block per offloaded input, and per kept output and LSE)
     offloaded = spec.offloaded_layers * inputs + spec.offloaded_kept_attention_layers * kept
     per_layer = host_plan.offloaded_bytes_per_layer(mc, ds_config, spec, seq, micro)
     hs = host_plan.host_side(spec, states, offloaded, per_layer, 0, 1 << 62, 0, None, local)
-    return HostNeed(dict(hs.host), local, budget, source, seq, spec.offloaded_layers)
+    return HostNeed(dict(hs.host, **extra), local, budget, source, seq, spec.offloaded_layers)
 
 
 def _problem(need: HostNeed) -> Optional[ConfigError]:
     if need.fits:
         return None
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(need.per_rank.items(), key=lambda kv: -kv[1]) if v)
-    largest = max(need.per_rank, key=lambda k: need.per_rank[k])
+    # the key to name: the largest part a config key moves (the device side of a CPU run is said in the fixes)
+    named = [k for k in need.per_rank if k != DEVICE_AS_HOST and need.per_rank[k]] or list(need.per_rank)
+    largest = max(named, key=lambda k: need.per_rank[k])
     fixes = []
     if "offloaded activations" in need.per_rank:
         fixes.append("offload the layer inputs to NVMe (activation_checkpointing.offload 'nvme' with nvme_path on a "
@@ -88,6 +109,9 @@ def _problem(need: HostNeed) -> Optional[ConfigError]:
     if any(k in need.per_rank for k in ("optimizer", "grads", "params")):
         fixes.append("offload the optimizer / parameters to NVMe instead of the CPU (zero_optimization."
                      "offload_optimizer / offload_param device 'nvme'), or not at all")
+    if DEVICE_AS_HOST in need.per_rank:
+        fixes.append("on a machine without CUDA the device side is host RAM too: shorten sequence_length or "
+                     "micro batch for a CPU run")
     fixes.append("run fewer ranks on this node (or more nodes)")
     fixes.append("set DS_LONGCTX_HOST_MEM to the node's real budget if the figure is wrong (containers)")
     seq = f" at sequence_length {need.seq_len}" if need.seq_len else ""

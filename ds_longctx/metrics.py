@@ -75,6 +75,12 @@ def _fmt_duration(s: float) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def plain_line(rec: dict, total: int, eta_s: Optional[float] = None) -> str:
     """The one-line summary of a step (logs, SLURM output)."""
     parts = [f"step {rec['step']}/{total}", f"loss {rec['loss']:.4f}"]
@@ -84,7 +90,8 @@ def plain_line(rec: dict, total: int, eta_s: Optional[float] = None) -> str:
         parts.append(f"grad norm {rec['grad_norm']:.3g}")
     parts.append(f"{rec['tokens_per_s']:,.0f} tok/s")
     tf = rec["tflops"]
-    parts.append(f"{tf:.1f} TFLOP/s/GPU" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s/GPU")
+    per = "GPU" if _cuda() else "rank"  # a CPU run has no GPU to divide by
+    parts.append(f"{tf:.1f} TFLOP/s/{per}" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s/{per}")
     if rec.get("mfu") is not None:
         parts.append(f"MFU {100 * rec['mfu']:.1f}%")
     parts.append(f"peak {fmt_bytes(rec['peak_mem_bytes'])}")
@@ -94,6 +101,30 @@ def plain_line(rec: dict, total: int, eta_s: Optional[float] = None) -> str:
     if eta_s is not None:
         parts.append(f"eta {_fmt_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def truncate_metrics(path: str, step: int) -> int:
+    """Cut the JSON-lines file ``path`` at its first line that is not a whole record of a step <= ``step``: a resume
+    from ``step`` then appends no duplicate of a step the stopped run logged past its checkpoint, and no line
+    follows a broken one (a write cut by a kill or a full disk). Shrinks in place (needs no free space). Returns
+    the size kept and the last step kept (0: none)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return 0, 0
+    keep = last = 0
+    with f:
+        for line in f:
+            try:
+                rec = json.loads(line) if line.endswith(b"\n") else None
+            except ValueError:
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] > step:
+                break
+            keep, last = keep + len(line), rec["step"]
+    if keep != os.path.getsize(path):
+        os.truncate(path, keep)
+    return keep, last
 
 
 class StepLog:
@@ -108,7 +139,18 @@ class StepLog:
         self.monitor = getattr(engine, "monitor", None)
         if self.monitor is not None and not getattr(self.monitor, "enabled", False):
             self.monitor = None
-        self.file = open(metrics_path, "a" if append else "w") if metrics_path and rank == 0 else None
+        # a raw descriptor (no buffer): a failed write is known at that step, and truncating to the last whole
+        # line (no space needed) leaves no broken line
+        self.path, self.file, self.failed, self._good = metrics_path, None, None, 0
+        if metrics_path and rank == 0:
+            if append:
+                self._good, last = truncate_metrics(metrics_path, start_step)
+                if 0 < last < start_step:  # e.g. the step whose line a full disk refused (that run saved it)
+                    print_line(f"--metrics {metrics_path!r} holds steps up to {last}: steps {last + 1}..{start_step} "
+                               "(trained before the checkpoint this run resumes) have no line")
+            self.file = os.open(metrics_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC),
+                                0o644)
+            self._good = os.lseek(self.file, 0, os.SEEK_END)
         self.bar = None
         if rank == 0 and progress and sys.stdout.isatty():
             from tqdm import tqdm
@@ -120,9 +162,8 @@ class StepLog:
     def step(self, rec: dict) -> None:
         if self.rank != 0:
             return
-        if self.file:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
+        if self.file is not None:
+            self._write(rec)
         self.events(rec)
         if self.bar is not None:
             tf = rec["tflops"]
@@ -134,6 +175,33 @@ class StepLog:
             done = rec["step"] - self._start
             per = (time.monotonic() - self._t0) / done if done > 0 else None
             self.print_line(plain_line(rec, self.total, per * (self.total - rec["step"]) if per else None))
+
+    def _write(self, rec: dict) -> None:
+        """One line; on a failure (ENOSPC, EIO, a quota) the file is cut back to its last whole line, closed, and
+        :attr:`failed` says why: the training loop saves this step and ends the job naming the file."""
+        data = (json.dumps(rec) + "\n").encode()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.file, view):]
+            self._good += len(data)
+        except OSError as e:
+            try:
+                os.ftruncate(self.file, self._good)
+            except OSError:
+                pass
+            self._close_file()
+            self.failed = (f"{self.path!r}: could not write step {rec['step']}'s line ({e.strerror or e}, errno "
+                           f"{e.errno}); the file holds steps up to {rec['step'] - 1}, each line whole")
+            self.print_line(f"--metrics {self.failed}")
+
+    def _close_file(self) -> None:
+        if self.file is not None:
+            try:
+                os.close(self.file)
+            except OSError:
+                pass
+            self.file = None
 
     def events(self, rec: dict) -> None:
         """``rec``'s numeric fields to DeepSpeed's monitor at x = the step (rank 0)."""
@@ -157,9 +225,7 @@ class StepLog:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        if self.file:
-            self.file.close()
-            self.file = None
+        self._close_file()
         if self.monitor is not None and self.rank == 0:
             for m in ("tb_monitor", "csv_monitor", "wandb_monitor", "comet_monitor"):
                 mon = getattr(self.monitor, m, None)

@@ -177,27 +177,56 @@ def _terminate(code: int, message: str) -> None:
 
 
 _TERM_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+# set by launch/preemptible.py (`ds-longctx launch`) for its ranks: its pid (a launcher whose death ends them)
+WRAPPER_ENV = "DS_LONGCTX_LAUNCHER_PID"
 
 
 def _on_signal(signum, frame):
     name = signal.Signals(signum).name
+    if _stop_saved and signum in (signal.SIGTERM, signal.SIGINT):
+        # DeepSpeed's launch.py sends its ranks SIGTERM one after the other, each once the previous one ended: the
+        # later ranks get it after the stop's save, on their way out
+        _terminate(0, f"received {name} after the graceful stop's save ({_stop_saved}): ending this rank (exit 0)")
     _terminate(128 + signum, f"received {name}: ending this rank (exit {128 + signum})")
+
+
+_stop_saved: Optional[str] = None
+
+
+def stop_saved(what: str) -> None:
+    """The training loop saved after a graceful stop (``what``: the tag): a SIGTERM or SIGINT from now on ends
+    this rank with exit 0 (its work is saved)."""
+    global _stop_saved
+    _stop_saved = what
 
 
 # ---------------------------------------------------------------------------------------------
 # a graceful stop: the preemption signal lets the training loop finish its step and save
 # ---------------------------------------------------------------------------------------------
 
-STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+# a SIGTERM/SIGINT that reaches a rank twice within this many seconds, while its parent is DeepSpeed's per-node
+# launch.py, is one request: a signal to the whole process group reaches the rank directly and launch.py, whose
+# handler sends every rank SIGTERM again (deepspeed/launcher/launch.py sigkill_handler, then SIGKILL after 30 s)
+_LAUNCHER_REPEAT_S = 2.0
+# seconds a rank whose launcher died may spend finishing its step and saving before it ends itself (nobody is
+# left to kill it); DS_LONGCTX_ORPHAN_GRACE_S overrides
+_ORPHAN_GRACE_S = 900.0
+# the signal the kernel sends this rank when its parent (the launcher) dies (PR_SET_PDEATHSIG): not SIGTERM, so
+# that the launcher's death during a graceful stop is not taken for a second SIGTERM (which ends the rank at once)
+_LAUNCHER_GONE_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+LAUNCHER_GONE = "the launcher's exit"
 
 
 class _Stop:
-    """What :func:`graceful_stop` installed: the signal that asked for the stop (None while none did), the
-    handlers it replaced, and whether the wakeup thread dispatches (then the Python-level handler must not
-    count the same delivery twice)."""
+    """What :func:`graceful_stop` installed: the signal that asked for the stop (None while none did), when, the
+    handlers it replaced, and whether the launcher's copy of the first signal was absorbed."""
 
     def __init__(self):
         self.signal: Optional[str] = None
+        self.t0 = 0.0
+        self.absorbed = False
         self.previous: Dict[int, Any] = {}
         self.lock = threading.Lock()
 
@@ -205,26 +234,97 @@ class _Stop:
 _stop: Optional[_Stop] = None
 
 
+def _parent_forwards_signals() -> bool:
+    """The parent is DeepSpeed's per-node launch.py (it sends its ranks SIGTERM when it gets SIGINT/SIGTERM)."""
+    return "deepspeed.launcher.launch" in _cmdline(os.getppid())
+
+
+def _say(text: str) -> None:
+    try:
+        _flush()
+        os.write(2, f"{_prefix()}ds_longctx: {text}\n".encode(errors="replace"))
+    except OSError:
+        pass
+
+
+def _request_stop(name: str) -> bool:
+    """Record the first stop request; returns whether this was the first."""
+    import time
+
+    stop = _stop
+    if stop is None:
+        return False
+    with stop.lock:
+        first = stop.signal is None
+        if first:
+            stop.signal, stop.t0 = name, time.monotonic()
+    return first
+
+
 def _on_stop_signal(signum, frame):
-    """First SIGTERM/SIGUSR1: remember it (the loop saves at the end of the step and exits 0). A second
-    SIGTERM, or SIGUSR1 then SIGTERM: end this rank now, as without a graceful stop."""
+    """First SIGTERM/SIGUSR1/SIGINT: remember it (the loop saves at the end of the step and exits 0). Then a
+    SIGTERM or SIGINT ends this rank now, as without a graceful stop, except the launcher's copy of the first
+    one (see ``_LAUNCHER_REPEAT_S``); a repeated SIGUSR1 changes nothing."""
+    import time
+
     stop = _stop
     if stop is None:  # uninstalled meanwhile
         return _on_signal(signum, frame)
     name = signal.Signals(signum).name
+    if _request_stop(name):
+        _say(f"received {name}: finishing this step, saving a checkpoint, then exiting (send SIGTERM again to end "
+             "now, without the save)")
+        return
+    if name not in ("SIGTERM", "SIGINT"):
+        return
     with stop.lock:
-        first = stop.signal is None
-        if first:
-            stop.signal = name
-    if first:
-        try:
-            _flush()
-            os.write(2, f"{_prefix()}ds_longctx: received {name}: finishing this step, saving a checkpoint, then "
-                     "exiting (send SIGTERM again to end now, without the save)\n".encode(errors="replace"))
-        except OSError:
-            pass
-    elif name == "SIGTERM":
-        _on_signal(signum, frame)
+        absorb = (not stop.absorbed and stop.signal in ("SIGTERM", "SIGINT")
+                  and time.monotonic() - stop.t0 < _LAUNCHER_REPEAT_S and _parent_forwards_signals())
+        stop.absorbed = stop.absorbed or absorb
+    if absorb:
+        _say(f"received {name} again from the deepspeed launcher (it forwards the group's signal): the save goes "
+             "on (send SIGTERM again to end now)")
+        return
+    _on_signal(signum, frame)
+
+
+def _on_launcher_gone(pid) -> None:
+    """The launcher (``pid``, or the parent when None) exited. Inside a graceful stop: a stop request (the step is
+    finished and saved; the launcher may have died of the same group signal, e.g. SIGUSR1's default action),
+    bounded by ``_ORPHAN_GRACE_S``. Otherwise: end this rank so that it does not train on as an orphan."""
+    what = f"the launcher process {pid}" if pid else "the launcher (parent) process"
+    if _stop is None:
+        if _stop_saved:
+            _terminate(0, f"{what} exited after the graceful stop's save ({_stop_saved}): ending this rank (exit 0)")
+        _terminate(143, f"{what} exited: ending this rank so that it does not train on as an orphan (exit 143)")
+        return
+    if _orphan_timer_started():
+        return
+    grace = float(os.environ.get("DS_LONGCTX_ORPHAN_GRACE_S", _ORPHAN_GRACE_S))
+    if _request_stop(LAUNCHER_GONE):
+        _say(f"{what} exited: finishing this step, saving a checkpoint, then exiting (at most {grace:.0f} s)")
+    else:
+        _say(f"{what} exited: the save goes on (at most {grace:.0f} s)")
+    t = threading.Timer(grace, _terminate, (143, f"{what} exited and the save did not end within {grace:.0f} s "
+                                            "(DS_LONGCTX_ORPHAN_GRACE_S): ending this rank (exit 143)"))
+    t.daemon = True
+    t.start()
+
+
+_orphan_lock = threading.Lock()
+_orphan_started = False
+
+
+def _orphan_timer_started() -> bool:
+    global _orphan_started
+    with _orphan_lock:
+        started, _orphan_started = _orphan_started, True
+    return started
+
+
+def _on_launcher_gone_signal(signum, frame):
+    if _wakeup_thread is None:
+        _on_launcher_gone(None)
 
 
 def _python_stop_handler(signum, frame):
@@ -236,11 +336,12 @@ def _python_stop_handler(signum, frame):
 
 @contextlib.contextmanager
 def graceful_stop():
-    """While inside: the first SIGTERM or SIGUSR1 (SLURM's ``--signal=USR1@T`` before the time limit, a
-    preemption notice) does not end the rank; it is recorded, and :func:`stop_requested` says so. The
-    training loop checks it at the end of every step on every rank (``stop_requested_anywhere``), saves and
-    exits 0. A second SIGTERM ends the rank at once with its cleanups (a stuck save cannot hold the job).
-    SIGINT (Ctrl-C) still ends the rank at once. Outside: the handlers it replaced are back."""
+    """While inside: the first SIGTERM, SIGUSR1 (SLURM's ``--signal=USR1@T`` before the time limit, a
+    preemption notice) or SIGINT (Ctrl-C), or the launcher's death, does not end the rank; it is recorded, and
+    :func:`stop_requested` says so. The training loop checks it at the end of every step on every rank, saves
+    and exits 0. A second SIGTERM or SIGINT ends the rank at once with its cleanups (a stuck save cannot hold
+    the job), except the deepspeed launcher's copy of the first (``_LAUNCHER_REPEAT_S``); a rank whose
+    launcher died ends itself after ``_ORPHAN_GRACE_S``. Outside: the handlers it replaced are back."""
     global _stop
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("graceful_stop() must be entered in the main thread (signal handlers)")
@@ -287,7 +388,9 @@ def _watch_wakeup_fd(fd: int) -> None:
             handler = signal.getsignal(signum)
             if handler is _python_stop_handler:
                 _on_stop_signal(signum, None)
-            elif signum in names and handler is _on_signal:
+            elif handler is _on_launcher_gone_signal:
+                _on_launcher_gone(None)
+            elif (signum in names or signum == signal.SIGUSR1) and handler is _on_signal:
                 _on_signal(signum, None)
 
 
@@ -309,6 +412,10 @@ def install_signal_handlers() -> bool:
         if current in (signal.SIG_DFL, signal.default_int_handler, None) or current is _on_signal:
             signal.signal(sig, _on_signal)
             installed = True
+    # under `ds-longctx launch` (launch/preemptible.py) the runner and launch.py ignore SIGUSR1 so that it reaches
+    # only the ranks, which inherit the ignore: before the training loop's graceful stop it ends the rank
+    if os.environ.get(WRAPPER_ENV) and signal.getsignal(signal.SIGUSR1) in (signal.SIG_IGN, signal.SIG_DFL):
+        signal.signal(signal.SIGUSR1, _on_signal)
     if installed and _wakeup_thread is None and sys.platform != "win32":
         r, w = os.pipe()
         os.set_blocking(w, False)
@@ -365,7 +472,8 @@ def _ppid_of(pid: int) -> Optional[int]:
 def launcher_chain() -> list:
     """The processes whose death must end this rank: the parent, and when the parent is DeepSpeed's
     per-node ``deepspeed.launcher.launch``, also its parent (the ``deepspeed`` runner: SIGTERM to the
-    runner alone makes it exit without stopping launch.py, whose ranks would train on as orphans)."""
+    runner alone makes it exit without stopping launch.py, whose ranks would train on as orphans), and the
+    ``ds-longctx launch`` wrapper above them (``DS_LONGCTX_LAUNCHER_PID``)."""
     chain = []
     parent = os.getppid()
     if parent <= 1:
@@ -375,13 +483,18 @@ def launcher_chain() -> list:
         grand = _ppid_of(parent)
         if grand and grand > 1:
             chain.append(grand)
+    wrapper = os.environ.get(WRAPPER_ENV, "")
+    if wrapper.isdigit() and int(wrapper) > 1 and int(wrapper) not in chain and proc_stat(int(wrapper)):
+        chain.append(int(wrapper))
     return chain
 
 
 def watch_launcher(interval_s: float = 0.5) -> bool:
-    """End this rank (cleanups run, exit 143) when a process of :func:`launcher_chain` dies: the kernel
-    sends SIGTERM when the parent dies (PR_SET_PDEATHSIG, Linux), and a daemon thread polls the chain
-    every ``interval_s`` (the parent check also covers a parent that died before prctl). Linux only;
+    """React when a process of :func:`launcher_chain` dies: the kernel signals this rank when the parent dies
+    (PR_SET_PDEATHSIG with ``_LAUNCHER_GONE_SIGNAL``, Linux), and a daemon thread polls the chain every
+    ``interval_s`` (the parent check also covers a parent that died before prctl). Outside a graceful stop
+    the rank ends (cleanups run, exit 143) so that it does not train on as an orphan; inside one
+    (``train.py --save``), the step is finished and saved first (:func:`_on_launcher_gone`). Linux only;
     returns whether it is watching."""
     global _watching
     if _watching or not sys.platform.startswith("linux"):
@@ -389,9 +502,13 @@ def watch_launcher(interval_s: float = 0.5) -> bool:
     chain = [(pid, proc_start_time(pid)) for pid in launcher_chain()]
     if not chain:
         return False
+    death_signal = signal.SIGTERM
+    if _LAUNCHER_GONE_SIGNAL is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(_LAUNCHER_GONE_SIGNAL, _on_launcher_gone_signal)
+        death_signal = _LAUNCHER_GONE_SIGNAL
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, int(death_signal), 0, 0, 0)
     except (OSError, AttributeError):
         pass  # the watch thread below still ends the rank
     first_parent = chain[0][0]
@@ -406,8 +523,7 @@ def watch_launcher(interval_s: float = 0.5) -> bool:
             else:
                 gone = next((pid for pid, start in chain if proc_start_time(pid) != start), None)
             if gone is not None:
-                _terminate(143, f"the launcher process {gone} exited: ending this rank so that it does not "
-                           "train on as an orphan (exit 143)")
+                _on_launcher_gone(gone)  # ends the rank, or (graceful stop) arms the orphan deadline
                 return
 
     threading.Thread(target=watch, name="ds_longctx-launcher-watch", daemon=True).start()

@@ -37,7 +37,7 @@ from .agreement import check_agreement
 from .checkpoint import find_resume_tag
 from .compat import check_model_scale
 from .config import check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
-from .corpus import check_data_path, open_corpus
+from .corpus import check_data_path, open_corpus, tokenizer_content_sha256
 from .corpus import data_identity as corpus_identity
 from .data import TASKS, SampleStream, shard_batch
 from .errors import ConfigError
@@ -52,7 +52,7 @@ from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from .planner import planned_work
 from .preflight import reserve_offload_storage
-from .runtime import graceful_stop, stop_requested
+from .runtime import graceful_stop, stop_requested, stop_saved
 from .weights import deterministic_init
 
 
@@ -175,6 +175,12 @@ def _check_writable_file(flag, path):
         raise ConfigError(flag, f"{path!r} is a directory", "give a file path")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
+        existing = parent
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):  # a regular file on the way: mkdir -p would fail too
+            raise ConfigError(flag, f"{existing!r} is a file, not a directory, so {path!r} cannot be created under "
+                              "it", "give a path whose directories are directories")
         raise ConfigError(flag, f"directory {parent!r} does not exist", f"create it (mkdir -p {parent})")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise ConfigError(flag, f"{path!r} is not writable", "give a path this user can write")
@@ -350,12 +356,17 @@ def build_dataset(args, model_config, seq_len, tokenizer, path=None, flag="--dat
                        flag=flag)
 
 
-def data_identity(args):
+def data_identity(args, tokenizer=None):
     """What a resume must find unchanged about the data (the samples and their order follow from it): the task,
-    or the file's content hash and size (corpus.data_identity: hashed once per file version) and the column."""
+    or the file's content hash and size (corpus.data_identity: hashed once per file version), the column and the
+    tokenizer's content (vocabulary, merges, special tokens: corpus.tokenizer_content_sha256), which decides the
+    token ids trained on."""
     if args.data in TASKS:
         return {"task": args.data}
-    return dict(corpus_identity(args.data), column=args.data_column)
+    ident = dict(corpus_identity(args.data), column=args.data_column)
+    if tokenizer is not None:
+        ident["tokenizer_sha256"] = tokenizer_content_sha256(tokenizer)
+    return ident
 
 
 @torch.no_grad()
@@ -452,9 +463,11 @@ def prepare(args) -> Job:
     # the first collective: every rank holds the same ds_config, the same values of every flag that shapes the
     # run (a --save or --save-every that differs would have ranks save at different steps: a hang) and the same
     # data (agreement.py); then the job's watchdog
-    data = data_identity(args)  # hashed once: compared here, recorded in the checkpoints
+    data = data_identity(args, tokenizer)  # hashed once: compared here, recorded in the checkpoints
     values = {"cli": {flag: getattr(args, dest) for flag, dest in AGREED_FLAGS.items()} | {"--seq-len": seq_len},
-              "data": data}
+              "data": {k: v for k, v in data.items() if k != "tokenizer_sha256"}}
+    if tokenizer is not None:  # by content: the same --tokenizer path may hold other files on another node
+        values["tokenizer"] = data.get("tokenizer_sha256") or tokenizer_content_sha256(tokenizer)
     if args.eval_data:  # by content, as --data (two nodes may mount the same file at different paths)
         values["eval_data"] = corpus_identity(args.eval_data)
     check_agreement(ds_config, values=values)
@@ -579,14 +592,27 @@ def train(job: Job):
             last_finite = (step, loss)
             if job.saves:
                 due = args.save_interval and time.monotonic() - last_save >= args.save_interval
-                stopping, due = _agree([stop_requested(), due])  # every rank takes the same branch
-                if stopping or step == args.steps or due or (args.save_every and step % args.save_every == 0):
-                    save(job, step, "preemption signal" if stopping else "last step" if step == args.steps else
-                         "--save-interval" if due else "--save-every")
+                # every rank takes the same branch (the metrics file is rank 0's)
+                stopping, due, metrics_failed = _agree([stop_requested(), due, job.steplog.failed])
+                if stopping or metrics_failed or step == args.steps or due or \
+                        (args.save_every and step % args.save_every == 0):
+                    save(job, step, "preemption signal" if stopping else "the metrics file failed" if metrics_failed
+                         else "last step" if step == args.steps else "--save-interval" if due else "--save-every")
                     last_save = time.monotonic()
+                if metrics_failed:
+                    raise _metrics_error(job, f"step {step} is saved to {job.saves.path}")
                 if stopping:
+                    stop_saved(f"step {step}")
                     return loss, (step, stop_requested() or "a signal on another rank")
+            elif job.steplog.failed:  # rank 0 alone: nothing to save, the job ends here
+                raise _metrics_error(job, "no --save: nothing was saved")
     return loss, None
+
+
+def _metrics_error(job: Job, saved: str) -> ConfigError:
+    what = job.steplog.failed or "the metrics file on rank 0 could not be written (rank 0 names it)"
+    return ConfigError("--metrics", f"{what}; {saved}", "free space on its filesystem or give --metrics another "
+                       "path, then continue with --resume auto (the file is cut back to the resumed step)")
 
 
 def finish(job: Job, loss: float, stopped) -> None:
@@ -600,6 +626,7 @@ def finish(job: Job, loss: float, stopped) -> None:
         if rank == 0:
             info(f"stopped after step {stopped[0]} on {stopped[1]}: saved; continue with --resume {job.saves.path} "
                  "(or --resume auto)")
+            _report_stop(f"step {stopped[0]} saved to {job.saves.path} on {stopped[1]}")
         return
     if job.lc.profile.enabled:
         path = job.profiler.write_summary()
@@ -616,6 +643,18 @@ def finish(job: Job, loss: float, stopped) -> None:
             chance = 1.0 / (job.model.config.vocab_size - 2)
             info(f"final loss {loss:.4f} (no-attention floor ln(V-2) = {job.dataset.chance_loss:.4f}); copy accuracy "
                  f"{acc:.3f} (chance {chance:.3f})")
+
+
+def _report_stop(text: str) -> None:
+    """For ``ds-longctx launch`` (preemptible.py): the graceful stop's save is complete, so that the wrapper exits 0
+    even when the deepspeed runner or launch.py itself was signalled (they exit 1 or die of the signal)."""
+    path = os.environ.get("DS_LONGCTX_STOP_REPORT")
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        except OSError as e:
+            info(f"could not write the stop report {path}: {e}")
 
 
 def main(argv=None):

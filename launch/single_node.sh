@@ -15,4 +15,7 @@ CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config
 # not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
 launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
 launch_tool layout --deepspeed_config "$CFG" --world "$NUM_GPUS"
-exec deepspeed --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" train.py "$@"
+# the deepspeed runner through ds_longctx/preemptible.py (run by path: no torch import): a SIGTERM, SIGUSR1 or Ctrl-C
+# to this script ends with the step finished, a complete save (with --save) and exit 0; a second SIGTERM ends now
+exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/preemptible.py \
+  --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" train.py "$@"

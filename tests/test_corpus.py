@@ -137,7 +137,8 @@ def test_same_samples_as_the_whole_file_path(tmp_path):
     with pytest.raises(ConfigError, match=rf"--tokenizer: has {len(tok)} tokens but the model's vocab_size is {top}: "
                                           rf".*'tok' has {len(tok)} tokens and produced id {top} from .*docs.jsonl"):
         open_corpus(jsonl, tok, 16, vocab_size=top, tokenizer_name="tok")
-    with pytest.raises(ConfigError, match=r"--data: .*docs.jsonl has \d+ tokens, fewer than one sample of 100000"):
+    with pytest.raises(ConfigError, match=r"--data: .*docs.jsonl \(column 'text'\) has \d+ text tokens besides its "
+                       r"21 end-of-document tokens, fewer than one sample of 100000"):
         open_corpus(jsonl, tok, 100_000)
     from ds_longctx.data import TokenFileDataset  # the former name, same samples
 

@@ -1,0 +1,111 @@
+"""``ds-longctx launch``: DeepSpeed's runner, wrapped so that a preemption signal ends in a saved checkpoint with
+every process exiting 0 (standard library only: the shell launchers run this file by path, without importing
+torch).
+
+    ds-longctx launch --num_gpus 2 train.py --deepspeed_config tiny-cpu.json --save ckpt --resume auto
+    launch/single_node.sh ...                       # the same, through this wrapper
+
+Why a wrapper: DeepSpeed's runner (``deepspeed``) and its per-node ``launch.py`` cannot be changed, and neither
+survives a preemption notice. The runner has no handler (SIGTERM or SIGUSR1 end it with rc -15 / 138); launch.py
+dies of SIGUSR1's default action, and on SIGINT/SIGTERM sends every rank SIGTERM, SIGKILL after 30 s, and exits 1
+(deepspeed/launcher/launch.py ``sigkill_handler``). The ranks themselves finish the step and save in every one
+of those cases (ds_longctx/runtime.py), but the runner's exit code is then not 0 and a scheduler would count the
+preempted job as failed.
+
+What the wrapper does: it starts the runner in a session of its own with SIGUSR1 ignored (the runner, launch.py
+and, until the training loop installs its handler, the ranks inherit the ignore), so that a signal to the
+wrapper's process group (a scheduler's, Ctrl-C) reaches only the wrapper. The first SIGTERM, SIGINT, SIGUSR1 or
+SIGHUP is sent on as SIGUSR1 to the runner's whole group: only the ranks act on it (finish the step, save, exit
+0); launch.py then sees every rank exit 0, exits 0, and so does the runner and this wrapper. A second SIGTERM or
+SIGINT sends SIGTERM to the group (the ranks end at once); a third, SIGKILL. A signal sent to the runner or
+launch.py directly still ends them, but the ranks save; the wrapper waits for every process of the group to end
+and exits 0 when rank 0 reported the save of a graceful stop (``DS_LONGCTX_STOP_REPORT``). The ranks watch this
+wrapper's pid (``DS_LONGCTX_LAUNCHER_PID``): kill -9 of the wrapper is their launcher's death.
+
+Exit code: the runner's (0 after a graceful stop), 128+N when it died of signal N without a reported save.
+"""
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+WRAPPER_ENV = "DS_LONGCTX_LAUNCHER_PID"  # runtime.WRAPPER_ENV
+STOP_REPORT_ENV = "DS_LONGCTX_STOP_REPORT"  # train.finish writes it on rank 0 after a graceful stop's save
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+
+
+def _say(text):
+    sys.stderr.write(f"ds-longctx launch: {text}\n")
+    sys.stderr.flush()
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    fd, report = tempfile.mkstemp(prefix="ds_longctx-stop-", suffix=".txt")
+    os.close(fd)
+    os.unlink(report)  # rank 0 creates it after a graceful stop's save
+    env = dict(os.environ, **{WRAPPER_ENV: str(os.getpid()), STOP_REPORT_ENV: report})
+    received = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        name = signal.Signals(signum).name
+        if len(received) == 1:
+            _say(f"received {name}: asking the ranks to finish this step, save a checkpoint and exit (send SIGTERM "
+                 "again to end now)")
+            send = signal.SIGUSR1
+        elif signum == signal.SIGUSR1 or signum == signal.SIGHUP:
+            return
+        else:
+            again = sum(1 for s in received[1:] if s in (signal.SIGTERM, signal.SIGINT))
+            send = signal.SIGTERM if again == 1 else signal.SIGKILL
+            _say(f"received {name} again: ending the job now ({signal.Signals(send).name} to every process)")
+        try:
+            os.killpg(proc.pid, send)
+        except ProcessLookupError:
+            pass
+
+    def child_setup():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", *argv], env=env,
+                            start_new_session=True, preexec_fn=child_setup)
+    for name in _FORWARDED:
+        signal.signal(getattr(signal, name), on_signal)
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:  # pragma: no cover (SIGINT has our handler)
+            continue
+    while _group_alive(proc.pid):  # the ranks of a runner or launch.py that was signalled directly
+        time.sleep(0.2)
+    saved = None
+    if os.path.exists(report):
+        with open(report) as f:
+            saved = f.read().strip()
+        os.unlink(report)
+    if code != 0 and saved:
+        how = f"died of {signal.Signals(-code).name}" if code < 0 else f"exited {code}"
+        _say(f"the deepspeed runner {how}, after the ranks saved ({saved}): exit 0")
+        return 0
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

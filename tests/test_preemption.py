@@ -1,0 +1,231 @@
+"""Preemption and the faults of issue 38, through real launches (CPU, gloo, ZeRO-3, SP 2, ds_configs/tiny-cpu.json,
+a .jsonl file and a local word tokenizer), batched into one test (three jobs side by side, then two):
+
+* the deepspeed runner started as users do (`setsid deepspeed ... &`), SIGUSR1 to its whole process group (what
+  SLURM's --signal and most schedulers do): the runner and launch.py die of SIGUSR1's default action; the ranks
+  finish the step, save and move `latest` (before: launch.py's death ended them, the last --save-every tag stayed);
+* the same with SIGTERM to the group: launch.py sends every rank a second SIGTERM, which the ranks absorb (before:
+  the second SIGTERM ended them without the save);
+* `ds-longctx launch` (ds_longctx/preemptible.py, what launch/single_node.sh runs) resuming the first job, SIGTERM to
+  its process group: every process exits 0 (the wrapper's code is the runner's, which is launch.py's);
+* the stopped and resumed jobs' metrics equal an uninterrupted run's step for step (bit-equal: the same layout),
+  each step once;
+* --metrics on a full filesystem: the step is saved and the job ends naming the file; the file holds whole lines;
+  after space is freed, --resume auto continues it without a duplicate step;
+* `ds-longctx convert` killed with -9: its pool workers end with it, the next conversion removes its partial
+  directory."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_utils import free_port
+from launch_utils import ROOT, TINY_CPU, TRAIN, _env, read_metrics, run_train
+from test_faults import small_tmpfs  # noqa: F401  (fixture)
+
+from ds_longctx import checkpoint
+
+pytestmark = pytest.mark.distributed
+
+PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "preemptible.py")
+
+
+def _tokenizer(path, reverse=False):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    n = 60  # below the tiny model's vocabulary of 64
+    tok = Tokenizer(models.WordLevel({f"w{i}": (n - 1 - i if reverse else i) for i in range(n)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1").save_pretrained(str(path))
+    return str(path)
+
+
+def _data(path):
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(2, 60)}" for _ in range(rng.randrange(20, 200)))})
+                    + "\n")
+    return str(path)
+
+
+def _start(log_path, argv, wrapper=False):
+    """A job in a session of its own, as `setsid deepspeed ... &` (killpg reaches the runner, launch.py and ranks)."""
+    head = [sys.executable, PREEMPTIBLE] if wrapper else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    cmd = [*head, "--num_gpus", "2", "--master_port", str(free_port()), TRAIN, "--deepspeed_config", TINY_CPU,
+           "--no-progress", *argv]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                         start_new_session=True)
+    p.log_path = log_path
+    return p
+
+
+def _steps(metrics):
+    try:
+        return open(metrics).read().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _signal_after(p, metrics, n, sig, timeout=300):
+    """``sig`` to the job's whole process group once ``metrics`` holds ``n`` steps; returns the job's exit code and
+    its output once every process of the group ended."""
+    deadline = time.monotonic() + timeout
+    try:
+        while _steps(metrics) < n:
+            assert p.poll() is None and time.monotonic() < deadline, open(p.log_path).read()[-3000:]
+            time.sleep(0.1)
+        os.killpg(p.pid, sig)
+        code = p.wait(timeout=180)
+        while True:  # the ranks outlive a runner that died of the signal
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline + 180, open(p.log_path).read()[-3000:]
+            time.sleep(0.1)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code, open(p.log_path).read()
+
+
+def _metrics_error_run(tmp_path, common, mnt):
+    """--metrics on a filesystem with room for a few lines: returns (exit code, output, saved step)."""
+    st = os.statvfs(mnt)
+    with open(os.path.join(mnt, "filler"), "wb") as f:  # one page left: about 12 lines of room
+        f.write(b"\0" * ((st.f_bavail - 1) * st.f_frsize))
+    metrics = os.path.join(mnt, "m.jsonl")
+    p = run_train(*common, "--steps", "40", "--save", str(tmp_path / "ck_full"), "--metrics", metrics, check=False,
+                  timeout=400)
+    return p.returncode, p.stdout + p.stderr, metrics
+
+
+def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path, request):
+    tok = _tokenizer(tmp_path / "tok")
+    common = ["--seq-len", "64", "--eval-samples", "0", "--log-every", "0", "--data", _data(tmp_path / "d.jsonl"),
+              "--tokenizer", tok]
+    go = [*common, "--steps", "100000", "--save-every", "2"]
+    a_ck, c_ck, a_m, c_m = tmp_path / "ck_a", tmp_path / "ck_c", tmp_path / "a.jsonl", tmp_path / "c.jsonl"
+    try:
+        mnt = request.getfixturevalue("small_tmpfs")
+    except pytest.skip.Exception:
+        mnt = None
+    from concurrent.futures import ThreadPoolExecutor
+
+    # side by side: a group SIGUSR1 and a group SIGTERM to the plain runner (job c, stopped after 18 steps, is the
+    # uninterrupted reference of the others' steps), the full metrics disk
+    with ThreadPoolExecutor(3) as pool:
+        full = pool.submit(_metrics_error_run, tmp_path, common, mnt) if mnt else None
+        a = pool.submit(_signal_after, _start(tmp_path / "a.log", [*go, "--save", str(a_ck), "--metrics", str(a_m)]),
+                        a_m, 3, signal.SIGUSR1)
+        c = pool.submit(_signal_after, _start(tmp_path / "c.log", [*go, "--save", str(c_ck), "--metrics", str(c_m)]),
+                        c_m, 18, signal.SIGTERM)
+        (a_code, a_out), (c_code, c_out) = a.result(), c.result()
+        full = full.result() if full else None
+    reference = {r["step"]: r["loss"] for r in read_metrics(c_m)}
+    assert sorted(reference) == list(range(1, len(reference) + 1)) and len(reference) >= 18, reference
+    for name, code, out, ck, metrics, sig in (("a", a_code, a_out, a_ck, a_m, "SIGUSR1"),
+                                              ("c", c_code, c_out, c_ck, c_m, "SIGTERM")):
+        last = read_metrics(metrics)[-1]["step"]
+        assert code == -getattr(signal, sig), (name, code, out[-3000:])  # the runner: DeepSpeed's, no handler
+        for r in (0, 1):
+            assert f"[rank {r}] ds_longctx: received {sig}: finishing this step, saving a checkpoint" in out, out[-3000:]
+        assert f"stopped after step {last} on {sig}: saved; continue with --resume {ck}" in out, out[-3000:]
+        assert "ending this rank" not in out and "Traceback" not in out, out[-3000:]
+        assert checkpoint.find_resume_tag(str(ck))[0] == f"step{last}", (name, os.listdir(ck))
+    # (job c: launch.py's own SIGTERM reaches a rank either merged with the group's, absorbed as the launcher's copy,
+    # or after the save; the runner's death is a stop request too: no path ends a rank before the save)
+
+    # then side by side: ds-longctx launch resumes job a and is preempted; the full-disk job resumed once the disk
+    # has room
+    a_first = read_metrics(a_m)[-1]["step"]
+    with ThreadPoolExecutor(2) as pool:
+        b = pool.submit(_signal_after, _start(tmp_path / "b.log", [*go, "--save", str(a_ck), "--metrics", str(a_m),
+                                                                    "--resume", "auto"], wrapper=True),
+                        a_m, a_first + 3, signal.SIGTERM)
+        if full:
+            os.unlink(os.path.join(mnt, "filler"))
+            e = pool.submit(run_train, *common, "--steps", str(full_step(full) + 2), "--save",
+                            str(tmp_path / "ck_full"), "--resume", "auto", "--metrics", full[2], timeout=400)
+        b_code, b_out = b.result()
+        e = e.result() if full else None
+    last = read_metrics(a_m)[-1]["step"]
+    assert b_code == 0, b_out[-3000:]  # the wrapper's code: the runner's, launch.py's, every rank's
+    assert "ds-longctx launch: received SIGTERM: asking the ranks to finish this step, save a checkpoint" in b_out
+    assert b_out.count("exits successfully") == 2, b_out[-3000:]  # launch.py: both ranks exited 0
+    assert f"stopped after step {last} on SIGUSR1: saved" in b_out and "ending this rank" not in b_out, b_out[-3000:]
+    assert checkpoint.find_resume_tag(str(a_ck))[0] == f"step{last}"
+    # the metrics of two jobs (stopped, resumed and stopped; appended to one file): each step once, equal to the
+    # uninterrupted run's (the same layout: the same arithmetic)
+    got = [(r["step"], r["loss"]) for r in read_metrics(a_m)]
+    assert [s for s, _ in got] == list(range(1, last + 1)) and last > a_first + 1 and last <= len(reference), got
+    assert all(loss == reference[s] for s, loss in got), (got, reference)
+
+    n_workers, partial = _convert_killed_then_again(a_ck)  # item 7
+    assert n_workers >= 2
+
+    if full:
+        code, out, metrics = full
+        step = full_step(full)
+        assert code != 0, out[-3000:]
+        assert f"ds_longctx: error: --metrics: {metrics!r}: could not write step {step}'s line (No space left on " \
+               f"device, errno 28); the file holds steps up to {step - 1}, each line whole; step {step} is saved to " \
+               in out and "Traceback" not in out, out[-3000:]
+        # the resumed run continues after the saved step: that step's line (refused by the full disk) stays missing,
+        # and is said; no step twice, no broken line
+        got = {r["step"]: r["loss"] for r in read_metrics(metrics)}
+        assert sorted(got) == [*range(1, step), step + 1, step + 2] and step + 2 <= len(reference), got
+        assert got == {s: reference[s] for s in got}
+        assert f"holds steps up to {step - 1}: steps {step}..{step} (trained before the checkpoint this run " \
+               "resumes) have no line" in e.stdout, e.stdout[-3000:]
+
+
+def _convert_killed_then_again(ck):
+    """`ds-longctx convert` killed with -9 once its worker pool runs: no worker outlives it; the next conversion
+    removes the partial directory and completes."""
+    import psutil
+
+    cmd = [sys.executable, "-c", "import sys; from ds_longctx.cli import main; sys.exit(main())", "convert", str(ck),
+           "--workers", "4"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    parent, workers = psutil.Process(p.pid), []
+    deadline = time.monotonic() + 240
+    while len(workers) < 2 and p.poll() is None and time.monotonic() < deadline:
+        try:  # the pool's forked workers (the same command line), not a helper command the imports run
+            me = parent.cmdline()
+            workers = [c for c in parent.children() if c.cmdline() == me]
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.005)
+    if not workers:
+        pytest.fail(f"the conversion ended before its workers could be seen: {p.communicate()[0][-2000:]!r}")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=20)
+    assert not alive, [w.pid for w in alive]
+    partial = [e for e in os.listdir(ck) if e.startswith(".tmp-") and ".universal-" in e]
+    import socket
+
+    tag = checkpoint.find_resume_tag(str(ck))[0]  # the killed one's directory (created here if it had not yet)
+    os.makedirs(os.path.join(ck, f".tmp-{tag}.universal-{socket.gethostname()}-{p.pid}", "x"), exist_ok=True)
+    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr[-3000:]
+    assert not [e for e in os.listdir(ck) if e.startswith(".tmp-")], (partial, os.listdir(ck))
+    return len(workers), partial
+
+
+def full_step(full):
+    import re
+
+    m = re.search(r"could not write step (\d+)'s line", full[1])
+    assert m, full[1][-3000:]
+    return int(m.group(1))
