@@ -4,6 +4,7 @@
     ds-longctx export  CKPT_DIR OUT_DIR [--tag T] [--dtype auto|bf16|fp16|fp32]  a saved checkpoint -> a HF model
     ds-longctx convert CKPT_DIR [--tag T] [--workers N]    DeepSpeed's universal checkpoint of a tag, beside it
     ds-longctx configs                                     the shipped ds_configs and where they are
+    ds-longctx needle  --model DIR --lengths 1K,4K ...     passkey retrieval by length x depth (needle.py; --help)
 
 Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input (one line naming it and the fix).
 """
@@ -19,7 +20,7 @@ from .models.loading import load_model_config
 from .planner.cli import main as plan_main
 from .train import shipped_configs_dir
 
-_COMMANDS = ("plan", "export", "convert", "configs")
+_COMMANDS = ("plan", "export", "convert", "configs", "needle")
 
 
 def _export(argv) -> int:
@@ -86,6 +87,10 @@ def main(argv=None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
         return plan_main(argv)
+    if cmd == "needle":  # under a launcher: deepspeed --no_local_rank ... --module ds_longctx.cli needle ...
+        from .needle import cli as needle_cli
+
+        return needle_cli(rest)
     try:
         return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
     except ConfigError as e:

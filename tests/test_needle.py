@@ -148,3 +148,24 @@ def test_needle_under_sp_and_dp_equals_one_process():
             assert [g["exact_match"] for g in got] == [r["exact_match"] for r in ref], (key, rank)
             for g, r in zip(got, ref):
                 assert math.isclose(g["logprob"], r["logprob"], rel_tol=1e-5, abs_tol=1e-5), (key, rank, g, r)
+
+
+def test_command_one_process(tmp_path, capsys):
+    """ds-longctx needle on a --model-config (random init: train.py's model), with a RoPE scaling and a user's
+    haystack: the table, the JSON and the heatmap; bad flags exit 2 naming the flag."""
+    from ds_longctx.cli import main
+    from ds_longctx.train import default_model_config
+
+    hay = tmp_path / "hay.txt"
+    hay.write_text("A quiet lake under the pines. " * 20)
+    argv = ["needle", "--model-config", default_model_config(), "--lengths", "192,256", "--depths", "0,1",
+            "--haystack", str(hay), "--rope-scaling", "linear:2", "--json", str(tmp_path / "n.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "depth \\ length" in out and "192" in out
+    report = json.loads((tmp_path / "n.json").read_text())
+    assert len(report["results"]) == 4 and report["max_position_embeddings"] == 2 * 65536
+    assert main(argv[:5] + ["--lengths", "1Q"]) == 2
+    assert "--lengths" in capsys.readouterr().err
+    assert main(argv[:3] + ["--checkpoint", str(tmp_path)]) == 2
+    assert "--checkpoint: needs --deepspeed_config" in capsys.readouterr().err
