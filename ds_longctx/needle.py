@@ -381,12 +381,13 @@ def parse_args(argv=None):
                    help="a ds_config (path or shipped name): its sequence_parallel_size, ZeRO stage and long_context "
                    "memory stack run the forward (default: one process, the plain HF model)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="a HF model directory or id (e.g. --save-hf's or ds-longctx export's output)")
     src.add_argument("--model-config", help="a HF config.json: the model train.py builds from it (random init by "
                      "--seed, then --checkpoint's weights)")
-    p.add_argument("--checkpoint", help="a train.py --save directory: its newest complete tag's weights (module only; "
-                   "needs --deepspeed_config with the layout it was saved with, else export it: ds-longctx export)")
+    p.add_argument("--checkpoint", help="a train.py --save directory: its newest complete tag's weights, gathered by "
+                   "DeepSpeed's zero_to_fp32 on every rank (any layout; the full fp32 model in each rank's host "
+                   "memory), its model config unless --model-config")
     p.add_argument("--tag", help="--checkpoint's tag (default: its newest complete one)")
     p.add_argument("--tokenizer", help="tokenizer (default: --model's; none: UTF-8 bytes modulo the vocabulary)")
     p.add_argument("--lengths", default="1K,4K", help="document lengths in tokens (default 1K,4K)")
@@ -404,12 +405,38 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.samples < 1:
         raise ConfigError("--samples", f"must be >= 1, got {a.samples}", "give a number of documents per cell")
-    if a.checkpoint and not a.deepspeed_config:
-        raise ConfigError("--checkpoint", "needs --deepspeed_config (the engine loads the DeepSpeed checkpoint)",
-                          "pass the run's --deepspeed_config, or export it (ds-longctx export) and give --model")
+    if not (a.model or a.model_config or a.checkpoint):
+        raise ConfigError("--model", "no model given", "pass --model DIR, --model-config CONFIG.json or --checkpoint "
+                          "SAVE_DIR")
     if a.haystack and not os.path.isfile(a.haystack):
         raise ConfigError("--haystack", f"{a.haystack!r} is not a file", "give a UTF-8 text file")
     return a
+
+
+def _checkpoint_weights(a):
+    """(the tag's fp32 state dict, its HF config directory) of --checkpoint."""
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
+
+    if a.tag:
+        problem = check_tag(a.checkpoint, a.tag)[1]
+        if problem:
+            raise ConfigError("--tag", problem, "give a complete tag of --checkpoint (default: its newest)")
+        tag = a.tag
+    else:
+        tag = find_resume_tag(a.checkpoint, name="--checkpoint")[0]
+    with contextlib.redirect_stdout(io.StringIO()):
+        sd = get_fp32_state_dict_from_zero_checkpoint(a.checkpoint, tag=tag)
+    return dict(sd), os.path.join(a.checkpoint, tag, HF_CONFIG_DIR)
+
+
+def _side_dir(a) -> str:
+    from .checkpoint import HF_CONFIG_DIR, find_resume_tag
+
+    return os.path.join(a.checkpoint, a.tag or find_resume_tag(a.checkpoint, name="--checkpoint")[0], HF_CONFIG_DIR)
 
 
 def _build(a, ds_config):
@@ -419,9 +446,30 @@ def _build(a, ds_config):
     from .rope_scaling import apply_rope
 
     torch.manual_seed(a.seed)
-    cfg = AutoConfig.from_pretrained(a.model) if a.model else load_model_config(a.model_config)
+    sd = side = None
+    if a.checkpoint:
+        sd, side = _checkpoint_weights(a)
+    if a.model:
+        cfg = AutoConfig.from_pretrained(a.model)
+    elif a.model_config:
+        cfg = load_model_config(a.model_config)
+    elif os.path.isfile(os.path.join(side, "config.json")):
+        cfg = AutoConfig.from_pretrained(side)
+    else:
+        raise ConfigError("--model-config", f"{side!r} holds no HF config (saved before ds_longctx kept one)",
+                          "pass --model-config (the config.json the run trained)")
     apply_rope(cfg, rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
     ctx = contextlib.nullcontext()
+    if sd is not None:  # the full model, its weights loaded, then partitioned by initialize
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=getattr(cfg, "_attn_implementation", None)
+                                                 or "sdpa")
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise ConfigError("--checkpoint", f"its weights do not fit the model (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]})", "pass the --model-config (or --model) the run trained")
+        return model
     if ds_config is not None:
         from .initialize import model_init
 
@@ -458,23 +506,15 @@ def main(argv=None) -> int:
         from .initialize import initialize
 
         engine, *_ = initialize(model=model, config=ds_config)
-        if a.checkpoint:
-            from .checkpoint import find_resume_tag
-
-            tag = a.tag or find_resume_tag(a.checkpoint, name="--checkpoint")[0]
-            try:
-                engine.load_checkpoint(a.checkpoint, tag=tag, load_module_only=True, load_optimizer_states=False,
-                                       load_lr_scheduler_states=False)
-            except Exception as e:  # noqa: BLE001 - DeepSpeed raises several kinds for a layout it cannot load
-                raise ConfigError("--checkpoint", f"DeepSpeed could not load {a.checkpoint} tag {tag} on this "
-                                  f"layout ({type(e).__name__}: {e})", "evaluate with the ds_config and world size "
-                                  "it was saved with, or export it (ds-longctx export DIR OUT) and pass --model OUT") \
-                    from None
     target = engine if engine is not None else model
     if a.tokenizer or a.model:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
+    elif a.checkpoint and os.path.isfile(os.path.join(_side_dir(a), "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(_side_dir(a))
     else:
         tokenizer = ByteTokenizer(text_config(model.config).vocab_size)
     haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
