@@ -133,6 +133,16 @@ def _filler_tokens(tokenizer, n: int, rng: random.Random, text: Optional[str]) -
     return out[:n]
 
 
+def _question_answer(tokenizer, key: str):
+    """The question's and the answer's tokens as the tokenizer splits the two together (a BPE may merge across
+    the boundary); encoded apart when the question's own tokens are not a prefix of the joint ones."""
+    question = _encode(tokenizer, " " + QUESTION)
+    both = _encode(tokenizer, " " + QUESTION + ANSWER.format(key=key))
+    if both[:len(question)] == question and len(both) > len(question):
+        return question, both[len(question):]
+    return question, _encode(tokenizer, ANSWER.format(key=key))
+
+
 def build_cases(tokenizer, lengths: Sequence[int], depths: Sequence[float], seed: int = 0, samples: int = 1,
                 haystack: Optional[str] = None, sp: int = 1) -> List[NeedleCase]:
     """One :class:`NeedleCase` per (length, depth, sample), deterministic by ``seed``. ``haystack``: filler text
@@ -148,8 +158,7 @@ def build_cases(tokenizer, lengths: Sequence[int], depths: Sequence[float], seed
                 rng = random.Random(f"{seed}/{length}/{depth}/{s}")
                 key = str(rng.randrange(10000, 100000))
                 fact = _encode(tokenizer, " " + FACT.format(key=key))
-                question = _encode(tokenizer, " " + QUESTION)
-                answer = _encode(tokenizer, ANSWER.format(key=key))
+                question, answer = _question_answer(tokenizer, key)
                 head = [bos] if bos is not None else []
                 room = length - len(head) - len(fact) - len(question) - len(answer)
                 if room < 0:

@@ -66,6 +66,27 @@ def test_cases_are_deterministic_and_place_the_fact():
     assert "Once upon a time" in tok.decode(user.input_ids.tolist())
 
 
+def test_cases_with_a_bpe_tokenizer():
+    """A byte-level BPE (Llama 3 / GPT-2 style, trained here on the built-in text): exact lengths, the answer's
+    tokens decode to the passkey."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ds_longctx.needle import FACT, FILLER, QUESTION
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = " ".join(FILLER) + " " + FACT.format(key="12345") + " " + QUESTION + " 67890."
+    tok.train_from_iterator([text] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<bos>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>")
+    for c in build_cases(hf, [200, 333], [0, 0.3, 1], seed=1):
+        assert c.input_ids.numel() == c.length and int(c.input_ids[0]) == hf.bos_token_id
+        assert hf.decode(c.input_ids[c.answer_start:].tolist()).strip() == f"{c.key}."
+        assert f"The secret passkey is {c.key}." in hf.decode(c.input_ids.tolist())
+
+
 def test_flags_and_refusals():
     assert parse_lengths("1K,4k,1M,100") == [1024, 4096, 1024 ** 2, 100]
     assert parse_depths("0,0.25,1") == [0.0, 0.25, 1.0]
