@@ -17,6 +17,7 @@ import sys
 from .checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
 from .errors import ConfigError
 from .models.loading import load_model_config
+from .needle import cli as needle_cli
 from .planner.cli import main as plan_main
 from .train import shipped_configs_dir
 
@@ -88,8 +89,6 @@ def main(argv=None) -> int:
     if cmd == "plan":
         return plan_main(argv)
     if cmd == "needle":  # under a launcher: deepspeed --no_local_rank ... --module ds_longctx.cli needle ...
-        from .needle import cli as needle_cli
-
         return needle_cli(rest)
     try:
         return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)

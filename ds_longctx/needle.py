@@ -34,7 +34,17 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
+from .comm import control_device, sp_group, sp_rank
+from .config import load_ds_config
 from .errors import ConfigError
+from .initialize import init_distributed, initialize, model_init
+from .models import text_config
+from .models.loading import load_model_config
+from .patch import get_patch
+from .rope_scaling import apply_rope
+from .train import resolve_config_path
+from .weights import deterministic_init
 
 FACT = "The secret passkey is {key}. Remember it. {key} is the secret passkey."
 QUESTION = "What is the secret passkey? The secret passkey is"
@@ -188,11 +198,9 @@ def placement(model):
     model patched by ds_longctx (its spec's group), else one process per replica of the default group."""
     layout = getattr(model, "long_context_layout", None)
     if layout is None:
-        from .patch import get_patch
 
         handle = get_patch(getattr(model, "module", model))
         if handle is not None and handle.spec.sp > 1:
-            from .comm import sp_rank
 
             group, sp = handle.spec.group, handle.spec.sp
             rank = dist.get_rank()
@@ -201,7 +209,6 @@ def placement(model):
         return None, 1, 0, (dist.get_world_size() if live else 1), (dist.get_rank() if live else 0)
     group = None
     if layout.sp > 1:
-        from .comm import sp_group
 
         group = sp_group()
     return group, layout.sp, layout.sp_rank, layout.dp, layout.dp_rank
@@ -269,7 +276,6 @@ def score_cases(model, cases: Sequence[NeedleCase]) -> List[Dict]:
         if training:
             model.train()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from .comm import control_device
 
         t = table.to(control_device())
         dist.all_reduce(t)  # the SP shards of a case and the replicas' cases: each slot held by one rank
@@ -428,7 +434,6 @@ def _checkpoint_weights(a):
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from .checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
 
     if a.tag:
         problem = check_tag(a.checkpoint, a.tag)[1]
@@ -443,7 +448,6 @@ def _checkpoint_weights(a):
 
 
 def _side_dir(a) -> str:
-    from .checkpoint import HF_CONFIG_DIR, find_resume_tag
 
     return os.path.join(a.checkpoint, a.tag or find_resume_tag(a.checkpoint, name="--checkpoint")[0], HF_CONFIG_DIR)
 
@@ -451,8 +455,6 @@ def _side_dir(a) -> str:
 def _build(a, ds_config):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .models.loading import load_model_config
-    from .rope_scaling import apply_rope
 
     torch.manual_seed(a.seed)
     sd = side = None
@@ -480,28 +482,22 @@ def _build(a, ds_config):
                               f"{unexpected[:3]})", "pass the --model-config (or --model) the run trained")
         return model
     if ds_config is not None:
-        from .initialize import model_init
 
         ctx = model_init(ds_config)
     with ctx:
         if a.model:
             return AutoModelForCausalLM.from_pretrained(a.model, config=cfg, attn_implementation="sdpa")
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
-    from .weights import deterministic_init
 
     deterministic_init(model, a.seed)  # train.py's init: the same weights for every layout
     return model
 
 
 def main(argv=None) -> int:
-    from .models import text_config
 
     a = parse_args(argv)
     ds_config = engine = None
     if a.deepspeed_config:
-        from .config import load_ds_config
-        from .initialize import init_distributed
-        from .train import resolve_config_path
 
         ds_config = load_ds_config(resolve_config_path(a.deepspeed_config))
         ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}  # no training
@@ -512,7 +508,6 @@ def main(argv=None) -> int:
     lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
     model = _build(a, ds_config)
     if ds_config is not None:
-        from .initialize import initialize
 
         engine, *_ = initialize(model=model, config=ds_config)
     target = engine if engine is not None else model

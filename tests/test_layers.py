@@ -16,7 +16,7 @@ LAYERS = (
     ("leaves", ("_version", "errors", "config", "loss", "comm", "planner.units", "measure", "measure.fake", "measure.allocator",
                 "measure.flops", "memory.arena", "memory.keep", "memory.tiles")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
-               "models.windows", "models.logits", "models.loading", "layout", "batch", "launch", "corpus", "weights",
+               "models.windows", "models.logits", "models.loading", "rope_scaling", "layout", "batch", "launch", "corpus", "weights",
                "planner.model_states", "planner.rates")),
     ("process and data", ("runtime", "data", "hf_loader", "evaluate", "measure.live_bytes", "checkpoint",
                           "metrics")),
@@ -28,7 +28,7 @@ LAYERS = (
     ("planner and profiler", ("planner", "planner.simulate", "planner.host", "planner.search", "planner.core",
                               "planner.cli", "measure.profiler")),
     ("orchestration", ("", "initialize", "integration", "agreement", "hostmem", "watchdog", "preflight")),
-    ("the main job", ("train", "cli")),
+    ("the main job", ("train", "needle", "cli")),
 )
 
 # (module, imported module) -> why the import stays inside a function (a new one fails here until it is hoisted or
