@@ -6,6 +6,7 @@
     ds-longctx configs                                     the shipped ds_configs and model configs, and where
     ds-longctx launch  [deepspeed args] train.py ...       the deepspeed runner, preemptible: a SIGTERM, SIGUSR1 or
                                                            Ctrl-C ends with the step saved and every process exit 0
+    ds-longctx needle  --model DIR --lengths 1K,4K ...     passkey retrieval by length x depth (needle.py; --help)
     ds-longctx --version
 
 Each command's own --help lists its options. Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input
@@ -21,11 +22,12 @@ from ._version import __version__
 from .checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
 from .errors import ConfigError
 from .models.loading import load_model_config
+from .needle import cli as needle_cli
 from .planner.cli import main as plan_main
 from .preemptible import main as launch_main
 from .train import shipped_configs_dir
 
-_COMMANDS = ("plan", "export", "convert", "configs", "launch")
+_COMMANDS = ("plan", "export", "convert", "configs", "launch", "needle")
 
 
 def _export(argv) -> int:
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
         return plan_main(argv)
     if cmd == "launch":
         return launch_main(rest)
+    if cmd == "needle":  # under a launcher: deepspeed --no_local_rank ... --module ds_longctx.cli needle ...
+        return needle_cli(rest)
     try:
         return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
     except ConfigError as e:

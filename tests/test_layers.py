@@ -17,7 +17,7 @@ LAYERS = (
                 "measure.flops", "memory.arena", "memory.keep", "memory.tiles")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
                "models.windows", "models.logits", "models.loading", "models.hybrid", "models.adapters", "models.rope",
-               "models.temperature", "layout", "batch", "launch",
+               "models.temperature", "rope_scaling", "layout", "batch", "launch",
                "corpus", "weights",
                "planner.model_states", "planner.rates")),
     ("process and data", ("runtime", "data", "hf_loader", "evaluate", "measure.live_bytes", "checkpoint",
@@ -30,7 +30,7 @@ LAYERS = (
     ("planner and profiler", ("planner", "planner.simulate", "planner.host", "planner.search", "planner.core",
                               "planner.cli", "measure.profiler")),
     ("orchestration", ("", "initialize", "integration", "agreement", "hostmem", "watchdog", "preflight")),
-    ("the main job", ("train", "cli")),
+    ("the main job", ("train", "needle", "cli")),
 )
 
 # (module, imported module) -> why the import stays inside a function (a new one fails here until it is hoisted or
