@@ -50,6 +50,7 @@ from .measure.profiler import StepProfiler, format_flops
 from .metrics import StepLog, peak_tflops, step_record
 from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
+from .rope_scaling import apply_rope
 from .planner import planned_work
 from .preflight import reserve_offload_storage
 from .runtime import graceful_stop, stop_requested, stop_saved
@@ -162,6 +163,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
     p.add_argument("--allow-beyond-max-position", action="store_true", help="train with --seq-len above the "
                    "model's max_position_embeddings on purpose (context extension); refused otherwise")
+    p.add_argument("--rope-theta", type=float, default=None, help="the model's RoPE base (context extension: e.g. "
+                   "500000 -> 8000000); recorded in the checkpoints and --save-hf's config")
+    p.add_argument("--rope-scaling", default=None, help="RoPE scaling TYPE:FACTOR[,key=value...] (linear, dynamic, "
+                   "yarn, longrope, llama3, proportional; e.g. yarn:4 or "
+                   "llama3:8,low_freq_factor=1,high_freq_factor=4); raises max_position_embeddings by the factor")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (rank 0 still logs the layout, a "
                    "plain line every --log-every steps without a terminal, and the final loss)")
     args = p.parse_args(argv)
@@ -319,15 +325,17 @@ def check_max_position(args, model_config, seq_len):
 # ---------------------------------------------------------------------------------------------
 
 
-def build_model(args, ds_config):
+def build_model(args, ds_config, model_config):
+    """The model of ``model_config`` (prepare's: --rope-theta / --rope-scaling applied): --model's weights, else
+    a deterministic random init."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
     with model_init(ds_config):
         if args.model:
             return hub_load("--model", args.model, lambda: AutoModelForCausalLM.from_pretrained(
-                args.model, attn_implementation="sdpa"))
-        cfg = load_model_config(args.model_config or default_model_config())
+                args.model, config=model_config, attn_implementation="sdpa"))
+        cfg = model_config
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
     deterministic_init(model, args.seed)  # same weights for every SP degree, ZeRO stage, process count
     return model
@@ -396,7 +404,8 @@ AGREED_FLAGS = {"--steps": "steps", "--seed": "seed", "--model": "model", "--mod
                 "--tokenizer": "tokenizer", "--data-column": "data_column", "--concat-documents": "concat_documents",
                 "--eval-every": "eval_every", "--eval-samples": "eval_samples",
                 "--save": "save", "--save-every": "save_every", "--save-interval": "save_interval",
-                "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf"}
+                "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf",
+                "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling"}
 
 
 def _agree(flags):
@@ -449,13 +458,15 @@ def prepare(args) -> Job:
     lc = parse(ds_config)
     seq_len = validate_args(args, lc)
     if not args.model:  # a config far beyond the model (the tiny preset given an 8B config): say so now
-        model_config = load_model_config(args.model_config or default_model_config())
+        model_config = apply_rope(load_model_config(args.model_config or default_model_config()), args.rope_theta,
+                                  args.rope_scaling)
         check_model_scale(lc, model_config, seq_len,
                           f"--model-config {args.model_config}" if args.model_config else None)
     else:
         from transformers import AutoConfig
 
-        model_config = hub_load("--model", args.model, lambda: AutoConfig.from_pretrained(args.model))
+        model_config = apply_rope(hub_load("--model", args.model, lambda: AutoConfig.from_pretrained(args.model)),
+                                  args.rope_theta, args.rope_scaling)
     check_max_position(args, model_config, seq_len)
     tokenizer = load_tokenizer(args)
 
@@ -499,7 +510,7 @@ def prepare(args) -> Job:
 
     if seq_len != lc.sequence_length:  # the planner ("auto"), the host-memory check: the length trained
         ds_config = dict(ds_config, long_context=dict(ds_config.get("long_context") or {}, sequence_length=seq_len))
-    model = build_model(args, ds_config)
+    model = build_model(args, ds_config, model_config)
     dataset = build_dataset(args, model.config, seq_len, tokenizer)
     eval_set = build_dataset(args, model.config, seq_len, tokenizer, path=args.eval_data, flag="--eval-data") \
         if args.eval_data else None

@@ -236,7 +236,7 @@ def _train_and_export(rank, world, tmp):
 
     ds_config = load_ds_config(TINY_CPU)
     args = train.parse_args(["--deepspeed_config", TINY_CPU, "--seq-len", "64"])
-    model = train.build_model(args, ds_config)
+    model = train.build_model(args, ds_config, train.load_model_config(train.default_model_config()))
     engine, *_ = ds_longctx.initialize(model=model, config=ds_config, model_parameters=list(model.parameters()))
     data = LongRangeCopy(64, model.config.vocab_size)
     stream = SampleStream(data, 4, sp_rank=rank, sp_size=2)
