@@ -115,7 +115,9 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     (models.windows.layer_attention). Refuse every model whose attention is something else: chunked
     attention and other layer types, bidirectional attention, and flex_attention under 'untied_ulysses'
     (its BlockMask is built for the local shard; 'ulysses' runs flex layers causal). Never advise dropping
-    a window: the pretrained model attends through it. Layers that are not attention at all (linear attention,
+    a window: the pretrained model attends through it. Chunked attention runs as documents cut at every chunk on
+    'ulysses' and the function-level untied path (the fused path refuses a chunk shorter than the sequence at its
+    first forward, models.windows.not_runnable). Layers that are not attention at all (linear attention,
     Mamba, convolutions: they would mix only their rank's shard) are refused too. A chunked layer whose chunk covers
     ``seq_len`` is exact; the installs check it again per forward with the batch's length
     (models.windows.LayerAttention.runnable)."""
@@ -136,6 +138,8 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     for group in restricted_layers(model_config):
         if group.kind == "sliding_attention" or group.exact_for(seq_len):
             continue  # windows are applied on the gathered sequence (a window covering it is full causal)
+        if group.kind == "chunked_attention" and group.span is not None:
+            continue  # chunks run as documents cut at every chunk (attention.documents.chunk_documents)
         if group.span is None:
             raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
                               "computes causal attention (with sliding windows) over the gathered sequence",

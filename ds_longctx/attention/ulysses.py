@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..models import text_config
 from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
 from . import registry
-from .documents import document_core, is_no_mask
+from .documents import DOCS_KWARG, chunk_documents, document_core, is_no_mask
 from .hf import _check_mask as check_mask, naming_kernel_key
 from .kernels import KernelChoice
 
@@ -67,7 +67,10 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
                               f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
                               "its attention pattern wrongly")
         S = query.shape[2]
-        if not facts.runnable(S):
+        # a chunked layer reaches the core per chunk (ulysses_attention cut its documents at the chunks): a chunk's
+        # tokens, or under flash one sample whose position_ids restart at every chunk (one varlen call)
+        chunked_ok = facts.kind == "chunked_attention" and facts.chunk is not None and (flash or S <= facts.chunk)
+        if not chunked_ok and not facts.runnable(S):
             raise not_runnable(idx, facts, S, "ulysses")
         # a windowed layer takes the windowed kernel at every length (exact when the window covers the sequence):
         # the kernel signatures 'auto' measures with a collective must not depend on a rank's batch length
@@ -93,6 +96,15 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
             return _PatternAttention.apply(query, key, value, backend, scale), None
 
     return attention
+
+
+def _shard_positions(query, group) -> torch.Tensor:
+    """[b, s_local] global token indices of this rank's shard (equal shards in SP-rank order: data.shard_batch)."""
+    import torch.distributed as dist
+
+    s = query.shape[2]
+    rank = dist.get_rank(group) if group is not None else 0
+    return torch.arange(rank * s, (rank + 1) * s, device=query.device).expand(query.shape[0], s)
 
 
 def install_ulysses(model, spec) -> registry.Installation:
@@ -129,6 +141,17 @@ def install_ulysses(model, spec) -> registry.Installation:
         # all-to-all: a model whose attention call lacks them has no Ulysses path
         shapes = tuple((t.shape[1], t.shape[-1]) for t in (query, key, value))  # (heads, head_dim), HF's layout
         expect = ((facts.heads, facts.head_dim), (facts.kv_heads, facts.head_dim), (facts.kv_heads, facts.head_dim))
+        if "position_ids" not in kwargs and shapes == expect:
+            # Llama 4's attention hands its function no position_ids; DeepSpeed gathers them only to give the core
+            # the whole sequence's (flash detects packing from them). ds_longctx's shards are equal and in rank
+            # order, so this shard's are its global token indices; packed documents reach the core as documents
+            kwargs["position_ids"] = _shard_positions(query, spec.group)
+        idx = getattr(module, "layer_idx", None)
+        lf = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
+        if lf.kind == "chunked_attention" and lf.chunk is not None:
+            total = query.shape[2] * spec.sp
+            if lf.chunk < total:  # causal within every chunk (and document): the packed-documents machinery
+                kwargs[DOCS_KWARG] = chunk_documents(kwargs.get(DOCS_KWARG), query.shape[0], total, lf.chunk)
         if "position_ids" not in kwargs or shapes != expect:
             problem = (f"{type(module).__name__} calls its attention function without position_ids, which DeepSpeed's "
                        "Ulysses needs" if "position_ids" not in kwargs else
@@ -144,7 +167,7 @@ def install_ulysses(model, spec) -> registry.Installation:
         if isinstance(attention_mask, torch.Tensor) and not is_no_mask(attention_mask):
             idx = getattr(module, "layer_idx", None)
             window = layers[idx].window if isinstance(idx, int) and 0 <= idx < len(layers) else None
-            check_mask(attention_mask, query.shape[2], window)
+            check_mask(attention_mask, query.shape[2], window, lf.chunk if lf.kind == "chunked_attention" else None)
         out, weights = uattn(module, query, key, value, None, *args, **kwargs)
         # DeepSpeed returns [b, s_local, heads * head_dim]; transformers' attention functions return [b, s, heads,
         # head_dim], which some modules rely on (GPT-2 reshapes by its last two dims, Beam and HRM gate per head)

@@ -251,7 +251,7 @@ class RouterTap:
         return counts.detach().cpu(), probs, rows.detach().cpu().float()
 
     def hook(self, module, args, output):
-        if self.suspended:
+        if self.suspended or is_fake_tensor(output[self.facts.index]):  # the planner's fake run: no values to sum
             return
         if self.backward_grad is not None:  # a tile's recompute in the tiled MLP's backward
             logits = output[self.facts.index].reshape(-1, self.facts.num_experts)
