@@ -59,11 +59,20 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
     heads, kv = shape.heads, shape.kv_heads
     tc = text_config(model_config)
     v_dim = getattr(tc, "v_head_dim", None)
-    if getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim):
+    indexer = next((k for k in ("index_topk", "index_n_heads", "index_head_dim") if getattr(tc, k, None)), None)
+    if indexer is not None and impl != "none":  # DeepSeek's sparse attention indexer (deepseek_v32, glm_moe_dsa)
+        name = getattr(tc, "model_type", None) or type(tc).__name__
+        raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has DeepSeek's sparse attention "
+                          f"indexer ({indexer}={getattr(tc, indexer)}): its top-k key selection per query is not "
+                          f"split by {impl!r}", _NOT_YET_UNDER_SP)
+    mla = getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim)
+    if mla and impl != "ulysses":  # 'ulysses' splits the heads after the up-projections (attention/ulysses.py)
         name = getattr(tc, "model_type", None) or type(tc).__name__
         raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has multi-head latent attention "
                           f"(query/key head dim {getattr(tc, 'qk_head_dim', None) or shape.head_dim}, value head dim "
-                          f"{v_dim}), which {impl!r} does not split", _NOT_YET_UNDER_SP)
+                          f"{v_dim}), which {impl!r} does not split",
+                          "use long_context.attention.implementation 'ulysses' (it splits the heads after the "
+                          f"up-projections); or {_NOT_YET_UNDER_SP}")
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):

@@ -12,8 +12,9 @@ from moe_cases import AUX, batch, build_moe, reference, sp_step
 # PhiMoE is not here: its sparse mixer samples experts in training (refused below, tiled in eval)
 FAMILIES = ("glm4_moe", "deepseek_v3", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "granitemoe",
             "qwen3_5_moe", "mixtral", "qwen3_moe")
-# under SP: every family but deepseek_v3, whose multi-head latent attention 'ulysses' does not split yet
-SP_FAMILIES = tuple(f for f in FAMILIES if f not in ("deepseek_v3", "mixtral", "qwen3_moe"))
+# under SP (mixtral and qwen3_moe are in test_arch_batches.py); deepseek_v3's multi-head latent attention under
+# 'ulysses' (issue 37, item 1: value heads padded to the query/key head dim for DeepSpeed's all-to-all)
+SP_FAMILIES = tuple(f for f in FAMILIES if f not in ("mixtral", "qwen3_moe"))
 
 
 def _patched(model, shards=3):
@@ -138,7 +139,8 @@ UNTIED_STACK = dict(STACK, attention={"implementation": "untied_ulysses", "heads
 # (family, batch kind, attention, router aux loss on) per SP degree: every family of SP_FAMILIES once, packed but
 # one; the auxiliary loss (its sums over the SP group and through the tiles) on four
 SP_CASES = {
-    2: [(f, "packed", "ulysses", False) for f in ("glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe")] +
+    2: [(f, "packed", "ulysses", False) for f in ("glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe",
+                                                  "deepseek_v3")] +
        [("granitemoe", "packed", "ulysses", True), ("minimax_m2", "plain", "ulysses", True),
         ("qwen3_5_moe", "packed", "untied", True)],
     4: [("ernie4_5_moe", "packed", "ulysses", True)],
@@ -225,3 +227,30 @@ def test_router_aux_loss_with_another_balancing_function_is_refused(monkeypatch)
     with pytest.raises(ConfigError) as e:
         _patched(build_moe("granitemoe", **AUX))
     assert str(e.value).startswith("model.config.output_router_logits") and "not Mixtral's" in str(e.value)
+
+
+def test_mla_checks_ulysses_splits_untied_refused_and_the_sparse_indexer_named():
+    """Multi-head latent attention passes the SP check under 'ulysses' (exact at SP=2 in the spawn above); untied
+    still refuses it, naming 'ulysses' as the fix; DeepSeek-V3.2's sparse indexer is refused by name."""
+    import transformers as tf
+
+    from ds_longctx.checks import check_against
+    from ds_longctx.config import parse
+    from eco_cases import config_error
+    from moe_cases import moe_config
+
+    def check(impl, cfg):
+        cfg._attn_implementation = "sdpa"
+        lc = parse({"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": impl}}})
+        return config_error(check_against, lc, cfg, 2)
+
+    assert check("ulysses", moe_config("deepseek_v3")) is None
+    e = check("untied_ulysses", moe_config("deepseek_v3"))
+    assert "multi-head latent attention (query/key head dim 24, value head dim 16)" in e, e
+    assert "implementation 'ulysses'" in e.split("Fix:")[1], e
+    v32 = tf.DeepseekV32Config(**{k: v for k, v in vars(moe_config("deepseek_v3")).items()
+                                  if k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                           "num_hidden_layers", "vocab_size", "qk_rope_head_dim", "qk_nope_head_dim",
+                                           "v_head_dim", "kv_lora_rank")})
+    e = check("ulysses", v32)
+    assert e is not None and "sparse attention indexer (index_topk=" in e, e

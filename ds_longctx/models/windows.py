@@ -151,9 +151,9 @@ def sinks_error(idx, impl: str) -> ConfigError:
     """The refusal of attention sinks (``s_aux``) on an SP path whose kernel would drop them."""
     return ConfigError("model.config._attn_implementation", f"layer {idx} has attention sinks (s_aux, GPT-OSS style), "
                        f"which {impl!r} does not apply with this attention implementation (the SP kernels would "
-                       "silently drop them)", "on a GPU, load the model with attn_implementation='flash_attention_2' "
-                       "(or a kernel with sinks) under implementation 'ulysses', whose flash core applies them; "
-                       "otherwise train with long_context.attention.implementation 'none' at sequence_parallel_size 1")
+                       "silently drop them)", "use long_context.attention.implementation 'ulysses', which applies "
+                       "them from the kernel's LSE (load the model with attn_implementation='flex_attention', or "
+                       "flash_attention_2 on a GPU); or train with implementation 'none' at sequence_parallel_size 1")
 
 
 def is_bidirectional(model_config) -> bool:
