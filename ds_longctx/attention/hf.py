@@ -348,7 +348,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         backend, window = layer_backend(state, module, s * state.sp, query.device, sliding_window, softcap,
                                         chunked_by_documents=chunked)
     if kwargs.get(DOCS_KWARG) is None:  # with documents HF's (packed) mask is redundant: attention runs per document
-        _check_mask(attention_mask, s, window, lf.chunk if chunked else None)
+        _check_mask(attention_mask, s, window, **({"chunk": lf.chunk} if chunked else {}))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     sched = state.schedule
     if (q.shape[2], k.shape[2]) != (sched.heads, sched.kv_heads):

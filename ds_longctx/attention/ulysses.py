@@ -225,7 +225,8 @@ def install_ulysses(model, spec) -> registry.Installation:
         if isinstance(attention_mask, torch.Tensor) and not is_no_mask(attention_mask):
             idx = getattr(module, "layer_idx", None)
             window = layers[idx].window if isinstance(idx, int) and 0 <= idx < len(layers) else None
-            check_mask(attention_mask, query.shape[2], window, lf.chunk if lf.kind == "chunked_attention" else None)
+            check_mask(attention_mask, query.shape[2], window,
+                       **({"chunk": lf.chunk} if lf.kind == "chunked_attention" else {}))
         if v_dim != qk_dim:
             # multi-head latent attention after its up-projections: ordinary heads whose value head dim differs
             # from the query/key one. DeepSpeed's UlyssesSPAttentionHF has one head size for q, k and v (its
