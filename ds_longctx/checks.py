@@ -60,11 +60,20 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
     heads, kv = shape.heads, shape.kv_heads
     tc = text_config(model_config)
     v_dim = getattr(tc, "v_head_dim", None)
-    if getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim):
+    indexer = next((k for k in ("index_topk", "index_n_heads", "index_head_dim") if getattr(tc, k, None)), None)
+    if indexer is not None and impl != "none":  # DeepSeek's sparse attention indexer (deepseek_v32, glm_moe_dsa)
+        name = getattr(tc, "model_type", None) or type(tc).__name__
+        raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has DeepSeek's sparse attention "
+                          f"indexer ({indexer}={getattr(tc, indexer)}): its top-k key selection per query is not "
+                          f"split by {impl!r}", _NOT_YET_UNDER_SP)
+    mla = getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim)
+    if mla and impl != "ulysses":  # 'ulysses' splits the heads after the up-projections (attention/ulysses.py)
         name = getattr(tc, "model_type", None) or type(tc).__name__
         raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has multi-head latent attention "
                           f"(query/key head dim {getattr(tc, 'qk_head_dim', None) or shape.head_dim}, value head dim "
-                          f"{v_dim}), which {impl!r} does not split", _NOT_YET_UNDER_SP)
+                          f"{v_dim}), which {impl!r} does not split",
+                          "use long_context.attention.implementation 'ulysses' (it splits the heads after the "
+                          f"up-projections); or {_NOT_YET_UNDER_SP}")
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):
@@ -117,7 +126,9 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     (models.windows.layer_attention). Refuse every model whose attention is something else: chunked
     attention and other layer types, bidirectional attention, and flex_attention under 'untied_ulysses'
     (its BlockMask is built for the local shard; 'ulysses' runs flex layers causal). Never advise dropping
-    a window: the pretrained model attends through it. Layers that are not attention at all (linear attention,
+    a window: the pretrained model attends through it. Chunked attention runs as documents cut at every chunk on
+    'ulysses' and the function-level untied path (the fused path refuses a chunk shorter than the sequence at its
+    first forward, models.windows.not_runnable). Layers that are not attention at all (linear attention,
     Mamba, convolutions: they would mix only their rank's shard) are refused too. A chunked layer whose chunk covers
     ``seq_len`` is exact; the installs check it again per forward with the batch's length
     (models.windows.LayerAttention.runnable)."""
@@ -140,6 +151,8 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
             continue  # windows are applied on the gathered sequence (a window covering it is full causal)
         if runs_layer_type(model_config, group.kind):
             continue  # split by heads (attention/mixers.py, models/hybrid.py)
+        if group.kind == "chunked_attention" and group.span is not None:
+            continue  # chunks run as documents cut at every chunk (attention.documents.chunk_documents)
         if group.span is None:
             raise ConfigError(key, f"the {name} model has {group.describe()}, which {impl!r} does not run: it "
                               "computes causal attention (with sliding windows) over the gathered sequence",

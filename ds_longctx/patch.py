@@ -11,6 +11,9 @@ from __future__ import annotations
 import types
 from typing import List, Optional
 
+import torch
+import torch.distributed as dist
+
 from . import comm
 from .attention import registry
 from .attention.hf import install_untied
@@ -22,11 +25,12 @@ from .loss import causal_lm_loss_sum, shift_labels_of
 from .memory import apply_memory_stack
 from .memory.checkpointing import decoder_layers
 from .memory.tiling import tiled_causal_lm_loss_sum, tiled_token_fields
-from .models import supported_names
+from .models import supported_names, text_config
 from .models.adapters import hf_model_of
+from .models.logits import classify_forward, decoder_of, logit_transform
+from .models.moe import aux_loss_facts, install_router_tap
 from .models.rope import install as install_global_rope
 from .models.temperature import install as install_temperature, scale_query
-from .models.logits import decoder_of, logit_transform
 from .sp_batch import install_document_forward
 from .spec import LongContextSpec, ModelFacts
 
@@ -45,6 +49,7 @@ class PatchHandle:
         self.document_forward = False  # the packed-documents wrapper around the loss forward
         self.rope = None        # models.rope.RopeInstall: sequence-dependent RoPE on the group's length (SP > 1)
         self.temperature = None  # _Temperature: query scaling by global token index (Llama 4's NoPE layers)
+        self.router_hooks = []  # models.moe.RouterTap's hooks (the router auxiliary loss)
         self.swapped: List[str] = []  # what was swapped in, for print(model)
 
     def remove(self) -> None:
@@ -54,6 +59,9 @@ class PatchHandle:
             # it lets the class's forward show through again
             model.__dict__.pop("forward", None)
             self.loss_forward = self.document_forward = False
+        for h in self.router_hooks:
+            h.remove()
+        self.router_hooks = []
         if self.memory is not None:
             self.memory.remove()
             self.memory = None
@@ -158,6 +166,78 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
         return causal_lm_output(sp_loss(loss_sum, count), logits, tiled.enabled, evaluating=not self.training)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _install_router_aux_loss(model, spec: LongContextSpec, handle: PatchHandle) -> bool:
+    """The model's router auxiliary (load-balancing) loss, when its forward adds one (models.moe.aux_loss_facts),
+    computed as one process computes it: HF's per-expert sums (top-k assignment counts, router-probability sums,
+    rows) taken per shard and per tile by a models.moe.RouterTap and summed over the SP group, so the aux loss is the
+    mean over every token of the global sequence and its gradient each rank's share of it. Outermost wrapper: it sees
+    the caller's attention_mask (HF weights the sums by it). False when the model adds no auxiliary loss."""
+    decoder = decoder_of(model)
+    try:
+        facts = aux_loss_facts(model, classify_forward(type(model))[1], decoder)
+    except ValueError as e:
+        raise ConfigError("model.config.output_router_logits", f"{type(model).__name__} adds a router auxiliary loss "
+                          f"when output_router_logits is true, but {e}", "train this model without ds_longctx, or "
+                          "set output_router_logits=False only if you mean to train without the load-balancing loss "
+                          "(a different objective)") from None
+    if facts is None:
+        return False
+    tap, handle.router_hooks = install_router_tap(decoder, facts)
+    memory = getattr(model, "_ds_longctx_memory", None)
+    if memory is not None and memory.tiling is not None:
+        memory.tiling.tap = tap
+    tc = text_config(model.config)
+    group, sp, grad_scale = spec.group, spec.sp, spec.grad_scale
+    inner = model.forward
+
+    def forward(self, *args, **kwargs):
+        want = kwargs.pop("output_router_logits", None)
+        want = getattr(tc, "output_router_logits", False) if want is None else want
+        if args or not want or (kwargs.get("labels") is None and kwargs.get("shift_labels") is None):
+            return inner(*args, **kwargs)
+        if kwargs.get("fused_lm_head"):
+            raise ConfigError("model.config.output_router_logits", "TRL's fused LM head loss with the router "
+                              "auxiliary loss is not computed by ds_longctx", "set output_router_logits=False for "
+                              "TRL's fused head, or train without use_liger/fused heads")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
+            raise BatchError("batch.attention_mask", "is not a 2-D padding mask, and the router auxiliary loss weights "
+                              "its sums by one", "feed 2-D padding masks (or none) with output_router_logits")
+        tap.reset()
+        tap.weights = None if mask is None else mask.reshape(-1)
+        tap.active = True
+        try:  # HF's own recorder off: it would keep every router call's logits (tiles and probe included)
+            out = inner(**kwargs, output_router_logits=False)
+        finally:
+            tap.active, tap.weights = False, None
+        if tap.tile_probs is not None:  # router calls without autograd outside a tiled Function (eval)
+            tap.probs.append(tap.tile_probs)
+            tap.tile_probs = None
+        out.loss = out.loss + facts.coef * _sp_aux_loss(tap, out.loss.device, group, sp, grad_scale)
+        return out
+
+    model.forward = types.MethodType(forward, model)
+    return True
+
+
+def _sp_aux_loss(tap, device, group, sp: int, grad_scale: float):
+    """HF's load_balancing_loss_func from this shard's sums: value = E * sum((counts / rows) * (probs / rows)) over the
+    SP group's sums (one process); gradient: this shard's probability sums' share, times ``grad_scale`` (as SPLoss)."""
+    e = tap.facts.num_experts
+    probs = sum(tap.probs) if tap.probs else torch.zeros(e, dtype=torch.float32, device=device)
+    probs = probs.to(device)
+    stats = torch.cat([tap.counts.to(device), probs.detach(), tap.rows.to(device).reshape(1)])
+    if group is not None and sp > 1:
+        dist.all_reduce(stats, group=group)
+    counts, total, rows = stats[:e], stats[e:2 * e], stats[2 * e]
+    tap.reset()
+    rows = torch.clamp(rows, min=1.0)
+    tokens_per_expert = counts / rows
+    value = torch.sum(tokens_per_expert * (total / rows).unsqueeze(0)) * e
+    grad_part = torch.sum(tokens_per_expert * (probs / rows).unsqueeze(0)) * e * grad_scale
+    return grad_part + (value - grad_part).detach()
 
 
 def _show_in_repr(model, handle: PatchHandle) -> None:
@@ -276,6 +356,8 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
         own = spec.owns_attention
         install_document_forward(model, spec)
         handle.document_forward = True
+        if _install_router_aux_loss(model, spec, handle):
+            handle.swapped.append("router auxiliary loss=SP-global load-balancing sums")
         handle.swapped.append("documents=" + ("per-document attention" if own else "HF's packed path"))
         tl = lc.tiled_loss
         handle.swapped.append(f"loss=SP token mean (grad_scale={spec.grad_scale}, "

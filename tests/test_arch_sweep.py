@@ -70,7 +70,7 @@ SP2_CASES = {  # at SP=2 (two processes, gloo): type -> (attention, final)
     "jamba": ("untied", "refused"),         # Mamba layers see only their shard: refused, not trained wrong
     "doge": ("ulysses", "refused"),         # its own attention table (was trained on local shards, silently)
     "deepseek_v2": ("untied", "refused"),   # multi-head latent attention (was a gloo size mismatch under untied)
-    "ctrl": ("ulysses", "refused"),         # no position_ids in its attention call (was DeepSpeed's raw assertion)
+    "ctrl": ("ulysses", "exact"),           # no position_ids in its attention call: supplied (the shard's indices)
     "gpt2": ("ulysses", "exact"),           # reshapes the attention output by its last two dims (was a raw error)
     "qwen3_moe": ("untied", "exact"),       # whole stack: its MoE block tiled (per-token routing), HF's no-mask
 }

@@ -17,7 +17,7 @@ LAYERS = (
                 "measure.flops", "memory.arena", "memory.keep", "memory.tiles")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
                "models.windows", "models.logits", "models.loading", "models.hybrid", "models.adapters", "models.rope",
-               "models.temperature", "rope_scaling", "layout", "batch", "launch",
+               "models.temperature", "models.moe", "rope_scaling", "layout", "batch", "launch",
                "corpus", "weights",
                "planner.model_states", "planner.rates")),
     ("process and data", ("runtime", "data", "hf_loader", "evaluate", "measure.live_bytes", "checkpoint",

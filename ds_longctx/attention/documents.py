@@ -112,6 +112,24 @@ class Documents:
 # ---------------------------------------------------------------------------------------------
 
 
+def chunk_documents(docs: Optional["Documents"], batch: int, seq_len: int, chunk: int) -> "Documents":
+    """Chunked attention (Llama 4's 'chunked_attention' layers) as documents: every document of ``docs`` (None: each
+    sample one document of ``seq_len`` tokens) cut again every ``chunk`` tokens from its start, which is where
+    transformers' chunked mask cuts (masking_utils.chunked_overlay: ``q // chunk == kv // chunk`` on the token's
+    position, which for packed documents it remaps to the position inside the document, and-ed with the packed-
+    documents mask). Causal attention within each piece is then exactly the chunked layer, on every path that runs
+    documents."""
+    rows = ([[0, seq_len]] * batch) if docs is None else [[int(v) for v in r] for r in docs.cu.tolist()]
+    out = []
+    for r in rows:
+        cuts = set(r)
+        for a, e in zip(r[:-1], r[1:]):
+            cuts.update(range(a, e, chunk))
+        out.append(sorted(cuts))
+    width = max(len(r) for r in out)
+    return Documents(torch.tensor([r + [seq_len] * (width - len(r)) for r in out], dtype=torch.long))
+
+
 class DocumentBackend(Backend):
     """A kernel backend run per document of head-sharded q/k/v [b, S, h, d] (S = the whole sequence).
 

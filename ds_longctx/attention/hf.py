@@ -40,7 +40,7 @@ from ..models.adapters import effective_linear, fused_adapter_problem
 from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
 from . import kernels, registry
 from .block import untied_attention_block
-from .documents import DOCS_KWARG, is_no_mask
+from .documents import DOCS_KWARG, chunk_documents, is_no_mask
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
 
 logger = logging.getLogger("ds_longctx")
@@ -375,10 +375,16 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         raise NotImplementedError("untied attention needs as many keys as queries (no KV cache); "
                                   "call the model with use_cache=False")
     docs = kwargs.get(DOCS_KWARG)
+    idx = getattr(module, "layer_idx", None)
+    lf = state.layers[idx] if isinstance(idx, int) and 0 <= idx < len(state.layers) else LayerAttention()
+    chunked = lf.kind == "chunked_attention" and lf.chunk is not None
+    if chunked and lf.chunk < s * state.sp:  # causal within every chunk (and document): the documents machinery
+        docs = chunk_documents(docs, query.shape[0], s * state.sp, lf.chunk)
     with naming_kernel_key():
-        backend, window = layer_backend(state, module, s * state.sp, query.device, sliding_window, softcap)
-    if docs is None:  # with documents HF's (packed) mask is redundant: attention runs per document
-        _check_mask(attention_mask, s, window)
+        backend, window = layer_backend(state, module, s * state.sp, query.device, sliding_window, softcap,
+                                        chunked_by_documents=chunked)
+    if kwargs.get(DOCS_KWARG) is None:  # with documents HF's (packed) mask is redundant: attention runs per document
+        _check_mask(attention_mask, s, window, **({"chunk": lf.chunk} if chunked else {}))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     sched = state.schedule
     if (q.shape[2], k.shape[2]) != (sched.heads, sched.kv_heads):
@@ -400,18 +406,20 @@ _LAST_MASK = [None, None, None]  # weakref to the last mask checked, its version
 _UNSET = object()
 
 
-def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET):
+def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNSET, hf_softcap=_UNSET,
+                  chunked_by_documents: bool = False):
     """(backend, the layer's window or None). The kernel backend of ``module``'s layer: the install's kernel
     with the layer's sliding window and soft-cap bound (kernels.KernelChoice.for_layer), from the config
     facts read at install. What the module or transformers passes (``hf_window``, ``hf_softcap``) must agree
     with them. A windowed layer runs its windowed kernel at every length (a window covering the gathered
     sequence is exactly causal attention): which kernel signatures a rank meets must not depend on its batch's
     length, or 'auto''s measuring collective (kernels.MeasuredChoice) would pair different layers of ranks
-    with different lengths. Same verdict on every rank, raised before the layer's first all-to-all."""
+    with different lengths. Same verdict on every rank, raised before the layer's first all-to-all.
+    ``chunked_by_documents``: the caller runs a chunked layer's chunks as documents (the function-level path)."""
     idx = getattr(module, "layer_idx", None)
     layers = state.layers
     facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
-    if not facts.runnable(global_len):
+    if not (chunked_by_documents and facts.kind == "chunked_attention") and not facts.runnable(global_len):
         raise not_runnable(idx, facts, global_len, "untied_ulysses")
     for what, hf, ours in (("sliding_window", hf_window, facts.window), ("softcap", hf_softcap, facts.softcap)):
         if hf is not _UNSET and (hf or None) != ours:
@@ -422,16 +430,17 @@ def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNS
     return state.backend.for_layer(device, facts.window, facts.softcap, where), facts.window
 
 
-def _check_mask(mask, s_local, window=None):
+def _check_mask(mask, s_local, window=None, chunk=None):
     """Accept None or the plain causal mask of the local shard (with the layer's sliding ``window``, as HF
-    builds it for a windowed layer: the kernel applies the window over the gathered sequence); reject
-    padding/packed masks."""
+    builds it for a windowed layer: the kernel applies the window over the gathered sequence; with a chunked
+    layer's ``chunk``, HF's chunked mask of the shard: the chunks run as documents over the gathered sequence);
+    reject padding/packed masks."""
     if mask is None or is_no_mask(mask):  # ds_longctx's forward read the batch's documents (documents.no_mask)
         return
     if not isinstance(mask, torch.Tensor):  # e.g. flex BlockMask
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
     ref, version, verdict = _LAST_MASK
-    if ref is not None and ref() is mask and version == (mask._version, window):  # one mask is shared by layers
+    if ref is not None and ref() is mask and version == (mask._version, window, chunk):  # one mask is shared by layers
         if not verdict:
             raise ValueError(_BAD_MASK)
         return
@@ -443,10 +452,13 @@ def _check_mask(mask, s_local, window=None):
         causal = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).tril(sk - sq)
         if window:
             causal &= ~torch.ones(sq, sk, dtype=torch.bool, device=mask.device).tril(sk - sq - window)
+        if chunk:
+            qi = torch.arange(sk - sq, sk, device=mask.device)
+            causal &= (qi[:, None] // chunk) == (torch.arange(sk, device=mask.device)[None, :] // chunk)
         ok = bool((allowed == causal).all())
     else:
         ok = False
-    _LAST_MASK[:] = [weakref.ref(mask), (mask._version, window), ok]
+    _LAST_MASK[:] = [weakref.ref(mask), (mask._version, window, chunk), ok]
     if not ok:
         raise ValueError(_BAD_MASK)
 

@@ -21,9 +21,9 @@ import torch
 
 from ..errors import ConfigError
 from ..models import text_config
-from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
+from ..models.windows import LayerAttention, layer_attention, not_runnable
 from . import registry
-from .documents import document_core, is_no_mask
+from .documents import DOCS_KWARG, chunk_documents, document_core, is_no_mask
 from .hf import _check_mask as check_mask, naming_kernel_key
 from .kernels import KernelChoice
 
@@ -48,7 +48,48 @@ class _PatternAttention(torch.autograd.Function):
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None
 
 
-def pattern_core(core, impl: str, layers: List, kernel) -> callable:
+class _SinkAttention(torch.autograd.Function):
+    """Attention with a per-head sink logit in the softmax denominator (GPT-OSS's ``sinks``, transformers' ``s_aux``)
+    through one kernels.Backend, exact from the kernel's LSE: with ``lse`` = log of the row's sum of exp(scores),
+    the sink adds exp(sink) to that sum, so lse' = logaddexp(lse, sink) and out' = out * exp(lse - lse') =
+    out * sigmoid(lse - sink). Backward: the kernel's own backward given (out', lse') is the gradient of the softmax
+    including the sink (it recomputes P = exp(scores - lse') and takes rowsum(dout * out') as its delta), and the
+    sink's gradient is -sum over rows of P_sink * rowsum(dout * out'), P_sink = exp(sink - lse'). HF layout q [b, h,
+    S, d], k/v [b, hk, S, d], sinks [h] -> out [b, S, h, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, backend, scale: float):
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        out, lse = backend.forward(qs, ks, vs, True, scale)  # lse fp32 (fp64 for fp64 inputs), [b, h, S]
+        lse_sink = torch.logaddexp(lse, sinks.detach().to(lse.dtype).view(1, -1, 1))
+        out = (out.to(lse.dtype) * torch.exp(lse - lse_sink).transpose(1, 2).unsqueeze(-1)).to(out.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_sink, sinks)
+        ctx.backend, ctx.scale = backend, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse_sink, sinks = ctx.saved_tensors
+        qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        dq, dk, dv = ctx.backend.backward(dout, qs, ks, vs, out, lse_sink, True, ctx.scale)
+        delta = (dout.to(lse_sink.dtype) * out.to(lse_sink.dtype)).sum(-1).transpose(1, 2)  # [b, h, S]
+        p_sink = torch.exp(sinks.detach().to(lse_sink.dtype).view(1, -1, 1) - lse_sink)
+        dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), dsinks, None, None
+
+
+def _rank_sinks(sinks, heads_here: int, group):
+    """This rank's heads' sinks after Ulysses' all-to-all (DeepSpeed gives rank r the query heads
+    [r * h, (r + 1) * h) of the layer's ``sinks``)."""
+    if sinks.shape[0] == heads_here:
+        return sinks
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group) if group is not None else 0
+    return sinks[rank * heads_here:(rank + 1) * heads_here]
+
+
+def pattern_core(core, impl: str, layers: List, kernel, group=None) -> callable:
     """The core attention DeepSpeed's Ulysses calls on the gathered sequence (see the module doc).
 
     ``layers``: models.windows.layer_attention of the model (per layer_idx); ``kernel``: a
@@ -67,7 +108,10 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
                               f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
                               "its attention pattern wrongly")
         S = query.shape[2]
-        if not facts.runnable(S):
+        # a chunked layer reaches the core per chunk (ulysses_attention cut its documents at the chunks): a chunk's
+        # tokens, or under flash one sample whose position_ids restart at every chunk (one varlen call)
+        chunked_ok = facts.kind == "chunked_attention" and facts.chunk is not None and (flash or S <= facts.chunk)
+        if not chunked_ok and not facts.runnable(S):
             raise not_runnable(idx, facts, S, "ulysses")
         # a windowed layer takes the windowed kernel at every length (exact when the window covers the sequence):
         # the kernel signatures 'auto' measures with a collective must not depend on a rank's batch length
@@ -76,7 +120,8 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
             return core(module, query, key, value, None, *args, **kwargs)
         if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
             raise ValueError(f"'ulysses': layer {idx} attends bidirectionally; ds_longctx's SP attention is causal")
-        if window is None and not facts.softcap:
+        sinks = kwargs.get("s_aux")
+        if window is None and not facts.softcap and sinks is None:
             if sdpa is not None:  # flex_attention: its BlockMask was the local shard's; SDPA causal is the same
                 kw = {n: a for n, a in kwargs.items() if n not in ("sliding_window", "softcap", "score_mod")}
                 return sdpa(module, query, key, value, None, *args, **kw)
@@ -90,9 +135,34 @@ def pattern_core(core, impl: str, layers: List, kernel) -> callable:
         scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
         with naming_kernel_key():  # the kernel name came from the config: a refusal names its key
             backend = kernel.for_layer(query.device, window, facts.softcap, f"layer {idx}")
+            if sinks is not None:
+                return _SinkAttention.apply(query, key, value, _rank_sinks(sinks, query.shape[1], group), backend,
+                                            scale), None
             return _PatternAttention.apply(query, key, value, backend, scale), None
 
     return attention
+
+
+def _latent_dims(tc, head_dim: int):
+    """(query/key head dim, value head dim) of the heads the attention function gets: multi-head latent attention
+    (DeepSeek-V2/V3, GLM-4-MoE-Lite, ...) has qk_nope_head_dim + qk_rope_head_dim and v_head_dim after its
+    up-projections; every other model one ``head_dim`` for both."""
+    v = getattr(tc, "v_head_dim", None)
+    if not (getattr(tc, "kv_lora_rank", None) or (isinstance(v, int) and v != head_dim)):
+        return head_dim, head_dim
+    qk = getattr(tc, "qk_head_dim", None)
+    if not isinstance(qk, int):
+        qk = int(getattr(tc, "qk_nope_head_dim", 0) or 0) + int(getattr(tc, "qk_rope_head_dim", 0) or 0)
+    return int(qk), int(v if isinstance(v, int) else head_dim)
+
+
+def _shard_positions(query, group) -> torch.Tensor:
+    """[b, s_local] global token indices of this rank's shard (equal shards in SP-rank order: data.shard_batch)."""
+    import torch.distributed as dist
+
+    s = query.shape[2]
+    rank = dist.get_rank(group) if group is not None else 0
+    return torch.arange(rank * s, (rank + 1) * s, device=query.device).expand(query.shape[0], s)
 
 
 def install_ulysses(model, spec) -> registry.Installation:
@@ -106,18 +176,18 @@ def install_ulysses(model, spec) -> registry.Installation:
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     facts = spec.model
     layers = layer_attention(tc)
-    core = pattern_core(registry.original(impl), impl, layers, KernelChoice("auto"))
+    core = pattern_core(registry.original(impl), impl, layers, KernelChoice("auto"), spec.group)
+    qk_dim, v_dim = _latent_dims(tc, facts.head_dim)
     uattn = UlyssesSPAttentionHF(
         attn=document_core(core, impl), batch_size=1, attn_head_count=facts.heads,
-        attn_head_size=facts.head_dim, kv_head_count=facts.kv_heads, num_hidden_layers=facts.layers,
+        attn_head_size=qk_dim, kv_head_count=facts.kv_heads, num_hidden_layers=facts.layers,
         process_group=spec.group,
         seq_length_is_variable=True)
     # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
     uattn.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if kwargs.get("s_aux") is not None and not impl.startswith("flash_attention"):
-            raise sinks_error(getattr(module, "layer_idx", None), "ulysses")  # before the all-to-all, every rank
+        # sinks (s_aux): applied from the kernel's LSE on the gathered sequence (pattern_core, _SinkAttention)
         bs = query.shape[0]
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
             uattn.batch_size = bs
@@ -128,7 +198,18 @@ def install_ulysses(model, spec) -> registry.Installation:
         # what DeepSpeed's wrapper asserts (and the heads it splits), as our refusal on every rank, before the
         # all-to-all: a model whose attention call lacks them has no Ulysses path
         shapes = tuple((t.shape[1], t.shape[-1]) for t in (query, key, value))  # (heads, head_dim), HF's layout
-        expect = ((facts.heads, facts.head_dim), (facts.kv_heads, facts.head_dim), (facts.kv_heads, facts.head_dim))
+        expect = ((facts.heads, qk_dim), (facts.kv_heads, qk_dim), (facts.kv_heads, v_dim))
+        if "position_ids" not in kwargs and shapes == expect:
+            # Llama 4's attention hands its function no position_ids; DeepSpeed gathers them only to give the core
+            # the whole sequence's (flash detects packing from them). ds_longctx's shards are equal and in rank
+            # order, so this shard's are its global token indices; packed documents reach the core as documents
+            kwargs["position_ids"] = _shard_positions(query, spec.group)
+        idx = getattr(module, "layer_idx", None)
+        lf = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
+        if lf.kind == "chunked_attention" and lf.chunk is not None:
+            total = query.shape[2] * spec.sp
+            if lf.chunk < total:  # causal within every chunk (and document): the packed-documents machinery
+                kwargs[DOCS_KWARG] = chunk_documents(kwargs.get(DOCS_KWARG), query.shape[0], total, lf.chunk)
         if "position_ids" not in kwargs or shapes != expect:
             problem = (f"{type(module).__name__} calls its attention function without position_ids, which DeepSpeed's "
                        "Ulysses needs" if "position_ids" not in kwargs else
@@ -144,11 +225,20 @@ def install_ulysses(model, spec) -> registry.Installation:
         if isinstance(attention_mask, torch.Tensor) and not is_no_mask(attention_mask):
             idx = getattr(module, "layer_idx", None)
             window = layers[idx].window if isinstance(idx, int) and 0 <= idx < len(layers) else None
-            check_mask(attention_mask, query.shape[2], window)
+            check_mask(attention_mask, query.shape[2], window,
+                       **({"chunk": lf.chunk} if lf.kind == "chunked_attention" else {}))
+        if v_dim != qk_dim:
+            # multi-head latent attention after its up-projections: ordinary heads whose value head dim differs
+            # from the query/key one. DeepSpeed's UlyssesSPAttentionHF has one head size for q, k and v (its
+            # all-to-all shapes), so the values go zero-padded to the query/key dim (as transformers' own flash
+            # path for MLA does) and the padding is cut from the output: exact (zero value columns give zero
+            # output columns, and their gradient is dropped)
+            value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
         out, weights = uattn(module, query, key, value, None, *args, **kwargs)
         # DeepSpeed returns [b, s_local, heads * head_dim]; transformers' attention functions return [b, s, heads,
         # head_dim], which some modules rely on (GPT-2 reshapes by its last two dims, Beam and HRM gate per head)
-        return out.view(out.shape[0], out.shape[1], query.shape[1], value.shape[-1]), weights
+        out = out.view(out.shape[0], out.shape[1], query.shape[1], value.shape[-1])
+        return (out[..., :v_dim] if v_dim != qk_dim else out), weights
 
     # Same interception as DeepSpeed's register_with_transformers (the core key is overridden, which
     # keeps every HF branch that tests `_attn_implementation == "flash_attention_2"` etc.), per module.

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
+from ..models.moe import capacity_limit, is_fake_tensor, is_moe_candidate, token_locality_problem
 from .checkpointing import decoder_layers
 from .tiles import each_tile
 
@@ -33,8 +34,9 @@ from .tiles import each_tile
 # forwards verbatim (models.pointwise_mlp_form: LlamaMLP's, Phi3MLP's, NemotronMLP's, PhiMLP's, SeedOssMLP's,
 # Starcoder2MLP's)
 SUPPORTED_MLPS = mlp_class_names()
-SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, and any MLP whose forward is the code of one of "
-                  f"{', '.join(mlp_form_names())}")
+SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, any MLP whose forward is the code of one of "
+                  f"{', '.join(mlp_form_names())}, and any mixture-of-experts block with transformers' experts "
+                  "module whose routing is per token (models.moe)")
 
 
 def is_tileable_mlp(module) -> bool:
@@ -89,30 +91,46 @@ def _mark_ready(params: Sequence[torch.nn.Parameter], ready: bool) -> None:
 
 class TiledRowsFunction(torch.autograd.Function):
     """y = fn(module, x) computed over ``shards`` row tiles of x flattened to [rows, hidden]; backward
-    recomputes one tile at a time. ``fn`` must be pointwise over rows (tokens)."""
+    recomputes one tile at a time. ``fn`` must be pointwise over rows (tokens).
+
+    ``tap``: a models.moe.RouterTap taking the router's load-balancing sums (None: no auxiliary loss). With a tap
+    the Function has a second output, the tiles' router-probability sums per expert; its gradient reaches each
+    tile's recompute in backward (the tap backpropagates the tile's sum with it), so the auxiliary loss is exact
+    without keeping any tile's router logits."""
 
     @staticmethod
-    def forward(ctx, x, fn, module, shards, params):
+    def forward(ctx, x, fn, module, shards, params, tap=None):
         ctx.fn, ctx.module, ctx.shards, ctx.params = fn, module, shards, [p for p in params if p.requires_grad]
+        ctx.tap = tap
         ctx.save_for_backward(x)
         flat = x.reshape(-1, x.shape[-1])
         out = None
         row = 0
         pieces = torch.tensor_split(flat, shards, dim=0)
+        if tap is not None:
+            tap.tile_probs = None
         with torch.no_grad():
             for piece in each_tile(pieces, flat.shape[0], pieces[0].shape[0]):
+                if tap is not None:
+                    tap.rows_at = row
                 y = fn(module, piece)
                 if out is None:  # allocated once the output width and dtype are known
                     out = y.new_empty(flat.shape[0], y.shape[-1])
                 out[row:row + piece.shape[0]].copy_(y)
                 row += piece.shape[0]
                 del y
+        if tap is not None:
+            tap.rows_at = 0
+            probs = tap.tile_probs if tap.tile_probs is not None else \
+                torch.zeros(tap.facts.num_experts, dtype=torch.float32, device=x.device)
+            tap.tile_probs = None
+            return out.view(*x.shape[:-1], out.shape[-1]), probs
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_probs=None):
         (x,) = ctx.saved_tensors
-        fn, module, shards, params = ctx.fn, ctx.module, ctx.shards, ctx.params
+        fn, module, shards, params, tap = ctx.fn, ctx.module, ctx.shards, ctx.params, ctx.tap
         need_x = ctx.needs_input_grad[0]
         flat = x.detach().reshape(-1, x.shape[-1])
         g = grad_out.reshape(-1, grad_out.shape[-1])
@@ -120,22 +138,37 @@ class TiledRowsFunction(torch.autograd.Function):
         try:
             pairs = list(zip(torch.tensor_split(flat, shards, 0), torch.tensor_split(g, shards, 0)))
             _tiles_backward(each_tile(pairs, flat.shape[0], pairs[0][0].shape[0]), fn, module, shards, params, need_x,
-                            x_grad)
+                            x_grad, tap, grad_probs)
         finally:
             _mark_ready(params, True)
-        return (x_grad.view_as(x) if need_x else None), None, None, None, None
+        return (x_grad.view_as(x) if need_x else None), None, None, None, None, None
 
 
-def _tiles_backward(pairs, fn, module, shards, params, need_x, x_grad):
-    """Recompute and backpropagate each (input tile, output-gradient tile); input gradients into x_grad's rows."""
+def _tiles_backward(pairs, fn, module, shards, params, need_x, x_grad, tap=None, grad_probs=None):
+    """Recompute and backpropagate each (input tile, output-gradient tile); input gradients into x_grad's rows. With
+    a tap and a gradient of the router sums, each tile's router sum is backpropagated with it too."""
     row = 0
+    aux = tap is not None and grad_probs is not None
     for i, (piece, g_piece) in enumerate(pairs):
         _mark_ready(params, i == shards - 1)
         piece = piece.detach().requires_grad_(need_x)
-        with torch.enable_grad():
-            y = fn(module, piece)
-        if y.requires_grad:
-            torch.autograd.backward(y, g_piece)
+        if aux:
+            tap.backward_grad, tap.rows_at, tap.pending = grad_probs, row, []
+        try:
+            with torch.enable_grad():
+                y = fn(module, piece)
+        finally:
+            if aux:
+                tap.backward_grad, tap.rows_at = None, 0
+        outs, grads = ([y], [g_piece]) if y.requires_grad else ([], [])
+        if aux:
+            for p, gp in tap.pending:
+                if p.requires_grad:
+                    outs.append(p)
+                    grads.append(gp.to(p.device))
+            tap.pending = []
+        if outs:
+            torch.autograd.backward(outs, grads)
         if need_x and piece.grad is not None:
             x_grad[row:row + piece.shape[0]].copy_(piece.grad)
         row += piece.shape[0]
@@ -151,6 +184,10 @@ def _batched_class_forward(module, x):
     return type(module).forward(module, x.unsqueeze(0)).squeeze(0)
 
 
+def _batched_class_forward_3d(module, x):
+    return type(module).forward(module, x)
+
+
 class TilingState:
     """Shard count of the tiled MLPs, agreed once per model forward (one all-reduce, not one per layer
     per forward and again per recompute) and reused by every layer and by the backward recompute."""
@@ -159,6 +196,8 @@ class TilingState:
         self.shards = shards  # None: "auto", agreed per forward
         self.forward_id = 0
         self._cached = None  # (forward_id, shards)
+        self.probed = {}  # (MoE block class, training, dtype) -> models.moe's verdict (None: token-local)
+        self.tap = None  # models.moe.RouterTap when the model's loss adds the router's auxiliary loss
 
     def new_forward(self, *_):
         self.forward_id += 1
@@ -200,10 +239,33 @@ def _mlp_facts(module):
     return False, ((form.dropout, "dropout") if form is not None and form.dropout else None)
 
 
-def tiled_mlp_forward(module, x, state: TilingState, batched: bool = False, randomness=None):
+def _probe_verdict(module, x, verdicts: dict, tap=None):
+    """models.moe's token-locality probe of ``module``'s class, once per (class, mode, dtype) in one model (its layers
+    share one config; ``verdicts``: the install's cache); a TilingError naming the class when its forward is not per
+    token. Skipped on fake/meta tensors (the planner measures memory only)."""
+    if is_fake_tensor(x):
+        return
+    key = (type(module), module.training, x.dtype)
+    if key not in verdicts:
+        if tap is not None:  # the probe's router calls are not this forward's
+            tap.suspended += 1
+        try:
+            verdicts[key] = token_locality_problem(module, _batched_class_forward_3d, x.shape[-1], x.dtype, x.device)
+        finally:
+            if tap is not None:
+                tap.suspended -= 1
+    problem = verdicts[key]
+    if problem is not None:
+        raise TilingError(f"{type(module).__name__} (a mixture-of-experts block) cannot run in row tiles: {problem}",
+                          "(exact, untiled)")
+
+
+def tiled_mlp_forward(module, x, state: TilingState, batched: bool = False, randomness=None, probe: bool = False):
     shards = state.mlp_shards(x)
     if shards <= 1:  # every rank agreed on 1: the plain forward issues the same collectives everywhere
         return _class_forward(module, x)
+    if probe:  # same probe input and weights on every rank: the same verdict everywhere, before the first tile
+        _probe_verdict(module, x, state.probed, state.tap)
     if randomness is not None and module.training and getattr(module, randomness[0], 0):
         # same verdict on every rank (one config): raised before the tile loop's first ZeRO-3 fetch
         attr, what = randomness
@@ -214,16 +276,35 @@ def tiled_mlp_forward(module, x, state: TilingState, batched: bool = False, rand
                           "different regularisation than the model's config asks for)")
     fn = _batched_class_forward if batched else _class_forward
     params = [p for p in module.parameters() if p.requires_grad]
-    return TiledRowsFunction.apply(x, fn, module, shards, params)
+    tap = state.tap
+    if tap is None or not any(isinstance(m, tap.facts.router_class) for m in module.modules()):
+        return TiledRowsFunction.apply(x, fn, module, shards, params)
+    y, probs = TiledRowsFunction.apply(x, fn, module, shards, params, tap)
+    if tap.active:
+        tap.probs.append(probs)
+    return y
+
+
+def _moe_candidates(model) -> List[torch.nn.Module]:
+    """Decoder-layer MLP children (by HF's naming) that no other rule tiles but that hold transformers' experts
+    module (models.moe.is_moe_candidate): tiled as a whole, after the probe's verdict at their first tiled forward."""
+    out = []
+    for layer in decoder_layers(model):
+        for name, child in layer.named_children():
+            if (layer_role(name) == "mlp" and "forward" not in child.__dict__ and not is_tileable_mlp(child)
+                    and is_moe_candidate(child)):
+                out.append(child)
+    return out
 
 
 def find_mlps(model) -> List[torch.nn.Module]:
     """Every supported MLP that is not inside another one (Qwen2-MoE's shared expert is an MLP inside the
-    MoE block, which is tiled as a whole)."""
+    MoE block, which is tiled as a whole), MoE blocks recognised by models.moe included."""
     found = []
+    blocks = {id(m) for m in _moe_candidates(model)}
 
     def walk(m):
-        if is_tileable_mlp(m):
+        if is_tileable_mlp(m) or id(m) in blocks:
             found.append(m)
             return
         for c in m.children():
@@ -255,6 +336,12 @@ def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcont
         raise TilingError(f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
                           f"(supported: {SUPPORTED_TEXT})", "for this model (its MLP then runs untiled: "
                           "exact, with the whole shard's MLP activations in memory)")
+    for m in _moe_candidates(model):
+        cap = capacity_limit(m)
+        if cap is not None:
+            raise TilingError(f"{type(m).__name__} (a mixture-of-experts block) routes with an expert capacity ({cap}):"
+                              " tokens beyond an expert's capacity in one call are dropped, so row tiles would drop "
+                              "others than the whole sequence", "for this model (exact, untiled)")
     untiled = _untiled_layer_mlps(model, mlps)
     if untiled:
         # a partly tiled model (dense layers tiled, MoE blocks not) would hold the untiled layers' activations
@@ -265,12 +352,15 @@ def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcont
                           "in memory)")
     state = TilingState(shards)
 
+    probed = {id(m) for m in _moe_candidates(model)}
+
     def tiled(mod):
-        batched, randomness = _mlp_facts(mod)
+        probe = id(mod) in probed
+        batched, randomness = (True, None) if probe else _mlp_facts(mod)
 
         def forward(x):
             with refusals():
-                return tiled_mlp_forward(mod, x, state, batched, randomness)
+                return tiled_mlp_forward(mod, x, state, batched, randomness, probe)
         return forward
 
     for m in mlps:

@@ -139,15 +139,7 @@ def describe_logit_path(model) -> str:
     if loss_type not in (None, "ForCausalLM"):
         _refuse(name, f"its loss_type is {loss_type!r}, not the causal-LM cross entropy")
 
-    tc = text_config(model.config)
-    if any("aux_loss" in line for line in rest if line.startswith("loss +=")) and getattr(
-            tc, "output_router_logits", False):
-        raise ConfigError("model.config.output_router_logits",
-                          f"{name} adds its router auxiliary (load-balancing) loss to the loss when "
-                          "output_router_logits is true, and ds_longctx's loss forward does not compute it yet",
-                          "there is no exact path inside ds_longctx yet: train this model without ds_longctx, or set "
-                          "output_router_logits=False only if you mean to train without the load-balancing loss "
-                          "(that is a different objective)")
+    # a router auxiliary loss (output_router_logits) is computed by patch._install_router_aux_loss (models.moe)
     return kind
 
 

@@ -1,8 +1,8 @@
 """Which decoder layers do NOT attend plain causal over the whole sequence: sliding windows, chunked
 attention, other layer types; bidirectional attention; attention soft-capping. Read from the config the way
 transformers' own modeling code reads it, so the SP attention paths apply what they can (windows and
-soft-caps, on the gathered sequence) and refuse what they would silently compute differently (chunks shorter
-than the sequence, other layer types, bidirectional attention).
+soft-caps, on the gathered sequence; chunks as documents cut at every chunk: attention.documents.chunk_documents)
+and refuse what they would silently compute differently (other layer types, bidirectional attention).
 
 * ``layer_types`` (Gemma2/3, Qwen2 with ``use_sliding_window``, GPT-OSS, Llama4, Cohere2, ...): a
   'sliding_attention' layer uses ``config.sliding_window``, a 'chunked_attention' layer
@@ -133,11 +133,15 @@ def layer_attention(model_config) -> List[LayerAttention]:
 def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
     """The refusal of a layer the SP attention does not compute (chunked shorter than the sequence, other
     layer types), for direct callers of patch_model (initialize refuses them first, config.py)."""
-    what = (f"chunked attention of {facts.chunk}-token chunks" if facts.kind == "chunked_attention" else
-            f"a '{facts.kind}' layer")
+    if facts.kind == "chunked_attention":  # 'ulysses' and the function-level untied path run chunks as documents
+        return ConfigError("long_context.attention.fuse_projections",
+                           f"layer {idx} has chunked attention of {facts.chunk}-token chunks, shorter than the gathered "
+                           f"{global_len}-token sequence, which the fused untied path does not cut",
+                           "set long_context.attention.fuse_projections to false (the attention-function level "
+                           "untied path runs the chunks as documents), or use implementation 'ulysses'")
     return ConfigError("long_context.attention.implementation",
-                       f"layer {idx} has {what}; {impl!r} computes causal attention (with sliding windows) over the "
-                       f"gathered {global_len}-token sequence, so it would be silently changed",
+                       f"layer {idx} has a '{facts.kind}' layer; {impl!r} computes causal attention (with sliding "
+                       f"windows) over the gathered {global_len}-token sequence, so it would be silently changed",
                        "this layer type is not supported under sequence parallelism yet; train with "
                        "long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
                        "transformers' own attention runs it exactly")
@@ -147,9 +151,9 @@ def sinks_error(idx, impl: str) -> ConfigError:
     """The refusal of attention sinks (``s_aux``) on an SP path whose kernel would drop them."""
     return ConfigError("model.config._attn_implementation", f"layer {idx} has attention sinks (s_aux, GPT-OSS style), "
                        f"which {impl!r} does not apply with this attention implementation (the SP kernels would "
-                       "silently drop them)", "on a GPU, load the model with attn_implementation='flash_attention_2' "
-                       "(or a kernel with sinks) under implementation 'ulysses', whose flash core applies them; "
-                       "otherwise train with long_context.attention.implementation 'none' at sequence_parallel_size 1")
+                       "silently drop them)", "use long_context.attention.implementation 'ulysses', which applies "
+                       "them from the kernel's LSE (load the model with attn_implementation='flex_attention', or "
+                       "flash_attention_2 on a GPU); or train with implementation 'none' at sequence_parallel_size 1")
 
 
 def is_bidirectional(model_config) -> bool:
