@@ -6,7 +6,7 @@
     ds-longctx configs                                     the shipped ds_configs and model configs, and where
     ds-longctx launch  [deepspeed args] train.py ...       the deepspeed runner, preemptible: a SIGTERM, SIGUSR1 or
                                                            Ctrl-C ends with the step saved and every process exit 0
-    ds-longctx needle  --model DIR --lengths 1K,4K ...     passkey retrieval by length x depth (needle.py; --help)
+    ds-longctx needle  --model DIR --lengths 1K,4K ...     passkey retrieval by length x depth under SP (--help)
     ds-longctx --version
 
 Each command's own --help lists its options. Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input
