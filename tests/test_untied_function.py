@@ -324,8 +324,10 @@ def test_fused_matches_tied_and_reference(case):
         where = f"rank {rank}: {r}"
         for n in [k[:-len("_rel_tied")] for k in r if k.endswith("_rel_tied")]:
             # q/k-norm weight grads sum b*s*heads products: both sides sit ~1e-6 from fp64, so
-            # their difference gets twice that; their distance to fp64 is held to 2e-6 below
-            tol = 2e-6 if n in ("dqn", "dkn") else 1e-6
+            # their difference gets twice that; their distance to fp64 is held to 2e-6 below. A k/v bias grad
+            # sums b*s rows, folded per stage (below): 1.07e-6 from tied on an AMD EPYC box (2026-11-27, at 03d311a
+            # too, whose suite passed on another CPU): the same 2e-6
+            tol = 2e-6 if n in ("dqn", "dkn", "dbk", "dbv") else 1e-6
             assert r[f"{n}_rel_tied"] <= tol, f"{n}; {where}"
             # each stage's k/v gradient is folded into dW/db on its own (no accumulator over a chunk's
             # stages): one more fp32 rounding per stage, so a k/v bias grad (a sum over b*s rows) may
