@@ -31,13 +31,9 @@ def build_llama4(seed: int = 0, chunk: int = 4):
 
 
 def batch(kind: str, seed: int = 0):
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
-    labels = ids.clone()
-    labels[:, :3] = -100
-    out = {"input_ids": ids, "labels": labels}
-    if kind == "packed":
-        out["position_ids"] = torch.cat([torch.arange(n) for n in DOC_LENS])[None]
-    return out
+    from sp_cases import token_batch
+
+    return token_batch(kind, VOCAB, SEQ, DOC_LENS, seed)
 
 
 def reference(b: dict, chunk: int = 4):
@@ -49,18 +45,6 @@ def reference(b: dict, chunk: int = 4):
 
 
 def sp_step(lc: dict, b: dict, sp: int):
-    import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
-    from ds_longctx.data import shard_batch
-    from sp_cases import ds_config, full_params
+    from sp_cases import one_sgd_step
 
-    model = build_llama4()
-    engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                            config=ds_config(3, sp, lc))
-    before = full_params(engine.module)
-    loss = engine(**shard_batch(b, sp_rank(sp_group()), sp)).loss
-    engine.backward(loss)
-    engine.step()
-    after = full_params(engine.module)
-    engine.module._ds_longctx_patch.remove()
-    return loss.item(), {n: after[n] - before[n] for n in after}
+    return one_sgd_step(build_llama4(), b, sp, lc)

@@ -65,13 +65,9 @@ DOC_LENS = (5, 7, 4)  # packed: three documents, boundaries off the shard edges
 
 
 def batch(kind: str, seed: int = 0):
-    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(seed))
-    labels = ids.clone()
-    labels[:, :3] = -100
-    out = {"input_ids": ids, "labels": labels}
-    if kind == "packed":
-        out["position_ids"] = torch.cat([torch.arange(n) for n in DOC_LENS])[None]
-    return out
+    from sp_cases import token_batch
+
+    return token_batch(kind, VOCAB, SEQ, DOC_LENS, seed)
 
 
 # the router auxiliary (load-balancing) loss on, with a weight that moves the loss (tests show it does)

@@ -89,3 +89,33 @@ def sp_step(cfg_kwargs: dict, batch: dict, stage: int, sp: int, lc: dict | None 
     deltas = {n: after[n] - before[n] for n in after}
     engine.destroy() if hasattr(engine, "destroy") else None
     return (losses if more or clip else losses[0]), deltas, before
+
+
+def token_batch(kind: str, vocab: int, seq: int, doc_lens, seed: int = 0):
+    """One sample of ``seq`` random tokens (the first 3 targets ignored); ``kind`` "packed": position_ids restarting
+    at each of ``doc_lens``'s documents."""
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    out = {"input_ids": ids, "labels": labels}
+    if kind == "packed":
+        out["position_ids"] = torch.cat([torch.arange(n) for n in doc_lens])[None]
+    return out
+
+
+def one_sgd_step(model, b: dict, sp: int, lc: dict, stage: int = 3):
+    """One SGD(lr=1) step of ``model`` through ds_longctx.initialize on this rank's shard of ``b``; returns (loss,
+    parameter deltas); the patch is removed after."""
+    import ds_longctx
+    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.data import shard_batch
+
+    engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                            config=ds_config(stage, sp, lc))
+    before = full_params(engine.module)
+    loss = engine(**shard_batch(b, sp_rank(sp_group()), sp)).loss
+    engine.backward(loss)
+    engine.step()
+    after = full_params(engine.module)
+    engine.module._ds_longctx_patch.remove()
+    return loss.item(), {n: after[n] - before[n] for n in after}

@@ -25,7 +25,6 @@ import torch
 
 from ..errors import ConfigError
 
-SEQUENCE_DEPENDENT = ("dynamic", "longrope")
 # the global sequence length (max position + 1 over the SP group) of the forward running now; None: the shard's own
 _GLOBAL_LEN: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("ds_longctx_global_len", default=None)
 
@@ -136,5 +135,4 @@ def local_max_position(position_ids) -> int:
     return int(position_ids.max()) + 1
 
 
-__all__ = ["install", "group_positions", "local_max_position", "sequence_dependent_rotaries", "RopeInstall",
-           "SEQUENCE_DEPENDENT"]
+__all__ = ["install", "group_positions", "local_max_position", "sequence_dependent_rotaries", "RopeInstall"]
