@@ -60,10 +60,10 @@ $PY -c "import torch, deepspeed, transformers, pydantic; print('torch', torch.__
 # bytes (allocator_check) and the planner vs (c); 3 SP=2 on one device over gloo vs SP=1; 4 Llama-3-8B shape at 2
 # layers, longest length that fits, peak vs the planner. Part 1's (b) is issue 21's former `train` step.
 I32="$PY bench/alst_compare.py $DRY32 --out $OUT/issue32.json"
-step issue32_part1 290 $I32 --part 1
-step issue32_part2 95 $I32 --part 2
-step issue32_part3 75 $I32 --part 3
-step issue32_part4 120 $I32 --part 4
+# The H100 call of 2026-11-27 (bench/RESULTS.md "GPU") ran (a) and (b) of part 1, parts 2 and 3 in full and part 4 at
+# 128K. Left for this call, first: (a) and (c) side by side (the (c)/(a) goal), then part 4 past 128K.
+step issue32_part1 290 $I32 --part 1 --variants alst,ds_longctx_planned
+step issue32_part4 150 $I32 --part 4 --cap4 140 --seq4 262144 524288
 # issue 21's steps with what is left (each skipped under 20 s)
 # c/d/e: varlen vs per-document loop (64 docs), block Function vs HF in bf16, pinned arena bit-exact;
 # keep_attention_output on vs off at 128K (issue 20); the block backward's shared tile passes vs one per GEMM
