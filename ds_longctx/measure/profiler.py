@@ -74,7 +74,22 @@ def attention_width(tc) -> int:
     return shape.heads * shape.head_dim
 
 
+# layer kinds without softmax attention over the sequence (transformers' layer_types): no S^2 term in the MFU formula
+_NO_QUADRATIC = ("linear_attention", "conv", "mamba", "mlp", "moe")
+
+
+def attention_layers(tc) -> int:
+    """The layers whose softmax attention is quadratic in the sequence: every layer, unless ``layer_types`` says
+    some are linear attention / state-space / conv mixers (Qwen3.5's 24 of 32 Gated DeltaNet layers add no S^2)."""
+    types = getattr(tc, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or not types:
+        return getattr(tc, "num_hidden_layers", 0)
+    return sum(1 for t in types if str(t) not in _NO_QUADRATIC)
+
+
 def flops_per_sample(seq_len: int, n_params_no_embed: int, num_layers: int, attn_width: int) -> Dict[str, float]:
+    """MFU's numerator: 6 x non-embedding params per token plus 6 x width x S^2 per quadratic-attention layer
+    (``num_layers``: :func:`attention_layers`)."""
     dense = 6.0 * n_params_no_embed * seq_len
     attn = 6.0 * num_layers * attn_width * float(seq_len) ** 2
     return {"dense": dense, "attention": attn, "total": dense + attn}
@@ -123,7 +138,7 @@ class StepProfiler:
         self.tracker = tracker
         self.cuda = (device == "cuda") if device is not None else torch.cuda.is_available()
         tc = text_config(model_config) if model_config is not None else None
-        self.num_layers = getattr(tc, "num_hidden_layers", 0) if tc is not None else 0
+        self.num_layers = attention_layers(tc) if tc is not None else 0  # the S^2 term's layers
         self.attn_width = attention_width(tc) if tc is not None else 0
         self.seq_len = seq_len  # tokens per sample; None: every step is one sample
         if model is not None:
@@ -317,4 +332,4 @@ def format_flops(by_category: Dict[str, Any]) -> List[str]:
     return lines
 
 
-__all__ = ["StepProfiler", "flops_per_sample", "attention_width", "count_params", "format_flops"]
+__all__ = ["StepProfiler", "flops_per_sample", "attention_layers", "attention_width", "count_params", "format_flops"]

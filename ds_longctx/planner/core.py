@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 from ..config import SECTION, ConfigError, auto_keys, load_ds_config, parse
 from ..layout import Layout
-from ..measure.profiler import attention_width, flops_per_sample
+from ..measure.profiler import attention_layers, attention_width, flops_per_sample
 from ..models import text_config
 from ..models.loading import load_model_config
 from ..spec import build_spec
@@ -180,19 +180,50 @@ def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) ->
     return _affine(model_config, ds_config, lambda d: lc, world, seq, device, bs, lo, hi, L)
 
 
+def _mixed_layer_types(model_config) -> Optional[list]:
+    """The model's ``layer_types`` when they hold more than one kind (Qwen3.5: 3 Gated DeltaNet to 1 attention)."""
+    types = getattr(text_config(model_config), "layer_types", None)
+    return [str(t) for t in types] if isinstance(types, (list, tuple)) and len(set(map(str, types))) > 1 else None
+
+
+def _all_of(model_config, kind: str):
+    cfg = copy.deepcopy(model_config)
+    tc = text_config(cfg)
+    tc.layer_types = [kind] * len(tc.layer_types)
+    return cfg
+
+
 def _affine(model_config, ds_config, lc_at, world, seq, device, bs, lo, hi, L) -> tuple:
-    """The step at ``lo`` and ``hi`` layers (``lc_at(depth)``), extrapolated per category to ``L`` layers."""
+    """The step at ``lo`` and ``hi`` layers (``lc_at(depth)``), extrapolated per category to ``L`` layers. Layers of
+    several kinds (``layer_types``): the first ``lo`` as the model has them, then per kind the growth from ``lo`` to
+    ``hi`` layers of that kind alone, times the kind's count among the rest (two shallow prefixes of Qwen3.5 hold
+    only Gated DeltaNet layers: extrapolated from them, its 8 attention layers were missing)."""
     a = simulate_step(model_config, ds_config, lc_at(lo), world, seq, lo, device=device, batch_size=bs)
-    b = simulate_step(model_config, ds_config, lc_at(hi), world, seq, hi, device=device, batch_size=bs)
-    k = L - lo
-    br = {c: max(0, a.breakdown[c] + k * (b.breakdown[c] - a.breakdown[c])) for c in CATEGORIES}
-    host = max(0, a.peak_host + k * (b.peak_host - a.peak_host))
-    # the step's work is affine in depth too (every layer does the same work)
-    work = {}
-    for key in set(a.work) | set(b.work):
-        wa, wb = a.work.get(key, (0.0, 0.0, 0.0)), b.work.get(key, (0.0, 0.0, 0.0))
-        work[key] = tuple(max(0.0, x + k * (y - x)) for x, y in zip(wa, wb))
-    return br, host, [lo, hi], True, a.seconds + b.seconds, work
+    types = _mixed_layer_types(model_config)
+    if types is None:
+        b = simulate_step(model_config, ds_config, lc_at(hi), world, seq, hi, device=device, batch_size=bs)
+        growth, secs = [(L - lo, a, b)], a.seconds + b.seconds
+    else:
+        growth, secs = [], a.seconds
+        for kind in sorted(set(types)):
+            n = types[lo:].count(kind)
+            if n:
+                mk = _all_of(model_config, kind)
+                x = simulate_step(mk, ds_config, lc_at(lo), world, seq, lo, device=device, batch_size=bs)
+                y = simulate_step(mk, ds_config, lc_at(hi), world, seq, hi, device=device, batch_size=bs)
+                growth.append((n, x, y))
+                secs += x.seconds + y.seconds
+    br = {c: max(0, a.breakdown[c] + sum(n * (y.breakdown[c] - x.breakdown[c]) for n, x, y in growth))
+          for c in CATEGORIES}
+    host = max(0, a.peak_host + sum(n * (y.peak_host - x.peak_host) for n, x, y in growth))
+    # the step's work is affine in depth too (every layer of a kind does the same work)
+    zero = (0.0, 0.0, 0.0)
+    keys = set(a.work).union(*(set(x.work) | set(y.work) for _, x, y in growth))
+    work = {key: tuple(max(0.0, v + sum(n * (wy[i] - wx[i]) for n, wx, wy in
+                                        ((n, x.work.get(key, zero), y.work.get(key, zero)) for n, x, y in growth)))
+                       for i, v in enumerate(a.work.get(key, zero)))
+            for key in keys}
+    return br, host, [lo, hi], True, secs, work
 
 
 class Planner:
@@ -328,7 +359,7 @@ class Planner:
         if ((zero.get("offload_optimizer") or {}).get("device") or "none") != "none":
             traffic["optimizer_offload"] = P / W * (4 + lp)  # fp32 grad partition out, updated params back
         emb = tc.vocab_size * tc.hidden_size
-        model = flops_per_sample(seq_len, P - emb, tc.num_hidden_layers, attention_width(tc))["total"] * bs / sp
+        model = flops_per_sample(seq_len, P - emb, attention_layers(tc), attention_width(tc))["total"] * bs / sp
         return step_time(work, traffic, self.rates, model, seq_len * bs / sp, a2a_internode=sp > per_node)
 
     def max_context(self, granularity: Optional[int] = None, limit: int = 1 << 27, label: str = ""):

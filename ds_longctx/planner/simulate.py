@@ -44,6 +44,7 @@ from ..patch import patch_model
 from ..sp_batch import hands_hf_no_mask
 from ..spec import build_spec
 from .model_states import model_dtype
+from .recurrent import gated_delta_as_kernel
 
 CATEGORIES = ("attention", "mlp", "loss", "other")
 _TAG = "ds_longctx_planner_tag"
@@ -558,6 +559,7 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
         group = dist.new_group(list(range(sp))) if sp > 1 else None
         mc = with_layers(model_config, num_layers)
         model = build_model(mc, dtype_of(ds_config), device, mode)
+        hf_attention.enter_context(gated_delta_as_kernel(model, device))  # fla's memory, not a 16K-step loop
         for p in model.parameters():
             if p.requires_grad:
                 # DeepSpeed moves each full grad into its bucket/partition as soon as it is ready;
