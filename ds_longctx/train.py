@@ -158,6 +158,15 @@ def parse_args(argv=None):
     ck.add_argument("--keep-last", type=int, default=0, help="keep only the newest this many checkpoints (0: all)")
     ck.add_argument("--resume", help="a checkpoint directory to continue from, or 'auto': --save's when it holds "
                     "one (a requeued job's same command line), else start at step 1")
+    ck.add_argument("--new-stage", action="store_true", help="with --resume: continue the run as a new stage at "
+                    "another --seq-len (and/or --rope-theta/--rope-scaling; context extension): the weights and the "
+                    "optimizer state carried (DeepSpeed's checkpoint load), the learning-rate schedule restarted for "
+                    "this stage's steps (--steps minus the checkpoint's step; a scheduler's total_num_steps 'auto' is "
+                    "that count), the memory stack re-planned for the new length, the data position per "
+                    "--stage-data; the stage (index, length, RoPE) is recorded in its checkpoints")
+    ck.add_argument("--stage-data", choices=("restart", "keep"), default=None, help="--new-stage's data position: "
+                    "'restart' (default: the stage's data from its first sample; --data may change) or 'keep' (the "
+                    "same token position: sample ceil(samples consumed x old length / new length) of the same data)")
     ck.add_argument("--save-hf", help="at the end, write the model as a Hugging Face directory (safetensors, config, "
                     "tokenizer, generation config)")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
@@ -274,6 +283,11 @@ def validate_args(args, lc):
                                 "export never mixes its files with another model's)")
     if args.resume and args.resume != "auto":
         find_resume_tag(args.resume)  # raises when there is no usable checkpoint
+    if args.new_stage and not args.resume:
+        raise ConfigError("--new-stage", "needs --resume (the checkpoint the new stage continues)",
+                          "add --resume DIR (the previous stage's --save), or drop --new-stage")
+    if args.stage_data and not args.new_stage:
+        raise ConfigError("--stage-data", "applies to a new stage only", "add --new-stage or drop --stage-data")
     check_shards(lc, seq_len)  # against the length trained (--seq-len), not only the config's sequence_length
     return seq_len
 
@@ -405,7 +419,8 @@ AGREED_FLAGS = {"--steps": "steps", "--seed": "seed", "--model": "model", "--mod
                 "--eval-every": "eval_every", "--eval-samples": "eval_samples",
                 "--save": "save", "--save-every": "save_every", "--save-interval": "save_interval",
                 "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf",
-                "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling"}
+                "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling", "--new-stage": "new_stage",
+                "--stage-data": "stage_data"}
 
 
 def _agree(flags):
@@ -499,14 +514,26 @@ def prepare(args) -> Job:
         if dist.get_rank() == 0:
             info(f"--resume auto: resuming from {args.save}" if resume_dir else
                  f"--resume auto: no checkpoint in {args.save}: starting at step 1")
-    plan = None
+    plan, new_stage = None, None
+    stage, stages = {"index": 1, "seq_len": seq_len, "rope": ckpt.rope_facts(model_config), "start_step": 0,
+                     "start_sample": 0, "data": "start"}, []
     if resume_dir:
+        new_stage = _new_stage_mode(args, resume_dir, seq_len, stage["rope"])
         # the same files, the same verdict on every rank; rank 0 converts to a universal checkpoint when needed
-        plan = ckpt.resume(resume_dir, record, name="--resume", log=info)
+        plan = ckpt.resume(resume_dir, record, name="--resume", log=info, new_stage=new_stage)
         if plan.step >= args.steps:
             raise ConfigError("--steps", f"{args.steps} is not past the checkpoint's step {plan.step}",
-                                f"give --steps > {plan.step}")
+                                f"give --steps > {plan.step} (the steps in all: this stage trains the steps after "
+                                "the checkpoint's)" if new_stage else f"give --steps > {plan.step}")
         ds_config = plan.ds_config(ds_config)
+        if new_stage:
+            old_len = int(plan.record.get("seq_len") or seq_len)
+            start_sample = 0 if new_stage == "restart" else -(-plan.samples_consumed * old_len // seq_len)
+            stage, stages = ckpt.next_stage(plan.record, seq_len, stage["rope"], new_stage, start_sample)
+        else:
+            stage, stages = ckpt.stage_of(plan.record), list(plan.record.get("stages") or [])
+    record.update(stage=stage, stages=stages)
+    ds_config = _stage_schedule(ds_config, args.steps - int(stage["start_step"]))
 
     if seq_len != lc.sequence_length:  # the planner ("auto"), the host-memory check: the length trained
         ds_config = dict(ds_config, long_context=dict(ds_config.get("long_context") or {}, sequence_length=seq_len))
@@ -521,6 +548,8 @@ def prepare(args) -> Job:
     if plan is not None:
         plan.load(engine, log=info)
         start, consumed = plan.step, plan.samples_consumed
+        if new_stage:
+            consumed = stage["start_sample"]
     batches = SampleStream(dataset, micro, sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=dp,
                            start=consumed)
 
@@ -541,9 +570,67 @@ def prepare(args) -> Job:
         info(f"world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
              f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
              f"zero_stage={engine.zero_optimization_stage()}")
+        if new_stage:
+            info(stage_line(stage, stages[-1], plan, args, ds_config, engine))
     return Job(args=args, lc=lc, seq_len=seq_len, world=world, sp=sp, dp=dp, micro=micro, gas=gas, record=record,
                model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, engine=engine, batches=batches,
                saves=saves, profiler=profiler, steplog=steplog, start=start, peak=peak_tflops(record["dtype"]))
+
+
+def _new_stage_mode(args, resume_dir, seq_len, rope):
+    """--new-stage's data mode ("restart" / "keep"), or None for a plain resume: also when the checkpoint is
+    already in the requested stage (a later stage at this length and RoPE: a requeued job's same command line with
+    --resume auto continues its stage instead of starting another). Every rank, the same files."""
+    if not args.new_stage:
+        return None
+    _, saved, _ = find_resume_tag(resume_dir)
+    there = ckpt.stage_of(saved)
+    if int(there.get("index", 1)) > 1 and there.get("seq_len") == seq_len and there.get("rope") == rope:
+        if dist.get_rank() == 0:
+            info(f"--new-stage: {resume_dir} is already in stage {there['index']} at seq_len {seq_len} with this RoPE "
+                 f"(started at step {there.get('start_step')}): continuing that stage (a plain resume)")
+        return None
+    return args.stage_data or "restart"
+
+
+def _stage_schedule(ds_config: dict, stage_steps: int) -> dict:
+    """The learning-rate schedule is per stage: DeepSpeed's scheduler starts at its step 0 with the stage (a new
+    stage does not load the checkpoint's scheduler state), and a ``total_num_steps`` of "auto" (WarmupDecayLR,
+    WarmupCosineLR) is the stage's steps (``--steps`` minus the step the stage started after)."""
+    sched = ds_config.get("scheduler")
+    params = (sched or {}).get("params") if isinstance(sched, dict) else None
+    if not isinstance(params, dict):
+        return ds_config
+    for key, value in params.items():
+        if value == "auto" and key != "total_num_steps":
+            raise ConfigError(f"scheduler.params.{key}", "'auto' is understood for total_num_steps only (the "
+                              "stage's steps)", f"give {key} a value")
+    if params.get("total_num_steps") != "auto":
+        return ds_config
+    return dict(ds_config, scheduler=dict(sched, params=dict(params, total_num_steps=stage_steps)))
+
+
+def stage_line(stage, prev, plan, args, ds_config, engine) -> str:
+    """Rank 0's statement of a new stage, before step 1: what is carried, where the data and the schedule start,
+    and the memory stack as initialize re-planned it for the new length."""
+    from .compat import active_stack_line
+
+    rope = (stage.get("rope") or {}).get("parameters")
+    old_rope = (prev.get("rope") or {}).get("parameters")
+    sched = ds_config.get("scheduler") or {}
+    steps = args.steps - stage["start_step"]
+    data = (f"restart: from sample 0 of --data (--stage-data restart)" if stage["data"] == "restart" else
+            f"keep: from sample {stage['start_sample']} at the new length, the token position "
+            f"{plan.samples_consumed} samples x {prev.get('seq_len')} tokens reached (--stage-data keep)")
+    return (f"stage {stage['index']} (--new-stage): seq_len {prev.get('seq_len')} -> {stage['seq_len']}; RoPE "
+            f"{old_rope if old_rope == rope else f'{old_rope} -> {rope}'}; weights and optimizer state from "
+            f"{os.path.join(plan.path, plan.tag)} (step {plan.step}, DeepSpeed's checkpoint load); data: {data}; "
+            f"learning-rate schedule: "
+            + (f"{sched.get('type')} restarted for this stage's {steps} steps (steps {stage['start_step'] + 1}.."
+               f"{args.steps}, params {sched.get('params')})" if sched else
+               f"no scheduler: the ds_config's optimizer lr for this stage's {steps} steps")
+            + f"; memory stack re-planned for {stage['seq_len']} tokens: "
+            f"{active_stack_line(engine.long_context_spec, engine.module)}")
 
 
 def train_step(job: Job) -> float:
