@@ -20,8 +20,6 @@ import pytest
 from dist_utils import run_distributed
 from launch_utils import TINY_CPU
 
-pytestmark = pytest.mark.distributed
-
 L, STEPS1 = 32, 2
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.003,
                                                "warmup_num_steps": 2, "warmup_type": "linear",
@@ -97,6 +95,28 @@ def _delta_error(ref_after, got_after, before):
     return math.sqrt(num / den)
 
 
+def test_stage_flags_are_checked_before_the_launch():
+    from ds_longctx import train
+    from ds_longctx.config import load_ds_config, parse
+    from ds_longctx.errors import ConfigError
+
+    lc = parse(load_ds_config(TINY_CPU))
+    args = lambda *a: train.parse_args(["--deepspeed_config", TINY_CPU, *a])  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^--new-stage: needs --resume .* Fix: add --resume DIR"):
+        train.validate_args(args("--new-stage"), lc)
+    with pytest.raises(ConfigError, match=r"^--stage-data: applies to a new stage only"):
+        train.validate_args(args("--stage-data", "keep"), lc)
+    # total_num_steps "auto": the stage's steps; another "auto" scheduler key is refused naming it
+    cfg = {"scheduler": SCHEDULE}
+    assert train._stage_schedule(cfg, 7)["scheduler"]["params"]["total_num_steps"] == 7
+    assert cfg["scheduler"]["params"]["total_num_steps"] == "auto"  # not modified in place
+    bad = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    with pytest.raises(ConfigError, match=r"^scheduler.params.warmup_num_steps: 'auto' is understood for "
+                       r"total_num_steps only"):
+        train._stage_schedule(bad, 7)
+
+
+@pytest.mark.distributed
 def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state(tmp_path):
     from transformers import AutoModelForCausalLM
 
