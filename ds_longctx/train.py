@@ -14,6 +14,11 @@ before step 1, saves every --save-every steps and every --save-interval of wall 
 --keep-last, and on SIGTERM or SIGUSR1 (SLURM's --signal=USR1@T, preemption) finishes the step, saves and exits
 0. --resume continues at the next unseen sample with the optimizer and schedule carried, on any world size, SP
 or DP degree (DeepSpeed's universal checkpoint). --save-hf writes a model from_pretrained loads.
+
+Context extension: --rope-theta / --rope-scaling set the model's RoPE; --resume DIR --new-stage continues a run at
+another --seq-len (a stage: weights and optimizer state carried, the learning-rate schedule restarted for the
+stage, the data position per --stage-data, the memory stack re-planned); --eval-needle LENGTHS scores passkey
+retrieval under SP at the eval points (ds_longctx/needle.py).
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ from .metrics import StepLog, peak_tflops, step_record
 from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from .rope_scaling import apply_rope
+from .shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (train.X too)
 from .planner import planned_work
 from .preflight import reserve_offload_storage
 from .runtime import graceful_stop, stop_requested, stop_saved
@@ -73,36 +79,6 @@ def _logger():
 
 def info(text: str) -> None:
     _logger().info(text)
-
-
-# ---------------------------------------------------------------------------------------------
-# shipped files (a source checkout, an editable install, or the wheel)
-# ---------------------------------------------------------------------------------------------
-
-
-def shipped_configs_dir() -> Optional[str]:
-    """ds_configs/: copied into the package by the wheel's build (setup.py), at the repository root otherwise."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "ds_configs"), os.path.join(os.path.dirname(here), "ds_configs")):
-        if os.path.isdir(path):
-            return path
-    return None
-
-
-def default_model_config() -> str:
-    return os.path.join(shipped_configs_dir() or "ds_configs", "models", "tiny-llama.json")
-
-
-def resolve_config_path(path: str) -> str:
-    """A --deepspeed_config that is not a file but names a shipped config (``tiny-cpu.json``, ``5m.json``)."""
-    if os.path.exists(path) or os.sep in path:
-        return path
-    shipped = shipped_configs_dir()
-    if shipped:
-        for name in (path, path + ".json"):
-            if os.path.isfile(os.path.join(shipped, name)):
-                return os.path.join(shipped, name)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,8 +121,16 @@ def parse_args(argv=None):
                    "across documents (default: packed, position_ids restart per document, document-masked attention)")
     p.add_argument("--eval-data", help="held-out data (same kinds as --data): its loss and perplexity under SP, equal "
                    "to one process's, at the end and every --eval-every steps")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate --eval-data every this many steps (0: at the "
-                   "end only)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate --eval-data / --eval-needle every this many "
+                   "steps (0: at the end only)")
+    p.add_argument("--eval-needle", metavar="LENGTHS", help="at the eval points, the needle-in-a-haystack test "
+                   "(ds-longctx needle's sharded evaluation, under this run's SP and memory stack) at these document "
+                   "lengths (e.g. 1K,4K; each at most --seq-len and divisible by the SP degree): the table in the log, "
+                   "the cells in --metrics ('needle')")
+    p.add_argument("--needle-depths", default="0,0.25,0.5,0.75,1", help="--eval-needle's depths of the fact (fractions "
+                   "of the document; default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--needle-samples", type=int, default=1, help="--eval-needle's documents per length and depth "
+                   "(default 1)")
     p.add_argument("--metrics", help="write one JSON object per step to this file (rank 0; appended on a resume)")
     p.add_argument("--log-every", type=int, default=10, help="without a terminal (SLURM, nohup): one plain line every "
                    "this many steps (0: none; default 10)")
@@ -230,7 +214,8 @@ def validate_args(args, lc):
                                     ("--save-every", args.save_every, 0, "use 0 to save only at the end"),
                                     ("--save-interval", args.save_interval, 0, "use 0 for no wall-clock saves"),
                                     ("--keep-last", args.keep_last, 0, "use 0 to keep every checkpoint"),
-                                    ("--eval-every", args.eval_every, 0, "use 0 to evaluate at the end only")):
+                                    ("--eval-every", args.eval_every, 0, "use 0 to evaluate at the end only"),
+                                    ("--needle-samples", args.needle_samples, 1, "give documents per cell")):
         if value < least:
             raise ConfigError(flag, f"must be >= {least}, got {value}", fix)
     if not args.save:
@@ -262,9 +247,20 @@ def validate_args(args, lc):
             check_data_path(f, path, args.data_column)
             if not (args.tokenizer or args.model):
                 raise ConfigError(f, "a file needs a tokenizer", "pass --tokenizer (or --model)")
-    if args.eval_every and not args.eval_data:
-        raise ConfigError("--eval-every", "needs --eval-data (what to evaluate)", "add --eval-data PATH or drop "
-                            "--eval-every")
+    if args.eval_every and not (args.eval_data or args.eval_needle):
+        raise ConfigError("--eval-every", "needs --eval-data or --eval-needle (what to evaluate)", "add --eval-data "
+                          "PATH or --eval-needle LENGTHS, or drop --eval-every")
+    if args.eval_needle:
+        from .needle import parse_depths, parse_lengths
+
+        for n in parse_lengths(args.eval_needle, "--eval-needle"):
+            if n > seq_len or n % sp:
+                raise ConfigError("--eval-needle", f"length {n} is " + (f"above --seq-len {seq_len} (the memory "
+                                  "stack is planned for the trained length)" if n > seq_len else
+                                  f"not divisible by sequence_parallel_size={sp}"),
+                                  f"give lengths <= {seq_len} that are multiples of {sp}; evaluate longer documents "
+                                  "with ds-longctx needle")
+        parse_depths(args.needle_depths, "--needle-depths")
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
         raise ConfigError("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")
@@ -416,7 +412,8 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
 # what data, and when the job saves, evaluates or exports (collectives at those steps)
 AGREED_FLAGS = {"--steps": "steps", "--seed": "seed", "--model": "model", "--model-config": "model_config",
                 "--tokenizer": "tokenizer", "--data-column": "data_column", "--concat-documents": "concat_documents",
-                "--eval-every": "eval_every", "--eval-samples": "eval_samples",
+                "--eval-every": "eval_every", "--eval-samples": "eval_samples", "--eval-needle": "eval_needle",
+                "--needle-depths": "needle_depths", "--needle-samples": "needle_samples",
                 "--save": "save", "--save-every": "save_every", "--save-interval": "save_interval",
                 "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf",
                 "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling", "--new-stage": "new_stage",
@@ -452,6 +449,7 @@ class Job:
     tokenizer: Any
     dataset: Any
     eval_set: Any
+    needle_cases: Any            # --eval-needle's documents (needle.build_cases), or None
     engine: Any
     batches: SampleStream        # the job's sample order from the next unseen sample
     saves: Optional[ckpt.SaveDir]
@@ -572,8 +570,17 @@ def prepare(args) -> Job:
              f"zero_stage={engine.zero_optimization_stage()}")
         if new_stage:
             info(stage_line(stage, stages[-1], plan, args, ds_config, engine))
+    needle_cases = None
+    if args.eval_needle:
+        from . import needle  # (needle.py imports this module)
+
+        needle_cases = needle.build_cases(_needle_tokenizer(tokenizer, model.config),
+                                          needle.parse_lengths(args.eval_needle, "--eval-needle"),
+                                          needle.parse_depths(args.needle_depths, "--needle-depths"), seed=args.seed,
+                                          samples=args.needle_samples, sp=sp)
     return Job(args=args, lc=lc, seq_len=seq_len, world=world, sp=sp, dp=dp, micro=micro, gas=gas, record=record,
-               model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, engine=engine, batches=batches,
+               model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, needle_cases=needle_cases,
+               engine=engine, batches=batches,
                saves=saves, profiler=profiler, steplog=steplog, start=start, peak=peak_tflops(record["dtype"]))
 
 
@@ -658,6 +665,27 @@ def evaluate_now(job: Job, step: int) -> dict:
     return {"eval_loss": stats["loss"], "eval_perplexity": stats["perplexity"], "eval_tokens": stats["tokens"]}
 
 
+def _needle_tokenizer(tokenizer, model_config):
+    if tokenizer is not None:
+        return tokenizer
+    from .needle import ByteTokenizer  # a built-in task has no tokenizer: UTF-8 bytes modulo the vocabulary
+
+    return ByteTokenizer(text_config(model_config).vocab_size)
+
+
+def needle_now(job: Job, step: int) -> dict:
+    """--eval-needle's test on the engine (every rank: a collective; the same report everywhere): the table in the
+    log, the cells (exact-match accuracy, mean answer log-likelihood per length and depth) for the metrics."""
+    from . import needle
+
+    results = needle.score_cases(job.engine, job.needle_cases)
+    report = needle.summarize(job.needle_cases, results)
+    acc = sum(r["exact_match"] for r in results) / len(results)
+    job.steplog.note(f"needle after step {step} (--eval-needle {job.args.eval_needle}): exact match {acc:.3f} over "
+                     f"{len(results)} documents\n{needle.table(report)}")
+    return {"needle": {"accuracy": acc, "cells": report["cells"]}}
+
+
 def save(job: Job, step: int, why: str) -> None:
     t0 = time.monotonic()
     tag = job.saves.save(job.engine, step, dict(job.record, samples_consumed=job.samples_consumed),
@@ -676,8 +704,11 @@ def train(job: Job):
             prof = job.profiler.end_step(step, tokens=job.seq_len * job.micro * job.gas)  # this SP group's tokens
             rec = step_record(step, loss, prof, job.engine, tokens=job.seq_len * job.micro * job.gas * job.dp,
                               peak=job.peak)
-            if job.eval_set is not None and (step == args.steps or args.eval_every and step % args.eval_every == 0):
-                rec.update(evaluate_now(job, step))
+            if step == args.steps or args.eval_every and step % args.eval_every == 0:
+                if job.eval_set is not None:
+                    rec.update(evaluate_now(job, step))
+                if job.needle_cases:
+                    rec.update(needle_now(job, step))
             job.steplog.step(rec)
             if "flops_by_category" in rec:
                 info(f"step {step}: executed FLOPs per category, measured vs the planner's (this rank):\n"

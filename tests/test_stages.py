@@ -20,7 +20,8 @@ import pytest
 from dist_utils import run_distributed
 from launch_utils import TINY_CPU
 
-L, STEPS1 = 32, 2
+L, STEPS1 = 128, 2
+NEEDLE = ("--eval-needle", str(2 * L), "--needle-depths", "0,1")
 SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.003,
                                                "warmup_num_steps": 2, "warmup_type": "linear",
                                                "total_num_steps": "auto"}}
@@ -40,7 +41,7 @@ def _stages(rank, world, tmp):
                          "--metrics", os.path.join(tmp, "m1.jsonl")])
     state.reset()
     train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A"),
-                         "--new-stage", "--save", os.path.join(tmp, "B"), "--save-hf", os.path.join(tmp, "hf"),
+                         "--new-stage", *NEEDLE, "--save", os.path.join(tmp, "B"), "--save-hf", os.path.join(tmp, "hf"),
                          "--metrics", os.path.join(tmp, "m2.jsonl")])
     state.reset()
     try:
@@ -128,7 +129,7 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     refused = run_distributed(_stages, 2, str(tmp_path), timeout=600)
     for msg in refused:  # every rank refused the length change, naming the flag
-        assert msg and "seq_len 32 in the checkpoint vs 64 now" in msg and "--new-stage" in msg, msg
+        assert msg and f"seq_len {L} in the checkpoint vs {2 * L} now" in msg and "--new-stage" in msg, msg
 
     m1 = [json.loads(x) for x in open(tmp_path / "m1.jsonl")]
     m2 = [json.loads(x) for x in open(tmp_path / "m2.jsonl")]
@@ -148,6 +149,18 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     err = _delta_error(after, got, before)
     print("stage 2 step 1 vs the one-process reference: loss", m2[0]["loss"], loss, "delta error", err)
     assert err < 1e-5, err  # 1.8e-6 measured; fp32, SP=2's shards and tiles sum in another order than one process
+    # --eval-needle at the stage's end (SP=2, the engine, the memory stack) equals ds-longctx needle's one-process
+    # score of the exported model on the same documents
+    from ds_longctx import needle
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float()
+    cases = needle.build_cases(needle.ByteTokenizer(model.config.vocab_size), [2 * L], [0.0, 1.0], seed=0)
+    ref = needle.summarize(cases, needle.score_cases(model, cases))["cells"]
+    cells = m2[0]["needle"]["cells"]
+    assert [(c["length"], c["depth"], c["accuracy"]) for c in cells] == [(c["length"], c["depth"], c["accuracy"])
+                                                                        for c in ref], (cells, ref)
+    for a, b in zip(cells, ref):
+        assert math.isclose(a["logprob"], b["logprob"], rel_tol=1e-5), (cells, ref)
     # what a stage that lost the moments, kept stage 1's lr or kept the data position would have trained
     for kw in (dict(lr=0.001, carry_moments=False), dict(lr=0.002), dict(lr=0.001, first_sample=4)):
         l2, after2, _ = _reference(str(tmp_path), **kw)
