@@ -107,6 +107,16 @@ def test_stage_flags_are_checked_before_the_launch():
         train.validate_args(args("--new-stage"), lc)
     with pytest.raises(ConfigError, match=r"^--stage-data: applies to a new stage only"):
         train.validate_args(args("--stage-data", "keep"), lc)
+    with pytest.raises(ConfigError, match=r"^--eval-needle: length 1024 is above --seq-len 512 .* evaluate longer "
+                       r"documents with ds-longctx needle"):
+        train.validate_args(args("--eval-needle", "256,1K"), lc)
+    with pytest.raises(ConfigError, match=r"^--eval-needle: length 255 is not divisible by sequence_parallel_size=2"):
+        train.validate_args(args("--eval-needle", "255"), lc)
+    with pytest.raises(ConfigError, match=r"^--needle-depths: .* depths are fractions"):
+        train.validate_args(args("--eval-needle", "256", "--needle-depths", "0,2"), lc)
+    train.validate_args(args("--eval-needle", "256", "--eval-every", "5"), lc)  # --eval-every needs something to eval
+    with pytest.raises(ConfigError, match=r"^--eval-every: needs --eval-data or --eval-needle"):
+        train.validate_args(args("--eval-every", "5"), lc)
     # total_num_steps "auto": the stage's steps; another "auto" scheduler key is refused naming it
     cfg = {"scheduler": SCHEDULE}
     assert train._stage_schedule(cfg, 7)["scheduler"]["params"]["total_num_steps"] == 7
