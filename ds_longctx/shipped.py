@@ -1,5 +1,5 @@
 """The files ds_longctx ships (ds_configs/ and its model presets): found in a source checkout, an editable install
-or the wheel. Its own module so that train.py and needle.py (which train.py uses for --eval-needle) both import it."""
+or the wheel. A leaf: train.py, needle.py (which train.py imports for --eval-needle) and cli.py import it."""
 from __future__ import annotations
 
 import os

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import comm, watchdog
+from . import comm, needle, watchdog
 from .agreement import check_agreement
 from .checkpoint import find_resume_tag
-from .compat import check_model_scale
+from .compat import active_stack_line, check_model_scale
 from .config import check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
 from .corpus import check_data_path, open_corpus, tokenizer_content_sha256
 from .corpus import data_identity as corpus_identity
@@ -56,7 +56,7 @@ from .metrics import StepLog, peak_tflops, step_record
 from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from .rope_scaling import apply_rope
-from .shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (train.X too)
+from .shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (also train.X)
 from .planner import planned_work
 from .preflight import reserve_offload_storage
 from .runtime import graceful_stop, stop_requested, stop_saved
@@ -251,16 +251,14 @@ def validate_args(args, lc):
         raise ConfigError("--eval-every", "needs --eval-data or --eval-needle (what to evaluate)", "add --eval-data "
                           "PATH or --eval-needle LENGTHS, or drop --eval-every")
     if args.eval_needle:
-        from .needle import parse_depths, parse_lengths
-
-        for n in parse_lengths(args.eval_needle, "--eval-needle"):
+        for n in needle.parse_lengths(args.eval_needle, "--eval-needle"):
             if n > seq_len or n % sp:
                 raise ConfigError("--eval-needle", f"length {n} is " + (f"above --seq-len {seq_len} (the memory "
                                   "stack is planned for the trained length)" if n > seq_len else
                                   f"not divisible by sequence_parallel_size={sp}"),
                                   f"give lengths <= {seq_len} that are multiples of {sp}; evaluate longer documents "
                                   "with ds-longctx needle")
-        parse_depths(args.needle_depths, "--needle-depths")
+        needle.parse_depths(args.needle_depths, "--needle-depths")
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
         raise ConfigError("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")
@@ -572,8 +570,6 @@ def prepare(args) -> Job:
             info(stage_line(stage, stages[-1], plan, args, ds_config, engine))
     needle_cases = None
     if args.eval_needle:
-        from . import needle  # (needle.py imports this module)
-
         needle_cases = needle.build_cases(_needle_tokenizer(tokenizer, model.config),
                                           needle.parse_lengths(args.eval_needle, "--eval-needle"),
                                           needle.parse_depths(args.needle_depths, "--needle-depths"), seed=args.seed,
@@ -620,8 +616,6 @@ def _stage_schedule(ds_config: dict, stage_steps: int) -> dict:
 def stage_line(stage, prev, plan, args, ds_config, engine) -> str:
     """Rank 0's statement of a new stage, before step 1: what is carried, where the data and the schedule start,
     and the memory stack as initialize re-planned it for the new length."""
-    from .compat import active_stack_line
-
     rope = (stage.get("rope") or {}).get("parameters")
     old_rope = (prev.get("rope") or {}).get("parameters")
     sched = ds_config.get("scheduler") or {}
@@ -668,16 +662,12 @@ def evaluate_now(job: Job, step: int) -> dict:
 def _needle_tokenizer(tokenizer, model_config):
     if tokenizer is not None:
         return tokenizer
-    from .needle import ByteTokenizer  # a built-in task has no tokenizer: UTF-8 bytes modulo the vocabulary
-
-    return ByteTokenizer(text_config(model_config).vocab_size)
+    return needle.ByteTokenizer(text_config(model_config).vocab_size)  # a built-in task has none: UTF-8 bytes
 
 
 def needle_now(job: Job, step: int) -> dict:
     """--eval-needle's test on the engine (every rank: a collective; the same report everywhere): the table in the
     log, the cells (exact-match accuracy, mean answer log-likelihood per length and depth) for the metrics."""
-    from . import needle
-
     results = needle.score_cases(job.engine, job.needle_cases)
     report = needle.summarize(job.needle_cases, results)
     acc = sum(r["exact_match"] for r in results) / len(results)

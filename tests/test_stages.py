@@ -1,10 +1,12 @@
 """Context-extension stages through train.py (issue 39): ``--resume DIR --new-stage`` continues a run at another
 ``--seq-len`` with the weights and the optimizer state carried (DeepSpeed's own checkpoint load), the data position
 restarted, the learning-rate schedule restarted for the stage (WarmupDecayLR, total_num_steps "auto": the stage's
-steps), the memory stack re-planned; without the flag the length change is refused naming it.
+steps), the memory stack re-planned; without the flag the length change is refused naming it; the same
+--new-stage command line on a checkpoint already in that stage (a requeued job) continues the stage.
 
-One spawn (2 ranks, SP=2, ZeRO-3, tiny-cpu.json's whole memory stack, train.main in process): stage 1 at L=32 (2
-steps, saved), stage 2 at 2L=64 (1 step, exported), and the refused resume. The reference, in this process without
+One spawn (2 ranks, SP=2, ZeRO-3, tiny-cpu.json's whole memory stack, train.main in process): stage 1 at L=128 (2
+steps, saved), stage 2 at 2L=256 (1 step, exported, --eval-needle at its end), stage 2 requeued (1 more step),
+and the refused resume. The reference, in this process without
 DeepSpeed: a fresh one-process HF model started from stage 1's weights and AdamW state (read from DeepSpeed's
 universal checkpoint of stage 1, per parameter) at 2L, trained one step with torch's AdamW at the fresh schedule's
 first learning rate on samples 0..3 of the 2L data, gradient clipping 1.0. Its loss and its parameter deltas equal
@@ -43,6 +45,10 @@ def _stages(rank, world, tmp):
     train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A"),
                          "--new-stage", *NEEDLE, "--save", os.path.join(tmp, "B"), "--save-hf", os.path.join(tmp, "hf"),
                          "--metrics", os.path.join(tmp, "m2.jsonl")])
+    state.reset()
+    # the same command line again on stage 2's checkpoint (a requeued job): the stage goes on, no stage 3
+    train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 2), "--resume", os.path.join(tmp, "B"),
+                         "--new-stage", "--save", os.path.join(tmp, "B"), "--metrics", os.path.join(tmp, "m3.jsonl")])
     state.reset()
     try:
         train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A")])
@@ -151,6 +157,11 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     assert rec["stage"]["data"] == "restart" and rec["stage"]["rope"]["parameters"]["rope_theta"] == 10000.0
     assert rec["stages"] == [dict(rec["stages"][0], index=1, seq_len=L, start_step=0, end_step=STEPS1)], rec["stages"]
     assert rec["seq_len"] == 2 * L and rec["samples_consumed"] == 4, rec
+
+    m3 = [json.loads(x) for x in open(tmp_path / "m3.jsonl")]
+    assert [(r["step"], r["lr"]) for r in m3] == [(STEPS1 + 2, 0.002)], m3  # the stage's schedule went on
+    rec3 = json.loads((tmp_path / "B" / f"step{STEPS1 + 2}" / ckpt.RECORD_FILE).read_text())
+    assert rec3["stage"] == rec["stage"] and rec3["samples_consumed"] == 8, rec3
 
     ckpt.convert_to_universal(str(tmp_path / "A"), f"step{STEPS1}", log=lambda *_: None)
     got = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().named_parameters()}
