@@ -18,7 +18,7 @@ or DP degree (DeepSpeed's universal checkpoint). --save-hf writes a model from_p
 Context extension: --rope-theta / --rope-scaling set the model's RoPE; --resume DIR --new-stage continues a run at
 another --seq-len (a stage: weights and optimizer state carried, the learning-rate schedule restarted for the
 stage, the data position per --stage-data, the memory stack re-planned); --eval-needle LENGTHS scores passkey
-retrieval under SP at the eval points (ds_longctx/needle.py).
+retrieval under SP at the eval points (ds-longctx needle's evaluation).
 """
 from __future__ import annotations
 
