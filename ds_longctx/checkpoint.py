@@ -1089,6 +1089,15 @@ def stage_of(record: dict) -> dict:
                                    "start_sample": 0, "data": "start"}
 
 
+def stage_start_sample(mode: str, samples_consumed: int, old_len: int, new_len: int) -> int:
+    """Where a new stage's data starts: "restart" at sample 0; "keep" at the token position the last stage reached
+    (``samples_consumed`` samples of ``old_len`` tokens), as a sample index at ``new_len``, rounded up so that no
+    token is trained twice (a corpus' samples are consecutive slices of its token stream: corpus.CorpusDataset)."""
+    if mode == "restart":
+        return 0
+    return -(-samples_consumed * old_len // new_len)
+
+
 def next_stage(saved: dict, seq_len: int, rope: dict, data: str, start_sample: int) -> Tuple[dict, List[dict]]:
     """A new stage after the checkpoint whose record is ``saved``: (the stage, the stages before it, each with
     the step it ended at). Recorded in every checkpoint of the stage (``stage``, ``stages``)."""

@@ -524,7 +524,7 @@ def prepare(args) -> Job:
         ds_config = plan.ds_config(ds_config)
         if new_stage:
             old_len = int(plan.record.get("seq_len") or seq_len)
-            start_sample = 0 if new_stage == "restart" else -(-plan.samples_consumed * old_len // seq_len)
+            start_sample = ckpt.stage_start_sample(new_stage, plan.samples_consumed, old_len, seq_len)
             stage, stages = ckpt.next_stage(plan.record, seq_len, stage["rope"], new_stage, start_sample)
         else:
             stage, stages = ckpt.stage_of(plan.record), list(plan.record.get("stages") or [])

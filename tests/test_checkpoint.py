@@ -94,6 +94,10 @@ def test_a_new_stage_accepts_another_length_and_with_restart_other_data(tmp_path
         checkpoint.plan_resume(str(tmp_path), other, new_stage="keep")
     with pytest.raises(ConfigError, match=r"seed 0 in the checkpoint vs 3 now .* or --stage-data restart"):
         checkpoint.plan_resume(str(tmp_path), dict(longer, seed=3), new_stage="keep")
+    # the data position of a new stage: restart at 0; keep at the same token position (rounded up: none twice)
+    assert checkpoint.stage_start_sample("restart", 16, 64, 256) == 0
+    assert [checkpoint.stage_start_sample("keep", n, 64, 256) for n in (16, 17, 0)] == [4, 5, 0]
+    assert checkpoint.stage_start_sample("keep", 3, 256, 64) == 12  # a shorter stage
     # the stage record: a record without one is stage 1 from step 0
     saved = {"step": 4, "seq_len": 64}
     assert checkpoint.stage_of(saved)["index"] == 1
