@@ -746,6 +746,7 @@ class ResumePlan:
     universal: bool
     changes: List[str]              # layout or hyper-parameter changes, reported at load
     name: str = "--resume"
+    new_stage: Optional[str] = None  # a new stage (train.py --new-stage): its data position, "restart" or "keep"
 
     @property
     def load_tag(self) -> str:
@@ -775,8 +776,12 @@ class ResumePlan:
     def load(self, engine, log=print) -> dict:
         """Load into ``engine`` (every rank); returns the client state saved with it (``step``, ...)."""
         t0 = time.monotonic()
+        # a new stage: the weights and the optimizer state (moments, step counts) carried, the learning-rate
+        # scheduler not: it starts over as the stage's own (what a fresh run's engine set is put back below)
+        fresh_lrs = [g.get("lr") for g in getattr(engine.optimizer, "param_groups", None) or []]
         try:
-            path, client = engine.load_checkpoint(self.path, tag=self.load_tag)
+            path, client = engine.load_checkpoint(self.path, tag=self.load_tag,
+                                                  load_lr_scheduler_states=not self.new_stage)
         except Exception as e:  # DeepSpeed's and torch's load errors name no file
             raise ConfigError(self.name, f"loading {os.path.join(self.path, self.load_tag)!r} failed "
                               f"({type(e).__name__}: {str(e)[:500]})", "resume another tag or start a new run"
@@ -785,6 +790,9 @@ class ResumePlan:
             raise ConfigError(self.name, f"DeepSpeed found no checkpoint in {os.path.join(self.path, self.load_tag)!r}",
                               "give the directory passed to --save")
         _apply_optimizer_config(engine)
+        if self.new_stage:  # the checkpoint's param_groups carried its last lr: a fresh run's first lr instead
+            for g, lr in zip(getattr(engine.optimizer, "param_groups", None) or [], fresh_lrs):
+                g["lr"] = lr
         rank, _ = _rank_world()
         if rank == 0:
             if self.note:
@@ -831,11 +839,18 @@ def _saved_zero_stages(saved: dict) -> Tuple[int, ...]:
     return ()
 
 
-def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> ResumePlan:
+def plan_resume(path: str, current: dict, name: str = "--resume", log=print,
+                new_stage: Optional[str] = None) -> ResumePlan:
     """Decide what resuming from ``path`` means for this run (every rank, same files, same verdict; before
     ``initialize``). ``current``: this run's record as :func:`run_record` builds it. Refuses, naming the
     difference, another model, other data, another sequence length, another ZeRO stage or optimizer type;
-    another world size, SP or DP degree is a universal resume (convert with :func:`ensure_universal`)."""
+    another world size, SP or DP degree is a universal resume (convert with :func:`ensure_universal`).
+
+    ``new_stage`` ("restart" or "keep": train.py's ``--new-stage --stage-data``): the run continues as a new stage,
+    so another sequence length is accepted; with "restart" (the data position back to 0) also other data, seed and
+    --concat-documents (a stage may train on another mixture)."""
+    if new_stage not in (None, "restart", "keep"):
+        raise ValueError(f"new_stage: {new_stage!r}")
     tag, saved, note = find_resume_tag(path, name)
     where = os.path.join(path, tag)
     saved_model, now_model = saved.get("model"), current.get("model")
@@ -847,7 +862,9 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
                               "resume with the model (--model / --model-config) the checkpoint was saved with")
     refusals = []
     sd, cd = saved.get("data"), current.get("data")
-    if isinstance(sd, dict) and isinstance(cd, dict):
+    if new_stage == "restart":  # the new stage reads its data from the start: it may be other data
+        pass
+    elif isinstance(sd, dict) and isinstance(cd, dict):
         # tokenizer_sha256: recorded since the tokenizer is part of the data identity (a record without it resumes)
         keys = [k for k in sorted(set(sd) | set(cd)) if k != "path" and sd.get(k) != cd.get(k)
                 and not (k == "tokenizer_sha256" and k not in sd)]
@@ -855,19 +872,30 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
             refusals.append(("the data differ: " + ", ".join(f"{k} {sd.get(k)!r} in the checkpoint vs {cd.get(k)!r} "
                                                              "now" for k in keys),
                              "resume with the data the run trained on (a path may move; its content may not), or "
-                             "start a new run from the weights (ds-longctx export, then --model)"))
+                             "start a new run from the weights (ds-longctx export, then --model)" +
+                             (", or --stage-data restart (a new stage on other data from its start)"
+                              if new_stage == "keep" else "")))
     elif isinstance(sd, str) and isinstance(cd, dict):  # a record of an older ds_longctx: the task or the path
         same = sd == cd.get("task") or (cd.get("path") and os.path.abspath(sd) == cd.get("path"))
         if not same:
             refusals.append((f"the data differ: {sd!r} in the checkpoint vs {cd.get('task') or cd.get('path')!r} now",
                              "resume with the --data the run trained on"))
     for key, flag in (("seq_len", "--seq-len"), ("seed", "--seed"), ("concat_documents", "--concat-documents")):
+        if new_stage and (key == "seq_len" or new_stage == "restart"):
+            continue
         if key in saved and key in current and saved[key] != current[key]:
             how = ((f"with {flag}" if saved[key] else f"without {flag}") if key == "concat_documents"  # a switch
                    else f"with {flag} {saved[key]!r}")
+            if key == "seq_len":  # a context-extension stage is the reason to change it
+                fix = (f"resume {how}, or continue the run at the new length as a new stage: add --new-stage (the "
+                       "weights and optimizer state carried, the learning-rate schedule restarted, the data "
+                       "position per --stage-data restart|keep)")
+            else:
+                fix = f"resume {how}, or start a new run from the weights (ds-longctx export, then --model)"
+                if new_stage == "keep":
+                    fix += ", or --stage-data restart (the new stage's data from its start)"
             refusals.append((f"{key} {saved[key]!r} in the checkpoint vs {current[key]!r} now (the samples and their "
-                             "order depend on it)", f"resume {how}, or start a new run from the "
-                             "weights (ds-longctx export, then --model)"))
+                             "order depend on it)", fix))
     stages = _saved_zero_stages(saved)
     if stages and current.get("zero_stage") not in stages:
         said = " or ".join(map(str, stages))
@@ -899,7 +927,12 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print) -> 
         for key, a, b in _diff(saved.get(section), current.get(section), section):
             if key != "optimizer.type":
                 changes.append(f"{key}: {a!r} in the checkpoint, {b!r} now: the ds_config's value takes effect")
-    return ResumePlan(path=path, tag=tag, record=saved, note=note, universal=universal, changes=changes, name=name)
+    if new_stage:
+        changes.append(f"a new stage (--new-stage): seq_len {saved.get('seq_len')} -> {current.get('seq_len')}, the "
+                       "weights and optimizer state carried, the learning-rate scheduler restarted, data "
+                       f"position: {new_stage}")
+    return ResumePlan(path=path, tag=tag, record=saved, note=note, universal=universal, changes=changes, name=name,
+                      new_stage=new_stage)
 
 
 _converting = False
@@ -1038,6 +1071,42 @@ def run_record(*, world_size: int, sp: int, dp: int, zero_stage: int, micro_batc
             "dtype": _train_dtype(ds_config), "ds_longctx_version": _version()}
 
 
+def rope_facts(model_config) -> dict:
+    """The model's RoPE as a stage trains it: its parameters (theta, scaling type and factor) and
+    max_position_embeddings."""
+    tc = text_config(model_config)
+    params = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None)
+    if params is None and getattr(tc, "rope_theta", None) is not None:
+        params = {"rope_theta": tc.rope_theta}
+    return {"parameters": json.loads(json.dumps(params, default=str)) if params is not None else None,
+            "max_position_embeddings": getattr(tc, "max_position_embeddings", None)}
+
+
+def stage_of(record: dict) -> dict:
+    """The stage a checkpoint's record was trained in (a record written before stages existed: stage 1 from step
+    0 at its seq_len)."""
+    return record.get("stage") or {"index": 1, "seq_len": record.get("seq_len"), "rope": None, "start_step": 0,
+                                   "start_sample": 0, "data": "start"}
+
+
+def stage_start_sample(mode: str, samples_consumed: int, old_len: int, new_len: int) -> int:
+    """Where a new stage's data starts: "restart" at sample 0; "keep" at the token position the last stage reached
+    (``samples_consumed`` samples of ``old_len`` tokens), as a sample index at ``new_len``, rounded up so that no
+    token is trained twice (a corpus' samples are consecutive slices of its token stream: corpus.CorpusDataset)."""
+    if mode == "restart":
+        return 0
+    return -(-samples_consumed * old_len // new_len)
+
+
+def next_stage(saved: dict, seq_len: int, rope: dict, data: str, start_sample: int) -> Tuple[dict, List[dict]]:
+    """A new stage after the checkpoint whose record is ``saved``: (the stage, the stages before it, each with
+    the step it ended at). Recorded in every checkpoint of the stage (``stage``, ``stages``)."""
+    prev = dict(stage_of(saved), end_step=int(saved["step"]))
+    stage = {"index": int(prev["index"]) + 1, "seq_len": seq_len, "rope": rope, "start_step": int(saved["step"]),
+             "start_sample": start_sample, "data": data}
+    return stage, list(saved.get("stages") or []) + [prev]
+
+
 def batch_sizes(ds_config: dict, dp: int) -> Tuple[int, int]:
     """(micro batch, gradient accumulation steps) as DeepSpeed derives them from the batch keys."""
     tbs, micro = ds_config.get("train_batch_size"), ds_config.get("train_micro_batch_size_per_gpu")
@@ -1067,7 +1136,7 @@ def layout_record(ds_config: dict, world_size: int, model_config=None, **extra) 
     return rec
 
 
-def resume(path: str, record: dict, name: str = "resume", log=print) -> ResumePlan:
+def resume(path: str, record: dict, name: str = "resume", log=print, new_stage: Optional[str] = None) -> ResumePlan:
     """Every rank, after the process group exists and before ``ds_longctx.initialize``: what resuming from
     ``path`` means for this run (``record``: :func:`layout_record`'s, or train's :func:`run_record`), converted to
     DeepSpeed's universal checkpoint when the world size, SP or DP degree changed (rank 0, once). Then::
@@ -1075,7 +1144,7 @@ def resume(path: str, record: dict, name: str = "resume", log=print) -> ResumePl
         engine, *_ = ds_longctx.initialize(..., config=plan.ds_config(ds_config))
         client_state = plan.load(engine)        # plan.step, plan.samples_consumed: where to continue
     """
-    plan = plan_resume(path, record, name=name, log=log)
+    plan = plan_resume(path, record, name=name, log=log, new_stage=new_stage)
     ensure_universal(plan, log=log)
     return plan
 

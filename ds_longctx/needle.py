@@ -43,7 +43,7 @@ from .models import text_config
 from .models.loading import load_model_config
 from .patch import get_patch
 from .rope_scaling import apply_rope
-from .train import resolve_config_path
+from .shipped import resolve_config_path
 from .weights import deterministic_init
 
 FACT = "The secret passkey is {key}. Remember it. {key} is the secret passkey."

@@ -14,6 +14,11 @@ before step 1, saves every --save-every steps and every --save-interval of wall 
 --keep-last, and on SIGTERM or SIGUSR1 (SLURM's --signal=USR1@T, preemption) finishes the step, saves and exits
 0. --resume continues at the next unseen sample with the optimizer and schedule carried, on any world size, SP
 or DP degree (DeepSpeed's universal checkpoint). --save-hf writes a model from_pretrained loads.
+
+Context extension: --rope-theta / --rope-scaling set the model's RoPE; --resume DIR --new-stage continues a run at
+another --seq-len (a stage: weights and optimizer state carried, the learning-rate schedule restarted for the
+stage, the data position per --stage-data, the memory stack re-planned); --eval-needle LENGTHS scores passkey
+retrieval under SP at the eval points (ds-longctx needle's evaluation).
 """
 from __future__ import annotations
 
@@ -32,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import comm, watchdog
+from . import comm, needle, watchdog
 from .agreement import check_agreement
 from .checkpoint import find_resume_tag
-from .compat import check_model_scale
+from .compat import active_stack_line, check_model_scale
 from .config import check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
 from .corpus import check_data_path, open_corpus, tokenizer_content_sha256
 from .corpus import data_identity as corpus_identity
@@ -51,6 +56,7 @@ from .metrics import StepLog, peak_tflops, step_record
 from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from .rope_scaling import apply_rope
+from .shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (also train.X)
 from .planner import planned_work
 from .preflight import reserve_offload_storage
 from .runtime import graceful_stop, stop_requested, stop_saved
@@ -73,36 +79,6 @@ def _logger():
 
 def info(text: str) -> None:
     _logger().info(text)
-
-
-# ---------------------------------------------------------------------------------------------
-# shipped files (a source checkout, an editable install, or the wheel)
-# ---------------------------------------------------------------------------------------------
-
-
-def shipped_configs_dir() -> Optional[str]:
-    """ds_configs/: copied into the package by the wheel's build (setup.py), at the repository root otherwise."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "ds_configs"), os.path.join(os.path.dirname(here), "ds_configs")):
-        if os.path.isdir(path):
-            return path
-    return None
-
-
-def default_model_config() -> str:
-    return os.path.join(shipped_configs_dir() or "ds_configs", "models", "tiny-llama.json")
-
-
-def resolve_config_path(path: str) -> str:
-    """A --deepspeed_config that is not a file but names a shipped config (``tiny-cpu.json``, ``5m.json``)."""
-    if os.path.exists(path) or os.sep in path:
-        return path
-    shipped = shipped_configs_dir()
-    if shipped:
-        for name in (path, path + ".json"):
-            if os.path.isfile(os.path.join(shipped, name)):
-                return os.path.join(shipped, name)
-    return path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,8 +121,16 @@ def parse_args(argv=None):
                    "across documents (default: packed, position_ids restart per document, document-masked attention)")
     p.add_argument("--eval-data", help="held-out data (same kinds as --data): its loss and perplexity under SP, equal "
                    "to one process's, at the end and every --eval-every steps")
-    p.add_argument("--eval-every", type=int, default=0, help="evaluate --eval-data every this many steps (0: at the "
-                   "end only)")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate --eval-data / --eval-needle every this many "
+                   "steps (0: at the end only)")
+    p.add_argument("--eval-needle", metavar="LENGTHS", help="at the eval points, the needle-in-a-haystack test "
+                   "(ds-longctx needle's sharded evaluation, under this run's SP and memory stack) at these document "
+                   "lengths (e.g. 1K,4K; each at most --seq-len and divisible by the SP degree): the table in the log, "
+                   "the cells in --metrics ('needle')")
+    p.add_argument("--needle-depths", default="0,0.25,0.5,0.75,1", help="--eval-needle's depths of the fact (fractions "
+                   "of the document; default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--needle-samples", type=int, default=1, help="--eval-needle's documents per length and depth "
+                   "(default 1)")
     p.add_argument("--metrics", help="write one JSON object per step to this file (rank 0; appended on a resume)")
     p.add_argument("--log-every", type=int, default=10, help="without a terminal (SLURM, nohup): one plain line every "
                    "this many steps (0: none; default 10)")
@@ -158,6 +142,15 @@ def parse_args(argv=None):
     ck.add_argument("--keep-last", type=int, default=0, help="keep only the newest this many checkpoints (0: all)")
     ck.add_argument("--resume", help="a checkpoint directory to continue from, or 'auto': --save's when it holds "
                     "one (a requeued job's same command line), else start at step 1")
+    ck.add_argument("--new-stage", action="store_true", help="with --resume: continue the run as a new stage at "
+                    "another --seq-len (and/or --rope-theta/--rope-scaling; context extension): the weights and the "
+                    "optimizer state carried (DeepSpeed's checkpoint load), the learning-rate schedule restarted for "
+                    "this stage's steps (--steps minus the checkpoint's step; a scheduler's total_num_steps 'auto' is "
+                    "that count), the memory stack re-planned for the new length, the data position per "
+                    "--stage-data; the stage (index, length, RoPE) is recorded in its checkpoints")
+    ck.add_argument("--stage-data", choices=("restart", "keep"), default=None, help="--new-stage's data position: "
+                    "'restart' (default: the stage's data from its first sample; --data may change) or 'keep' (the "
+                    "same token position: sample ceil(samples consumed x old length / new length) of the same data)")
     ck.add_argument("--save-hf", help="at the end, write the model as a Hugging Face directory (safetensors, config, "
                     "tokenizer, generation config)")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
@@ -221,7 +214,8 @@ def validate_args(args, lc):
                                     ("--save-every", args.save_every, 0, "use 0 to save only at the end"),
                                     ("--save-interval", args.save_interval, 0, "use 0 for no wall-clock saves"),
                                     ("--keep-last", args.keep_last, 0, "use 0 to keep every checkpoint"),
-                                    ("--eval-every", args.eval_every, 0, "use 0 to evaluate at the end only")):
+                                    ("--eval-every", args.eval_every, 0, "use 0 to evaluate at the end only"),
+                                    ("--needle-samples", args.needle_samples, 1, "give documents per cell")):
         if value < least:
             raise ConfigError(flag, f"must be >= {least}, got {value}", fix)
     if not args.save:
@@ -253,9 +247,18 @@ def validate_args(args, lc):
             check_data_path(f, path, args.data_column)
             if not (args.tokenizer or args.model):
                 raise ConfigError(f, "a file needs a tokenizer", "pass --tokenizer (or --model)")
-    if args.eval_every and not args.eval_data:
-        raise ConfigError("--eval-every", "needs --eval-data (what to evaluate)", "add --eval-data PATH or drop "
-                            "--eval-every")
+    if args.eval_every and not (args.eval_data or args.eval_needle):
+        raise ConfigError("--eval-every", "needs --eval-data or --eval-needle (what to evaluate)", "add --eval-data "
+                          "PATH or --eval-needle LENGTHS, or drop --eval-every")
+    if args.eval_needle:
+        for n in needle.parse_lengths(args.eval_needle, "--eval-needle"):
+            if n > seq_len or n % sp:
+                raise ConfigError("--eval-needle", f"length {n} is " + (f"above --seq-len {seq_len} (the memory "
+                                  "stack is planned for the trained length)" if n > seq_len else
+                                  f"not divisible by sequence_parallel_size={sp}"),
+                                  f"give lengths <= {seq_len} that are multiples of {sp}; evaluate longer documents "
+                                  "with ds-longctx needle")
+        needle.parse_depths(args.needle_depths, "--needle-depths")
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
         raise ConfigError("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")
@@ -274,6 +277,11 @@ def validate_args(args, lc):
                                 "export never mixes its files with another model's)")
     if args.resume and args.resume != "auto":
         find_resume_tag(args.resume)  # raises when there is no usable checkpoint
+    if args.new_stage and not args.resume:
+        raise ConfigError("--new-stage", "needs --resume (the checkpoint the new stage continues)",
+                          "add --resume DIR (the previous stage's --save), or drop --new-stage")
+    if args.stage_data and not args.new_stage:
+        raise ConfigError("--stage-data", "applies to a new stage only", "add --new-stage or drop --stage-data")
     check_shards(lc, seq_len)  # against the length trained (--seq-len), not only the config's sequence_length
     return seq_len
 
@@ -402,10 +410,12 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
 # what data, and when the job saves, evaluates or exports (collectives at those steps)
 AGREED_FLAGS = {"--steps": "steps", "--seed": "seed", "--model": "model", "--model-config": "model_config",
                 "--tokenizer": "tokenizer", "--data-column": "data_column", "--concat-documents": "concat_documents",
-                "--eval-every": "eval_every", "--eval-samples": "eval_samples",
+                "--eval-every": "eval_every", "--eval-samples": "eval_samples", "--eval-needle": "eval_needle",
+                "--needle-depths": "needle_depths", "--needle-samples": "needle_samples",
                 "--save": "save", "--save-every": "save_every", "--save-interval": "save_interval",
                 "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf",
-                "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling"}
+                "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling", "--new-stage": "new_stage",
+                "--stage-data": "stage_data"}
 
 
 def _agree(flags):
@@ -437,6 +447,7 @@ class Job:
     tokenizer: Any
     dataset: Any
     eval_set: Any
+    needle_cases: Any            # --eval-needle's documents (needle.build_cases), or None
     engine: Any
     batches: SampleStream        # the job's sample order from the next unseen sample
     saves: Optional[ckpt.SaveDir]
@@ -499,14 +510,26 @@ def prepare(args) -> Job:
         if dist.get_rank() == 0:
             info(f"--resume auto: resuming from {args.save}" if resume_dir else
                  f"--resume auto: no checkpoint in {args.save}: starting at step 1")
-    plan = None
+    plan, new_stage = None, None
+    stage, stages = {"index": 1, "seq_len": seq_len, "rope": ckpt.rope_facts(model_config), "start_step": 0,
+                     "start_sample": 0, "data": "start"}, []
     if resume_dir:
+        new_stage = _new_stage_mode(args, resume_dir, seq_len, stage["rope"])
         # the same files, the same verdict on every rank; rank 0 converts to a universal checkpoint when needed
-        plan = ckpt.resume(resume_dir, record, name="--resume", log=info)
+        plan = ckpt.resume(resume_dir, record, name="--resume", log=info, new_stage=new_stage)
         if plan.step >= args.steps:
             raise ConfigError("--steps", f"{args.steps} is not past the checkpoint's step {plan.step}",
-                                f"give --steps > {plan.step}")
+                                f"give --steps > {plan.step} (the steps in all: this stage trains the steps after "
+                                "the checkpoint's)" if new_stage else f"give --steps > {plan.step}")
         ds_config = plan.ds_config(ds_config)
+        if new_stage:
+            old_len = int(plan.record.get("seq_len") or seq_len)
+            start_sample = ckpt.stage_start_sample(new_stage, plan.samples_consumed, old_len, seq_len)
+            stage, stages = ckpt.next_stage(plan.record, seq_len, stage["rope"], new_stage, start_sample)
+        else:
+            stage, stages = ckpt.stage_of(plan.record), list(plan.record.get("stages") or [])
+    record.update(stage=stage, stages=stages)
+    ds_config = _stage_schedule(ds_config, args.steps - int(stage["start_step"]))
 
     if seq_len != lc.sequence_length:  # the planner ("auto"), the host-memory check: the length trained
         ds_config = dict(ds_config, long_context=dict(ds_config.get("long_context") or {}, sequence_length=seq_len))
@@ -521,6 +544,8 @@ def prepare(args) -> Job:
     if plan is not None:
         plan.load(engine, log=info)
         start, consumed = plan.step, plan.samples_consumed
+        if new_stage:
+            consumed = stage["start_sample"]
     batches = SampleStream(dataset, micro, sp_rank=layout.sp_rank, sp_size=sp, dp_rank=layout.dp_rank, dp_size=dp,
                            start=consumed)
 
@@ -541,9 +566,72 @@ def prepare(args) -> Job:
         info(f"world={world} sp={sp} dp={dp} seq_len={seq_len} micro_batch={micro} gas={gas} "
              f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
              f"zero_stage={engine.zero_optimization_stage()}")
+        if new_stage:
+            info(stage_line(stage, stages[-1], plan, args, ds_config, engine))
+    needle_cases = None
+    if args.eval_needle:
+        needle_cases = needle.build_cases(_needle_tokenizer(tokenizer, model.config),
+                                          needle.parse_lengths(args.eval_needle, "--eval-needle"),
+                                          needle.parse_depths(args.needle_depths, "--needle-depths"), seed=args.seed,
+                                          samples=args.needle_samples, sp=sp)
     return Job(args=args, lc=lc, seq_len=seq_len, world=world, sp=sp, dp=dp, micro=micro, gas=gas, record=record,
-               model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, engine=engine, batches=batches,
+               model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, needle_cases=needle_cases,
+               engine=engine, batches=batches,
                saves=saves, profiler=profiler, steplog=steplog, start=start, peak=peak_tflops(record["dtype"]))
+
+
+def _new_stage_mode(args, resume_dir, seq_len, rope):
+    """--new-stage's data mode ("restart" / "keep"), or None for a plain resume: also when the checkpoint is
+    already in the requested stage (a later stage at this length and RoPE: a requeued job's same command line with
+    --resume auto continues its stage instead of starting another). Every rank, the same files."""
+    if not args.new_stage:
+        return None
+    _, saved, _ = find_resume_tag(resume_dir)
+    there = ckpt.stage_of(saved)
+    if int(there.get("index", 1)) > 1 and there.get("seq_len") == seq_len and there.get("rope") == rope:
+        if dist.get_rank() == 0:
+            info(f"--new-stage: {resume_dir} is already in stage {there['index']} at seq_len {seq_len} with this RoPE "
+                 f"(started at step {there.get('start_step')}): continuing that stage (a plain resume)")
+        return None
+    return args.stage_data or "restart"
+
+
+def _stage_schedule(ds_config: dict, stage_steps: int) -> dict:
+    """The learning-rate schedule is per stage: DeepSpeed's scheduler starts at its step 0 with the stage (a new
+    stage does not load the checkpoint's scheduler state), and a ``total_num_steps`` of "auto" (WarmupDecayLR,
+    WarmupCosineLR) is the stage's steps (``--steps`` minus the step the stage started after)."""
+    sched = ds_config.get("scheduler")
+    params = (sched or {}).get("params") if isinstance(sched, dict) else None
+    if not isinstance(params, dict):
+        return ds_config
+    for key, value in params.items():
+        if value == "auto" and key != "total_num_steps":
+            raise ConfigError(f"scheduler.params.{key}", "'auto' is understood for total_num_steps only (the "
+                              "stage's steps)", f"give {key} a value")
+    if params.get("total_num_steps") != "auto":
+        return ds_config
+    return dict(ds_config, scheduler=dict(sched, params=dict(params, total_num_steps=stage_steps)))
+
+
+def stage_line(stage, prev, plan, args, ds_config, engine) -> str:
+    """Rank 0's statement of a new stage, before step 1: what is carried, where the data and the schedule start,
+    and the memory stack as initialize re-planned it for the new length."""
+    rope = (stage.get("rope") or {}).get("parameters")
+    old_rope = (prev.get("rope") or {}).get("parameters")
+    sched = ds_config.get("scheduler") or {}
+    steps = args.steps - stage["start_step"]
+    data = (f"restart: from sample 0 of --data (--stage-data restart)" if stage["data"] == "restart" else
+            f"keep: from sample {stage['start_sample']} at the new length, the token position "
+            f"{plan.samples_consumed} samples x {prev.get('seq_len')} tokens reached (--stage-data keep)")
+    return (f"stage {stage['index']} (--new-stage): seq_len {prev.get('seq_len')} -> {stage['seq_len']}; RoPE "
+            f"{old_rope if old_rope == rope else f'{old_rope} -> {rope}'}; weights and optimizer state from "
+            f"{os.path.join(plan.path, plan.tag)} (step {plan.step}, DeepSpeed's checkpoint load); data: {data}; "
+            f"learning-rate schedule: "
+            + (f"{sched.get('type')} restarted for this stage's {steps} steps (steps {stage['start_step'] + 1}.."
+               f"{args.steps}, params {sched.get('params')})" if sched else
+               f"no scheduler: the ds_config's optimizer lr for this stage's {steps} steps")
+            + f"; memory stack re-planned for {stage['seq_len']} tokens: "
+            f"{active_stack_line(engine.long_context_spec, engine.module)}")
 
 
 def train_step(job: Job) -> float:
@@ -571,6 +659,23 @@ def evaluate_now(job: Job, step: int) -> dict:
     return {"eval_loss": stats["loss"], "eval_perplexity": stats["perplexity"], "eval_tokens": stats["tokens"]}
 
 
+def _needle_tokenizer(tokenizer, model_config):
+    if tokenizer is not None:
+        return tokenizer
+    return needle.ByteTokenizer(text_config(model_config).vocab_size)  # a built-in task has none: UTF-8 bytes
+
+
+def needle_now(job: Job, step: int) -> dict:
+    """--eval-needle's test on the engine (every rank: a collective; the same report everywhere): the table in the
+    log, the cells (exact-match accuracy, mean answer log-likelihood per length and depth) for the metrics."""
+    results = needle.score_cases(job.engine, job.needle_cases)
+    report = needle.summarize(job.needle_cases, results)
+    acc = sum(r["exact_match"] for r in results) / len(results)
+    job.steplog.note(f"needle after step {step} (--eval-needle {job.args.eval_needle}): exact match {acc:.3f} over "
+                     f"{len(results)} documents\n{needle.table(report)}")
+    return {"needle": {"accuracy": acc, "cells": report["cells"]}}
+
+
 def save(job: Job, step: int, why: str) -> None:
     t0 = time.monotonic()
     tag = job.saves.save(job.engine, step, dict(job.record, samples_consumed=job.samples_consumed),
@@ -589,8 +694,11 @@ def train(job: Job):
             prof = job.profiler.end_step(step, tokens=job.seq_len * job.micro * job.gas)  # this SP group's tokens
             rec = step_record(step, loss, prof, job.engine, tokens=job.seq_len * job.micro * job.gas * job.dp,
                               peak=job.peak)
-            if job.eval_set is not None and (step == args.steps or args.eval_every and step % args.eval_every == 0):
-                rec.update(evaluate_now(job, step))
+            if step == args.steps or args.eval_every and step % args.eval_every == 0:
+                if job.eval_set is not None:
+                    rec.update(evaluate_now(job, step))
+                if job.needle_cases:
+                    rec.update(needle_now(job, step))
             job.steplog.step(rec)
             if "flops_by_category" in rec:
                 info(f"step {step}: executed FLOPs per category, measured vs the planner's (this rank):\n"

@@ -45,8 +45,8 @@ def test_resume_refuses_what_cannot_continue_the_run(tmp_path):
         ({"data": {"path": "/a/d.jsonl", "bytes": 10, "sha256": "ab"}},
          {"data": {"path": "/b/d.jsonl", "bytes": 10, "sha256": "cd"}}, r"the data differ: sha256 'ab' in the "
          r"checkpoint vs 'cd' now\. Fix: resume with the data the run trained on \(a path may move"),
-        ({}, {"seq_len": 128}, r"seq_len 64 in the checkpoint vs 128 now .* Fix: resume with --seq-len 64, or start a "
-         r"new run from the weights \(ds-longctx export, then --model\)"),
+        ({}, {"seq_len": 128}, r"seq_len 64 in the checkpoint vs 128 now .* Fix: resume with --seq-len 64, or continue "
+         r"the run at the new length as a new stage: add --new-stage \(the weights and optimizer state carried"),
         ({}, {"seed": 1}, r"seed 0 in the checkpoint vs 1 now"),
         ({}, {"zero_stage": 2}, r"ZeRO stage 3 in the checkpoint vs 2 now \(DeepSpeed's loaders, universal included, "
          r"read only the stage a checkpoint was saved with\)\. Fix: resume with zero_optimization.stage 3"),
@@ -77,6 +77,37 @@ def test_resume_refuses_what_cannot_continue_the_run(tmp_path):
     # a moved data file (same content) is the same data
     current = _saved(tmp_path, data={"path": "/a/d.jsonl", "bytes": 10, "sha256": "ab"})
     checkpoint.plan_resume(str(tmp_path), dict(current, data={"path": "/b/d.jsonl", "bytes": 10, "sha256": "ab"}))
+
+
+def test_a_new_stage_accepts_another_length_and_with_restart_other_data(tmp_path):
+    """train.py --new-stage: another seq_len continues the run; --stage-data keep still needs the same data and
+    seed (the token position means nothing on other data), restart does not."""
+    data = {"path": "/a/d.jsonl", "bytes": 10, "sha256": "ab"}
+    current = dict(_saved(tmp_path, data=data), data=data)
+    longer = dict(current, seq_len=256)
+    for mode in ("restart", "keep"):
+        plan = checkpoint.plan_resume(str(tmp_path), longer, new_stage=mode)
+        assert plan.new_stage == mode and plan.changes[-1].startswith("a new stage (--new-stage): seq_len 64 -> 256")
+    other = dict(longer, data={"path": "/a/e.jsonl", "bytes": 11, "sha256": "cd"}, seed=3)
+    assert checkpoint.plan_resume(str(tmp_path), other, new_stage="restart").new_stage == "restart"
+    with pytest.raises(ConfigError, match=r"the data differ: .* or --stage-data restart \(a new stage on other data"):
+        checkpoint.plan_resume(str(tmp_path), other, new_stage="keep")
+    with pytest.raises(ConfigError, match=r"seed 0 in the checkpoint vs 3 now .* or --stage-data restart"):
+        checkpoint.plan_resume(str(tmp_path), dict(longer, seed=3), new_stage="keep")
+    # the data position of a new stage: restart at 0; keep at the same token position (rounded up: none twice)
+    assert checkpoint.stage_start_sample("restart", 16, 64, 256) == 0
+    assert [checkpoint.stage_start_sample("keep", n, 64, 256) for n in (16, 17, 0)] == [4, 5, 0]
+    assert checkpoint.stage_start_sample("keep", 3, 256, 64) == 12  # a shorter stage
+    # the stage record: a record without one is stage 1 from step 0
+    saved = {"step": 4, "seq_len": 64}
+    assert checkpoint.stage_of(saved)["index"] == 1
+    stage, before = checkpoint.next_stage(saved, 256, {"parameters": {"rope_theta": 1e6}}, "keep", 4)
+    assert stage == {"index": 2, "seq_len": 256, "rope": {"parameters": {"rope_theta": 1e6}}, "start_step": 4,
+                     "start_sample": 4, "data": "keep"}
+    assert [(s["index"], s["seq_len"], s["start_step"], s["end_step"]) for s in before] == [(1, 64, 0, 4)]
+    stage3, before3 = checkpoint.next_stage({"step": 9, "seq_len": 256, "stage": stage, "stages": before}, 1024,
+                                            None, "restart", 0)
+    assert stage3["index"] == 3 and [(s["index"], s["end_step"]) for s in before3] == [(1, 4), (2, 9)]
 
 
 def test_resume_on_another_layout_is_universal_and_changes_are_reported(tmp_path):

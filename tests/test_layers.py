@@ -13,7 +13,7 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # bottom to top; a module may import its own layer and the layers before it
 LAYERS = (
-    ("leaves", ("_version", "preemptible", "errors", "config", "loss", "comm", "planner.units", "measure", "measure.fake", "measure.allocator",
+    ("leaves", ("_version", "shipped", "preemptible", "errors", "config", "loss", "comm", "planner.units", "measure", "measure.fake", "measure.allocator",
                 "measure.flops", "memory.arena", "memory.keep", "memory.tiles")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
                "models.windows", "models.logits", "models.loading", "models.hybrid", "models.adapters", "models.rope",
