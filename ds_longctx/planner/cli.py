@@ -280,8 +280,35 @@ def run_plan(a) -> int:
         return _run_plan(a, out)
 
 
+def _shipped_names(a) -> None:
+    """A --deepspeed_config or --model-config that is not a file but a shipped config's name (``llama3-8b-5m.json``;
+    ``llama3-8b.json`` from ds_configs/models/), as train.py takes them: from a wheel, ds_configs/ is inside the
+    package (``ds-longctx configs`` lists them)."""
+    from ..train import resolve_config_path, shipped_configs_dir
+
+    a.config = resolve_config_path(a.config)
+    shipped = shipped_configs_dir()
+    mc = a.model_config
+    if mc and shipped and not os.path.exists(mc) and os.sep not in mc:
+        for name in (mc, mc + ".json"):
+            if os.path.isfile(os.path.join(shipped, "models", name)):
+                a.model_config = os.path.join(shipped, "models", name)
+                break
+
+
+def _check_plot(path) -> None:
+    """--plot needs matplotlib (not a dependency: the test extra has it): refused before minutes of simulation."""
+    import importlib.util
+
+    if path and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot", "needs matplotlib, which is not installed", "pip install matplotlib (or "
+                          "ds_longctx[test]), or drop --plot")
+
+
 def _run_plan(a, out) -> int:
     t0 = time.perf_counter()
+    _check_plot(a.plot)
+    _shipped_names(a)
     ds = load_ds_config(a.config)
     mc = load_model_config(a.model_config, a.model)
     if a.gpus < 1:
