@@ -235,10 +235,13 @@ def test_plot_without_matplotlib_is_refused_before_the_simulation(tmp_path, caps
 def test_shipped_names_from_another_directory(capsys, monkeypatch, tmp_path):
     """From a wheel install (or any directory): the shipped names, as train.py takes them: the ds_config by name,
     the model config from ds_configs/models/ (before: "file 'tiny-cpu.json' does not exist")."""
+    from ds_longctx.cli import main as ds_longctx_main  # the `ds-longctx` command
+
     monkeypatch.chdir(tmp_path)
-    rc = main(["plan", "--deepspeed_config", "tiny-cpu.json", "--model-config", "tiny-llama.json", "--gpus", "2",
-               "--seq-len", "64", "--json"])
+    rc = ds_longctx_main(["plan", "--deepspeed_config", "tiny-cpu.json", "--model-config", "tiny-llama.json",
+                          "--gpus", "2", "--seq-len", "64", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["sequence_length"] == 64 and out["world_size"] == 2, out
-    rc = main(["plan", "--deepspeed_config", "no-such.json", "--model-config", "tiny-llama.json", "--gpus", "2"])
+    rc = ds_longctx_main(["plan", "--deepspeed_config", "no-such.json", "--model-config", "tiny-llama.json",
+                          "--gpus", "2"])
     assert rc == 2 and "'no-such.json' does not exist" in capsys.readouterr().err
