@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
-        return plan_main(argv)
+        return plan_main(argv, shipped_dir=shipped_configs_dir())  # shipped names, as train.py takes them
     if cmd == "launch":
         return launch_main(rest)
     if cmd == "needle":  # under a launcher: deepspeed --no_local_rank ... --module ds_longctx.cli needle ...

@@ -52,9 +52,11 @@ All seven patches are process-global; this module is their one owner. ``disable(
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 
+from .comm import disable_cpu_shm_allreduce
 from .config import SECTION, load_ds_config
 from .errors import ConfigError
 from .hf_loader import RoutedSPAdapter, is_sp_adapter, skip_first_items
@@ -89,6 +91,9 @@ def enable() -> None:
         return
     import deepspeed
 
+    # a launched CPU run: DeepSpeed's shared-memory all-reduce is not JIT-built when Accelerate starts deepspeed.comm
+    # (two ranks building it at once hang on its lock; comm.py), as ds_longctx.initialize does for its own start
+    disable_cpu_shm_allreduce()
     _ORIGINALS["initialize"] = deepspeed.initialize
     deepspeed.initialize = _routed_initialize
     _LAST["ds_longctx"] = False
@@ -346,6 +351,67 @@ def _skip_first_batches(dataloader, num_batches=0):
 # ---------------------------------------------------------------------------------------------
 
 
+def ensure_deepspeed_comm(sp: int = 1) -> None:
+    """Have ``deepspeed.comm`` wrap the process group the launched process already has.
+
+    On a CPU run Accelerate starts ``torch.distributed`` itself (``use_cpu``, MULTI_CPU: accelerate/state.py) and
+    not ``deepspeed.comm``, which DeepSpeed's ``parallel_state_sp.initialize_sequence_parallel`` asserts (a bare
+    ``AssertionError`` from ``register_with_transformers``); on GPUs Accelerate starts ``deepspeed.comm``. DeepSpeed
+    wraps an existing group without a new rendezvous (``deepspeed.comm.init_distributed``: "the user initialized
+    torch.dist themselves"). SP over more than one rank with no process group at all (``python script.py``) is
+    refused naming the launch that gives it one."""
+    import torch.distributed as tdist
+    from deepspeed import comm as ds_dist
+
+    if ds_dist.is_initialized():
+        return
+    if not (tdist.is_available() and tdist.is_initialized()):
+        if sp > 1:
+            raise ConfigError("parallelism_config.sp_size", f"is {sp} but this process is not part of a launched "
+                              "job (no process group: one process, started without a launcher)",
+                              f"launch {sp} (or a multiple of {sp}) processes: deepspeed --num_gpus {sp} script.py, "
+                              f"or torchrun --nproc_per_node {sp} script.py; or set sp_size=1")
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=tdist.get_backend(), auto_mpi_discovery=False)
+
+
+@contextlib.contextmanager
+def _reusing_sp_groups(sp: int):
+    """DeepSpeed's ``initialize_sequence_parallel`` builds the SP groups once per process and asserts they are not
+    built yet ("sequence parallel group is already initialized" for a second Trainer in one process). The groups
+    are a function of (world, SP) only, so a later Trainer with the same SP size reuses them: while this context is
+    open (one ``register_with_transformers`` call), that function is a no-op when groups of this size exist. Another
+    SP size in the same process is refused naming the fix (DeepSpeed and ds_longctx keep one SP layout per
+    process; the first engine holds its groups)."""
+    import importlib
+
+    pss = importlib.import_module("deepspeed.runtime.sequence_parallel.parallel_state_sp")
+    if pss._SEQUENCE_PARALLEL_GROUP is None:
+        yield
+        return
+    have = pss.get_sequence_parallel_world_size()
+    if have != sp:
+        raise ConfigError("parallelism_config.sp_size", f"is {sp} but this process already built sequence-parallel "
+                          f"groups of size {have} (an earlier Trainer / engine in this process); DeepSpeed keeps one "
+                          "SP layout per process",
+                          f"use sp_size={have} in every Trainer of this process, or train with sp_size={sp} in a "
+                          "new launch")
+    original = pss.initialize_sequence_parallel
+
+    def reuse(sequence_parallel_size, *args, **kwargs):
+        if sequence_parallel_size != have:  # cannot happen (checked above); DeepSpeed's own assert then
+            return original(sequence_parallel_size, *args, **kwargs)
+        return None
+
+    pss.initialize_sequence_parallel = reuse
+    try:
+        yield
+    finally:
+        pss.initialize_sequence_parallel = original
+
+
 class _ResolvedConfig:
     """A model config whose ``num_key_value_heads`` and ``head_dim`` are read through every spelling
     (models.attention_shape); every other attribute is the config's own."""
@@ -384,10 +450,19 @@ def _install_register() -> None:
     bound = cls.register_with_transformers
 
     def register_with_transformers(klass, model_name_or_path, *args, **kwargs):
+        try:
+            sp = inspect.signature(bound).bind_partial(model_name_or_path, *args, **kwargs).arguments.get(
+                "sequence_parallel_size")
+        except TypeError:
+            sp = kwargs.get("sequence_parallel_size")
         config = getattr(model_name_or_path, "config", None)
         if config is not None:
             model_name_or_path = _ConfigView(_ResolvedConfig(config))
-        return bound(model_name_or_path, *args, **kwargs)
+        if not isinstance(sp, int) or sp <= 1:
+            return bound(model_name_or_path, *args, **kwargs)
+        ensure_deepspeed_comm(sp)
+        with _reusing_sp_groups(sp):
+            return bound(model_name_or_path, *args, **kwargs)
 
     _ORIGINALS["register"] = original
     cls.register_with_transformers = classmethod(register_with_transformers)

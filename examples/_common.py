@@ -57,10 +57,11 @@ def full_params(module) -> dict:
 
 
 def prepare_launched_process() -> None:
-    """What a launched example (deepspeed / torchrun, one process per rank) needs before Accelerate
-    starts. On a CPU box: no DeepSpeed shm all-reduce (its JIT build hung a 2-rank torchrun), and
-    deepspeed.comm initialised here: on GPUs Accelerate's PartialState does that, on CPU it does not
-    (accelerate/state.py), and DeepSpeed's parallel_state_sp (register_with_transformers) asserts it."""
+    """What a launched example needs on a CPU box for HF's own ALST path (``--hf-alst``: no ds_longctx), before
+    Accelerate starts: no DeepSpeed shm all-reduce (its JIT build hung a 2-rank torchrun), and deepspeed.comm
+    initialised here: on GPUs Accelerate's PartialState does that, with ``use_cpu`` it does not
+    (accelerate/state.py), and DeepSpeed's parallel_state_sp (register_with_transformers) asserts it.
+    ``ds_longctx.enable()`` does both itself (ds_longctx/integration.py), so the ds_longctx runs skip this."""
     from ds_longctx.comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()

@@ -142,7 +142,8 @@ def main(argv=None):
     p.add_argument("--resume", action="store_true", help="accelerator.load_state, skip the steps done, go on")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
-    prepare_launched_process()
+    if a.hf_alst:  # HF's own path on a CPU box; ds_longctx.enable() does this itself
+        prepare_launched_process()
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps, optimizer=a.optimizer, warmup_steps=a.warmup_steps, save_at=a.save_at, resume=a.resume)
     if int(os.environ.get("RANK", "0")) == 0:

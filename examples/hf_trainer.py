@@ -168,7 +168,8 @@ def main(argv=None):
     p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (the PeftModel to the Trainer)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
-    prepare_launched_process()
+    if a.hf_alst:  # HF's own path on a CPU box; ds_longctx.enable() does this itself
+        prepare_launched_process()
     res = train(sp=a.sp, attention=a.attention, memory_stack=not a.no_memory_stack, use_ds_longctx=not a.hf_alst,
                 steps=a.steps, seq_len=a.seq_len, optim=a.optim, lr=a.lr, save_steps=a.save_steps,
                 resume_from_checkpoint=a.resume, lora=a.lora)

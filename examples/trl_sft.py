@@ -154,7 +154,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1)
     a = p.parse_args(argv)
-    prepare_launched_process()
+    if a.no_ds_longctx:  # HF's own path on a CPU box; ds_longctx.enable() does this itself
+        prepare_launched_process()
     kw = dict(seq_len=31, samples=25) if not a.no_packing else {}  # the packed rows of tests/test_ecosystem.py
     res = train(sp=a.sp, attention=a.attention, packing=not a.no_packing, use_ds_longctx=not a.no_ds_longctx,
                 memory_stack=a.memory_stack, steps=a.steps, **kw)

@@ -80,6 +80,32 @@ def test_enable_is_idempotent_and_undone_by_disable():
     ds_longctx.disable()  # no-op
 
 
+def test_sp_outside_a_launch_and_a_second_sp_size_are_refused_and_the_same_size_reused(monkeypatch):
+    """enable()'s register_with_transformers: SP > 1 with no process group names the launch; a later Trainer with
+    the SP size this process has reuses its groups (DeepSpeed's initialize_sequence_parallel a no-op while the
+    call runs, put back after); another size is refused naming both. The launched Trainers:
+    tests/test_examples_launched.py."""
+    import torch.distributed as tdist
+    from deepspeed import comm as ds_dist
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
+
+    monkeypatch.setattr(ds_dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(tdist, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match=r"deepspeed --num_gpus 2 script.py, or torchrun --nproc_per_node 2"):
+        integration.ensure_deepspeed_comm(2)
+    integration.ensure_deepspeed_comm(1)  # one process without SP: nothing to start
+    monkeypatch.setattr(pss, "_SEQUENCE_PARALLEL_GROUP", object())  # an earlier Trainer's groups, of size 2
+    monkeypatch.setattr(pss, "get_sequence_parallel_world_size", lambda: 2)
+    original = pss.initialize_sequence_parallel
+    with integration._reusing_sp_groups(2):
+        assert pss.initialize_sequence_parallel(sequence_parallel_size=2) is None  # reused: no new groups
+    assert pss.initialize_sequence_parallel is original
+    with pytest.raises(ConfigError, match=r"already built sequence-parallel groups of size 2.*use sp_size=2"):
+        with integration._reusing_sp_groups(4):
+            pass
+    assert pss.initialize_sequence_parallel is original
+
+
 def test_sp_without_wiring_is_refused():
     lc_cfg = {"sequence_parallel_size": 2, "long_context": {}}
     with pytest.raises(ConfigError, match=r"ParallelismConfig\(sp_backend='deepspeed', sp_size=2\)"):

@@ -213,3 +213,35 @@ def test_planner_words_show_the_excess_and_say_binds_only_for_a_binding_limit():
                                    "usable per device"), best.binding_detail
     assert [fmt_seconds(x) for x in (7470, 314.8, 17.5, 3599.9)] == ["2 h 04 min", "5 min 15 s", "17.5 s",
                                                                      "1 h 00 min"]
+
+
+def test_plot_without_matplotlib_is_refused_before_the_simulation(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import ds_longctx.planner.cli as plan_cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as in an install without the test extra
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("the planner ran before --plot was refused")
+
+    monkeypatch.setattr(plan_cli, "Planner", no_simulation)
+    rc = main(["plan", "--config", _cfg(tmp_path), "--model-config", MODEL, "--gpus", "8", "--seq-len", "65536",
+               "--plot", str(tmp_path / "p.png")] + HOST)
+    err = capsys.readouterr().err
+    assert rc == 2 and "--plot: needs matplotlib, which is not installed" in err and "pip install matplotlib" in err, err
+
+
+def test_shipped_names_from_another_directory(capsys, monkeypatch, tmp_path):
+    """From a wheel install (or any directory): the shipped names, as train.py takes them: the ds_config by name,
+    the model config from ds_configs/models/ (before: "file 'tiny-cpu.json' does not exist")."""
+    from ds_longctx.cli import main as ds_longctx_main  # the `ds-longctx` command
+
+    monkeypatch.chdir(tmp_path)
+    rc = ds_longctx_main(["plan", "--deepspeed_config", "tiny-cpu.json", "--model-config", "tiny-llama.json",
+                          "--gpus", "2", "--seq-len", "64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["sequence_length"] == 64 and out["world_size"] == 2, out
+    rc = ds_longctx_main(["plan", "--deepspeed_config", "no-such.json", "--model-config", "tiny-llama.json",
+                          "--gpus", "2"])
+    assert rc == 2 and "'no-such.json' does not exist" in capsys.readouterr().err

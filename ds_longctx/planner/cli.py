@@ -280,8 +280,35 @@ def run_plan(a) -> int:
         return _run_plan(a, out)
 
 
+def _shipped_names(a, shipped: Optional[str]) -> None:
+    """A --deepspeed_config or --model-config that is not a file but a shipped config's name (``llama3-8b-5m.json``;
+    ``llama3-8b.json`` from ds_configs/models/), as train.py takes them: from a wheel, ds_configs/ is inside the
+    package (``ds-longctx configs`` lists them). ``shipped``: that folder (ds_longctx.cli passes train.py's), or None."""
+    if not shipped:
+        return
+    for attr, folder in (("config", shipped), ("model_config", os.path.join(shipped, "models"))):
+        name = getattr(a, attr)
+        if not name or os.path.exists(name) or os.sep in name:
+            continue
+        for cand in (name, name + ".json"):
+            if os.path.isfile(os.path.join(folder, cand)):
+                setattr(a, attr, os.path.join(folder, cand))
+                break
+
+
+def _check_plot(path) -> None:
+    """--plot needs matplotlib (not a dependency: the test extra has it): refused before minutes of simulation."""
+    import importlib.util
+
+    if path and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot", "needs matplotlib, which is not installed", "pip install matplotlib (or "
+                          "ds_longctx[test]), or drop --plot")
+
+
 def _run_plan(a, out) -> int:
     t0 = time.perf_counter()
+    _check_plot(a.plot)
+    _shipped_names(a, getattr(a, "shipped_dir", None))
     ds = load_ds_config(a.config)
     mc = load_model_config(a.model_config, a.model)
     if a.gpus < 1:
@@ -389,9 +416,12 @@ def _host_mem(value, config_path=None):
     return value, f"--host-mem {value}"
 
 
-def main(argv=None) -> int:
+def main(argv=None, shipped_dir: Optional[str] = None) -> int:
+    """``shipped_dir``: the shipped ds_configs/ folder, whose names --deepspeed_config and --model-config then take
+    (``ds-longctx plan`` passes it)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     a = _parser().parse_args(argv)
+    a.shipped_dir = shipped_dir
     try:
         if a.cmd == "plan":
             return run_plan(a)
