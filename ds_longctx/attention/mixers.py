@@ -1,5 +1,5 @@
-"""Sequence parallelism for head-parallel mixers that carry state along the sequence (Gated DeltaNet, LFM2's gated
-short convolutions): split by heads.
+"""Sequence parallelism for head-parallel mixers that carry state along the sequence (Gated DeltaNet, Mamba2, LFM2's
+gated short convolutions): split by heads.
 
 Each head's recurrence (and each channel of the depthwise causal conv before it) reads only its own head over the
 whole sequence, so Ulysses' pattern is exact by construction: the projections run on the sequence shard
@@ -9,7 +9,10 @@ these channels, transformers' own core function (its chunked gated-delta rule: t
 kernel where transformers installed one) runs on this rank's heads, and one all-to-all brings the output back to the
 sequence shard before what mixes heads again (gated norm, out projection). Under 'untied_ulysses' the conv and the
 core loop over this rank's value heads ``heads_per_chunk`` at a time (whole key-head groups). A short conv (LFM2) is the same with its
-conv input's channels as heads and no recurrence. Packed documents restart the conv and the
+conv input's channels as heads and no recurrence. A Mamba2 mixer (falcon_h1, granitemoehybrid) is the same with
+x channels per head, its B/C groups (a group that several ranks' heads read goes to each of them) and dt moved, and
+transformers' ``mamba2_chunk_scan``; its gated RMSNorm spans groups of heads, so it runs after the output all-to-all,
+on the sequence shard, as transformers runs it. Packed documents restart the conv and the
 recurrence at every document start: the conv and the core run per document (transformers' torch reference ignores
 ``cu_seqlens``).
 
@@ -172,7 +175,81 @@ def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, at
     return fam.finish(module, y, gate)
 
 
-_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward}
+def _mamba2_chunks(hq: int, r: int, per_chunk: Optional[int]):
+    """This rank's heads in chunks of at most ``per_chunk`` (None: all at once) that are whole groups of ``r`` heads
+    (one B/C group each) or lie inside one group: (first head, heads) per chunk."""
+    if not per_chunk or per_chunk >= hq:
+        return [(0, hq)]
+    n = per_chunk // r * r if per_chunk >= r else max(d for d in range(1, per_chunk + 1) if r % d == 0)
+    return [(j, min(n, hq - j)) for j in range(0, hq, n)]
+
+
+def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
+                   heads_per_chunk: Optional[int] = None, **kwargs):
+    """One Mamba2 mixer (falcon_h1, granitemoehybrid) of a training forward under SP: in_proj on the sequence shard,
+    one all-to-all of this rank's x channels, its B/C groups (a group shared by several ranks goes to each) and dt,
+    the depthwise conv with these channels' weights and transformers' ``mamba2_chunk_scan`` with this rank's
+    dt_bias / A / D over the whole sequence (per document, ``heads_per_chunk`` heads at a time under untied), the
+    output back to the sequence shard before the gated norm (which spans groups of heads) and out_proj."""
+    if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path trains without a cache (use_cache=False)")
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        # transformers zeroes padded tokens again after the conv; under SP the conv runs on the gathered sequence
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path takes no padding mask (got one with zeros); "
+                         "pack the samples (position_ids restarting per document) instead of padding them")
+    docs = kwargs.pop(DOCS_KWARG, None)
+    hf = sys.modules[type(module).__module__]
+    b, s, _ = hidden_states.shape
+    nh, hd, ng, ds = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    di = nh * hd
+    z, xbc, dt = fam.project(module, hidden_states)
+    hq = nh // sp
+    gq = ng // sp if ng % sp == 0 else 1  # B/C groups per rank (1: the one group all this rank's heads read)
+    per_rank = [list(range(j * gq, (j + 1) * gq)) if ng % sp == 0 else [j * ng // sp] for j in range(sp)]
+    gidx = torch.tensor([g for gs in per_rank for g in gs], device=xbc.device)
+    x = xbc[..., :di].reshape(b, s, sp, hq * hd)
+    B = xbc[..., di:di + ng * ds].reshape(b, s, ng, ds).index_select(2, gidx).reshape(b, s, sp, gq * ds)
+    C = xbc[..., di + ng * ds:].reshape(b, s, ng, ds).index_select(2, gidx).reshape(b, s, sp, gq * ds)
+    xbc = torch.cat([x, B, C, dt.reshape(b, s, sp, hq)], dim=-1)
+    if group is not None:
+        xbc = SeqToHeads.apply(xbc, group)
+    else:
+        xbc = xbc.reshape(b, s, -1)
+    S = xbc.shape[1]
+    xbc, dt = xbc[..., :-hq], xbc[..., -hq:]
+    mine = per_rank[rank]
+    idx = torch.cat([torch.arange(rank * hq * hd, (rank + 1) * hq * hd)] +
+                    [di + g * ds + torch.arange(ds) for g in mine] +
+                    [di + (ng + g) * ds + torch.arange(ds) for g in mine]).to(module.conv1d.weight.device)
+    w = module.conv1d.weight.squeeze(1).index_select(0, idx)
+    bias = module.conv1d.bias.index_select(0, idx) if module.conv1d.bias is not None else None
+    heads = slice(rank * hq, (rank + 1) * hq)
+    A, D, dt_bias = -torch.exp(module.A_log[heads].float()), module.D[heads], module.dt_bias[heads]
+    r = hq // gq  # this rank's heads per B/C group
+    xt = xbc.transpose(1, 2)  # [b, channels, S]
+    rows = []
+    for i, spans in enumerate(_segments(docs, b, S)):
+        outs = []
+        for a, e in spans:
+            conv = hf.causal_conv1d_fn(xt[i:i + 1, :, a:e], w, bias, activation=module.activation).transpose(1, 2)
+            xs, Bs, Cs = torch.split(conv, [hq * hd, gq * ds, gq * ds], dim=-1)
+            xs, Bs, Cs = xs.reshape(1, e - a, hq, hd), Bs.reshape(1, e - a, gq, ds), Cs.reshape(1, e - a, gq, ds)
+            parts = []
+            for j, n in _mamba2_chunks(hq, r, heads_per_chunk):
+                gs = slice(j // r, (j + n) // r) if n >= r else slice(j // r, j // r + 1)
+                parts.append(hf.mamba2_chunk_scan(
+                    xs[:, :, j:j + n], dt[i:i + 1, a:e, j:j + n], A[j:j + n], Bs[:, :, gs], Cs[:, :, gs],
+                    chunk_size=module.chunk_size, D=D[j:j + n], dt_bias=dt_bias[j:j + n], dt_softplus=True,
+                    dt_limit=module.time_step_limit, return_final_states=False))
+            outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+        rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+    y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).reshape(b, S, hq * hd)
+    if group is not None:
+        y = HeadsToSeq.apply(y, group)
+    return fam.finish(module, y.reshape(b, s, di), z)
+
+
+_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward, "mamba2": mamba2_forward}
 
 
 class MixerInstall:
@@ -213,9 +290,9 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
 
         m.forward = types.MethodType(forward, m)
     label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp}"
-    label += f", heads_per_chunk={per_chunk})" if per_chunk and fam.kind == "gated_deltanet" else ")"
+    label += f", heads_per_chunk={per_chunk})" if per_chunk and fam.kind != "short_conv" else ")"
     return MixerInstall(mods, label)
 
 
 __all__ = ["HeadsToSeq", "MixerInstall", "SeqToHeads", "gated_deltanet_forward", "install_mixers",
-           "short_conv_forward"]
+           "mamba2_forward", "short_conv_forward"]

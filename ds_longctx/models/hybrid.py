@@ -68,6 +68,30 @@ def _finish_short_conv(m, conv, C):
     return m.out_proj(C * conv)
 
 
+def _project_mamba2(m, h):
+    """A Mamba2 mixer's in_proj on the sequence shard (falcon_h1 first scales it by its muP multipliers):
+    (z [b, s, d_inner], x|B|C before the conv [b, s, conv_dim], dt [b, s, heads])."""
+    if hasattr(m, "mup_vector"):  # FalconH1Mixer
+        p = m.in_proj(h * m.ssm_in_multiplier) * m.mup_vector
+    else:
+        p = m.in_proj(h)
+    return p.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+
+
+def _finish_mamba2(m, y, z):
+    """After the scan, on the sequence shard with every head: the gated norm (or falcon's plain silu gate when
+    mamba_rms_norm is off), then the out projection, as transformers' forward."""
+    if getattr(m, "mamba_rms_norm", True):
+        y = m.norm(y, z)
+    else:
+        y = y * F.silu(z)
+    return m.out_proj(y.to(z.dtype))
+
+
+def _mamba2_heads(tc) -> Tuple[int, int]:
+    return int(tc.mamba_n_groups), int(tc.mamba_n_heads)
+
+
 def _gdn_heads(tc) -> Tuple[int, int]:
     return int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
 
@@ -82,7 +106,7 @@ class MixerFamily:
     beta [b, s, Hv])``, ``finish(module, core [b, s, Hv, dv], gate)``; ``heads``: (key heads, value heads).
     short_conv: ``project(module, hidden) -> (conv input [b, s, hidden], gate)``, ``finish(module, conv output,
     gate)``; ``heads``: (channels, channels) (the conv is depthwise: a channel is a head)."""
-    kind: str
+    kind: str  # 'gated_deltanet', 'short_conv' or 'mamba2' (project -> (z, x|B|C, dt); heads: (groups, heads))
     module_class: str
     layer_type: str
     project: Callable
@@ -102,6 +126,10 @@ MIXERS: Dict[str, MixerFamily] = {
     "olmo_hybrid": MixerFamily("gated_deltanet", "OlmoHybridGatedDeltaNet", "linear_attention",
                                _project_olmo_hybrid, _finish_norm_out("o_norm", "o_proj")),
 }
+for _t, _cls, _lt in (("falcon_h1", "FalconH1Mixer", "hybrid"),
+                      ("granitemoehybrid", "GraniteMoeHybridMambaLayer", "linear_attention")):
+    MIXERS[_t] = MixerFamily("mamba2", _cls, _lt, _project_mamba2, _finish_mamba2, _mamba2_heads,
+                             ("B/C groups", "heads"))
 _CHANNELS = (lambda tc: (int(tc.hidden_size), int(tc.hidden_size)), ("channels", "channels"))
 for _t, _cls in (("lfm2", "Lfm2ShortConv"), ("lfm2_moe", "Lfm2MoeShortConv"), ("lfm3", "Lfm3ShortConv")):
     MIXERS[_t] = MixerFamily("short_conv", _cls, "conv", _project_short_conv, _finish_short_conv, *_CHANNELS)
@@ -117,6 +145,18 @@ def runs_layer_type(model_config, layer_type: str) -> bool:
     return fam is not None and fam.layer_type == layer_type
 
 
+def attends_fully(model_config, layer_type: str) -> bool:
+    """A layer type whose attention is plain causal attention beside a mixer ds_longctx splits (falcon_h1's
+    'hybrid' layers: attention and a Mamba2 mixer side by side); the SP attention paths run its attention."""
+    fam = mixer_for(model_config)
+    return fam is not None and fam.kind == "mamba2" and fam.layer_type == "hybrid" == layer_type
+
+
+def mamba2_groups_ok(groups: int, heads: int, sp: int) -> bool:
+    """Each rank runs whole heads and either whole B/C groups or heads of one group only."""
+    return heads % sp == 0 and (groups % sp == 0 or sp % groups == 0)
+
+
 def check_mixer_heads(model_config, sp: int, key: str) -> None:
     """Key and value heads of the mixer divide by the SP degree (each rank runs whole heads), else one error naming
     the counts and the degrees that work. Pure."""
@@ -125,6 +165,16 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
         return
     tc = text_config(model_config)
     hk, hv = fam.heads(tc)
+    if fam.kind == "mamba2":
+        if not mamba2_groups_ok(hk, hv, sp):
+            ok = [d for d in range(1, hv + 1) if mamba2_groups_ok(hk, hv, d)]
+            raise ConfigError(key, f"the {tc.model_type} model's {fam.layer_type} layers ({fam.module_class}) have "
+                              f"{hv} heads in {hk} B/C groups; sequence_parallel_size {sp} must divide the heads and "
+                              "divide the groups or be a multiple of them (each rank runs whole heads over the "
+                              "gathered sequence, with whole groups or within one group)",
+                              f"use a sequence_parallel_size of {', '.join(map(str, ok[:12]))}"
+                              f"{', ...' if len(ok) > 12 else ''}")
+        return
     if hk % sp or hv % sp:
         ok = [d for d in range(1, max(hk, hv) + 1) if hk % d == 0 and hv % d == 0]
         counts = f"{hk} {fam.units[0]} and {hv} {fam.units[1]}" if fam.units[0] != fam.units[1] else \
@@ -136,4 +186,5 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
                           f"{', '.join(map(str, ok[:12]))}{', ...' if len(ok) > 12 else ''}")
 
 
-__all__ = ["MIXERS", "MixerFamily", "check_mixer_heads", "mixer_for", "runs_layer_type"]
+__all__ = ["MIXERS", "MixerFamily", "attends_fully", "check_mixer_heads", "mamba2_groups_ok", "mixer_for",
+           "runs_layer_type"]
