@@ -1,8 +1,9 @@
 """Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid), Mamba2 mixers
-(Falcon-H1, Granite-4 hybrid) and LFM2's gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and SGD(lr=1) parameter deltas, ZeRO-3 through
-ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples (documents crossing the shard edges, each document
-restarting the conv and the recurrence), under 'ulysses' and 'untied_ulysses'. Heads that SP does not divide, and
-layer types it does not run, are one clear ConfigError."""
+(Falcon-H1, Granite-4 hybrid), Kimi Delta Attention (Kimi-Linear, with its MLA layers under 'ulysses') and LFM2's
+gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and
+SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
+(documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
+'untied_ulysses'. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
@@ -15,7 +16,7 @@ SEQ, VOCAB = 16, 64
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid")
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid", "kimi_linear")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 # the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
@@ -52,6 +53,12 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
         return tf.GraniteMoeHybridConfig(**kw, **mamba, mamba_n_groups=4, num_local_experts=4,
                                          num_experts_per_tok=2, shared_intermediate_size=48,
                                          layer_types=["linear_attention", "full_attention"])
+    if name == "kimi_linear":  # Kimi Delta Attention (4 heads of 4) and an MLA layer (NoPE), MoE MLPs
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.KimiLinearConfig(**dict(kw, num_key_value_heads=4), linear_attn_config={
+            "num_heads": 4, "head_dim": 4, "short_conv_kernel_size": 4}, kv_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            initializer_range=0.2)
     if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
         # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
@@ -142,9 +149,10 @@ SP_CASES = {  # one spawn per degree, side by side: every family under both path
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
         ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
         ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
-        ("granitemoehybrid", "ulysses", False)],
+        ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
-        ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False)],
+        ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
+        ("kimi_linear", "ulysses", False)],  # kimi_linear: its MLA layers run under 'ulysses' only
 }
 
 
@@ -262,7 +270,8 @@ def test_sp1_packed_restarts_every_document(impl):
     lc = parse({"long_context": {"attention": {"implementation": impl}}})
     # granitemoehybrid only under untied: at 'none' its attention (no rope; its causal mask is built without
     # position_ids) does not see the documents through HF's packed path (the mixer alone is exact there too)
-    for name in ("qwen3_5", "lfm2", "falcon_h1") + (("granitemoehybrid",) if impl != "none" else ()):
+    # kimi_linear only at 'none': its MLA layers are refused under 'untied_ulysses' (test_kimi_linear_untied_...)
+    for name in ("qwen3_5", "lfm2", "falcon_h1") + (("granitemoehybrid",) if impl != "none" else ("kimi_linear",)):
         ref_loss, ref_deltas = reference(name, batch(True), DOC_LENS)
         model = build_hybrid(name)
         assert patch(model, lc).mixers is not None
@@ -325,3 +334,13 @@ def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
     assert "use a sequence_parallel_size of 1, 2, 3, 6, 12" in e, e
     e = config_error(check, 4, 6, 2)  # the heads do not divide
     assert "have 6 heads in 2 B/C groups" in e and "use a sequence_parallel_size of 1, 2, 6" in e, e  # not 3 (2 groups)
+
+
+def test_kimi_linear_untied_is_refused_for_its_mla_layers():
+    """Kimi Delta Attention runs split by heads under both paths, but kimi_linear's full-attention layers are MLA,
+    which only 'ulysses' splits: 'untied_ulysses' is one clear error naming MLA and the fix."""
+    _check("kimi_linear", "ulysses", 4)
+    e = config_error(_check, "kimi_linear", "untied_ulysses", 2)
+    assert e.startswith("long_context.attention.implementation: the kimi_linear model has multi-head latent "
+                        "attention"), e
+    assert "use long_context.attention.implementation 'ulysses'" in e, e

@@ -100,16 +100,20 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
     hf = sys.modules[type(module).__module__]  # transformers' own functions of this model (kernelized there)
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
     b, s, _ = hidden_states.shape
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    hk, hv, dk, dv = fam.dims(module)
     kd, vd = hk * dk, hv * dv
     qkv, gate, g, beta = fam.project(module, hidden_states)
     kq, vq, hq = kd // sp, vd // sp, hv // sp  # this rank's q (= k) channels, v channels, value heads
+    gw = g.shape[-1] if g.dim() == 4 else 1  # the decay's channels per value head (KDA: per key channel)
     if group is not None:
         per_rank = [qkv[..., :kd].reshape(b, s, sp, kq), qkv[..., kd:2 * kd].reshape(b, s, sp, kq),
                     qkv[..., 2 * kd:].reshape(b, s, sp, vq)]
         qkv = SeqToHeads.apply(torch.cat(per_rank, dim=-1), group)
-        gb = SeqToHeads.apply(torch.cat([g.reshape(b, s, sp, hq), beta.float().reshape(b, s, sp, hq)], dim=-1), group)
-        g, beta = gb[..., :hq], gb[..., hq:].to(beta.dtype)
+        gb = SeqToHeads.apply(torch.cat([g.reshape(b, s, sp, hq * gw), beta.float().reshape(b, s, sp, hq)], dim=-1),
+                              group)
+        g, beta = gb[..., :hq * gw], gb[..., hq * gw:].to(beta.dtype)
+        if gw > 1:
+            g = g.reshape(b, -1, hq, gw)
     S = qkv.shape[1]
     w = module.conv1d.weight.squeeze(1)  # [2*kd + vd, K]: q | k | v channels, key-head-major
     bias = module.conv1d.bias
@@ -133,7 +137,7 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
             for a, e in spans:
                 mixed = hf.causal_conv1d_fn(xc[i:i + 1, :, a:e], wc, bc, activation=module.activation).transpose(1, 2)
                 q, k, v = torch.split(mixed, [nk, nk, n * dv], dim=-1)
-                out, _ = hf.torch_chunk_gated_delta_rule(
+                out, _ = getattr(hf, fam.core)(
                     q.reshape(1, e - a, -1, dk), k.reshape(1, e - a, -1, dk), v.reshape(1, e - a, n, dv),
                     g=g[i:i + 1, a:e, j:j + n], beta=beta[i:i + 1, a:e, j:j + n], initial_state=None,
                     output_final_state=False, use_qk_l2norm_in_kernel=True)

@@ -12,6 +12,20 @@ Gated DeltaNet (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``olmo_hybrid``): 
 the q|k|v channels (key-head-major: q channel h*dk + i is key head h), then transformers' chunked gated-delta rule per
 value head; value head j reads key head j // (value heads / key heads). The decay ``g`` and ``beta`` are per value
 head and elementwise over tokens, so they are computed on the sequence shard from the full per-head parameters.
+
+Kimi Delta Attention (``kimi_linear``): Gated DeltaNet's layout and plumbing with key heads = value heads, a decay per
+key channel (fp32 [b, s, heads, head_dim], moved with its heads) and transformers' ``chunk_kimi_delta_attention``;
+its full-attention layers are MLA, which only 'ulysses' splits (checks.py refuses it under 'untied_ulysses').
+
+Mamba2 mixers (``falcon_h1``: every 'hybrid' layer runs full causal attention and a Mamba2 mixer side by side;
+``granitemoehybrid``: its 'linear_attention' layers): ``in_proj`` gives z (the gate) | x | B | C | dt; x is
+head-major (channel h*head_dim + i is head h), B and C are ``n_groups`` groups of ``d_state`` channels, head h reads
+group h // (heads / groups). The depthwise conv runs over x|B|C, then transformers' ``mamba2_chunk_scan`` per head
+(dt_bias, A_log, D per head). The gated RMSNorm after the scan normalises over whole groups of heads (granite:
+``group_size`` = d_inner / n_groups; falcon: ``n_groups`` groups): it runs after the output all-to-all, on the
+sequence shard over every head, so it is exactly transformers' norm whatever the groups. SP must divide the heads and
+either divide the groups (each rank its groups) or be a multiple of them (each rank's heads lie in one group, whose
+B/C every rank of that group receives: autograd sums their gradients back).
 """
 from __future__ import annotations
 
@@ -48,6 +62,19 @@ def _project_olmo_hybrid(m, h):
     if m.allow_neg_eigval:
         beta = beta * 2.0
     return qkv, m.g_proj(h), _decay(m, m.a_proj(h)), beta
+
+
+def _project_kimi_linear(m, h):
+    """Kimi Delta Attention: GDN's layout with as many key as value heads, and a decay per key channel (its forget
+    gate, fp32 [b, s, heads, head_dim]); the output gate is per channel too."""
+    qkv = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+    gate = m.g_b_proj(m.g_a_proj(h)).view(h.shape[0], h.shape[1], -1, m.head_dim)
+    return qkv, gate, m.forget_gate(h), m.b_proj(h).sigmoid()
+
+
+def _finish_kimi_linear(m, core, gate):
+    b, s = core.shape[:2]
+    return m.o_proj(m.o_norm(core, gate).reshape(b, s, -1))
 
 
 def _finish_norm_out(norm: str, out: str):
@@ -96,6 +123,10 @@ def _gdn_heads(tc) -> Tuple[int, int]:
     return int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
 
 
+def _gdn_dims(m) -> Tuple[int, int, int, int]:
+    return m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+
+
 @dataclass(frozen=True)
 class MixerFamily:
     """One family's sequence mixer: ``kind`` (the plumbing of attention/mixers.py that runs it: 'gated_deltanet' or
@@ -113,6 +144,8 @@ class MixerFamily:
     finish: Callable
     heads: Callable = _gdn_heads
     units: Tuple[str, str] = ("key heads", "value heads")
+    dims: Callable = _gdn_dims  # gated_deltanet: module -> (key heads, value heads, key head dim, value head dim)
+    core: str = "torch_chunk_gated_delta_rule"  # gated_deltanet: transformers' core function (of the model's module)
 
 
 _QWEN_FINISH = _finish_norm_out("norm", "out_proj")
@@ -125,6 +158,10 @@ MIXERS: Dict[str, MixerFamily] = {
                               _QWEN_FINISH),
     "olmo_hybrid": MixerFamily("gated_deltanet", "OlmoHybridGatedDeltaNet", "linear_attention",
                                _project_olmo_hybrid, _finish_norm_out("o_norm", "o_proj")),
+    "kimi_linear": MixerFamily("gated_deltanet", "KimiLinearDeltaAttention", "linear_attention", _project_kimi_linear,
+                               _finish_kimi_linear, lambda tc: (int(tc.linear_num_heads),) * 2, ("heads", "heads"),
+                               lambda m: (m.num_heads, m.num_heads, m.head_dim, m.head_dim),
+                               "chunk_kimi_delta_attention"),
 }
 for _t, _cls, _lt in (("falcon_h1", "FalconH1Mixer", "hybrid"),
                       ("granitemoehybrid", "GraniteMoeHybridMambaLayer", "linear_attention")):
