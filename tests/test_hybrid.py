@@ -16,7 +16,8 @@ SEQ, VOCAB = 16, 64
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid", "kimi_linear")
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid", "kimi_linear",
+            "minimax")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 # the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
@@ -59,6 +60,10 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
             "num_heads": 4, "head_dim": 4, "short_conv_kernel_size": 4}, kv_lora_rank=16, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
             initializer_range=0.2)
+    if name == "minimax":  # lightning attention (4 heads, 4-token blocks: documents and shards cross them), MoE
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.MiniMaxConfig(**kw, head_dim=8, block_size=4, num_local_experts=4, num_experts_per_tok=2,
+                                output_router_logits=False, initializer_range=0.2)
     if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
         # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
@@ -149,11 +154,12 @@ SP_CASES = {  # one spawn per degree, side by side: every family under both path
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
         ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
         ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
-        ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True)],
+        ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True),
+        ("minimax", "ulysses", True)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
         ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
-        ("kimi_linear", "ulysses", False)],  # kimi_linear: its MLA layers run under 'ulysses' only
-}
+        ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False)],
+}  # kimi_linear: its MLA layers run under 'ulysses' only
 
 
 @pytest.fixture(scope="module")
@@ -242,15 +248,15 @@ def test_accelerate_refusal_stays_for_what_ds_longctx_does_not_run():
 
     original = acc._refuse_recurrent_layers_under_sequence_parallelism
     qwen = types.SimpleNamespace(config=hybrid_config("qwen3_5"))
-    minimax = types.SimpleNamespace(config=types.SimpleNamespace(model_type="minimax",
-                                                                 layer_types=["linear_attention", "full_attention"]))
+    other = types.SimpleNamespace(config=types.SimpleNamespace(model_type="some_linear_lm",
+                                                               layer_types=["linear_attention", "full_attention"]))
     ds_longctx.enable()
     try:
         gate = acc._refuse_recurrent_layers_under_sequence_parallelism
         integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={"long_context": {}})
         assert gate(qwen) is None
         with pytest.raises(ValueError, match="linear_attention"):
-            gate(minimax)
+            gate(other)
         integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={})  # DeepSpeed's own SP
         with pytest.raises(ValueError, match="linear_attention"):
             gate(qwen)
@@ -271,7 +277,8 @@ def test_sp1_packed_restarts_every_document(impl):
     # granitemoehybrid only under untied: at 'none' its attention (no rope; its causal mask is built without
     # position_ids) does not see the documents through HF's packed path (the mixer alone is exact there too)
     # kimi_linear only at 'none': its MLA layers are refused under 'untied_ulysses' (test_kimi_linear_untied_...)
-    for name in ("qwen3_5", "lfm2", "falcon_h1") + (("granitemoehybrid",) if impl != "none" else ("kimi_linear",)):
+    for name in ("qwen3_5", "lfm2", "falcon_h1", "minimax") + \
+            (("granitemoehybrid",) if impl != "none" else ("kimi_linear",)):
         ref_loss, ref_deltas = reference(name, batch(True), DOC_LENS)
         model = build_hybrid(name)
         assert patch(model, lc).mixers is not None

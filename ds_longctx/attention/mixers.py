@@ -253,7 +253,62 @@ def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attent
     return fam.finish(module, y.reshape(b, s, di), z)
 
 
-_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward, "mamba2": mamba2_forward}
+def _lightning_core(module, q, k, v, heads: slice):
+    """MiniMax's lightning attention over one document for the heads ``heads`` (q, k, v [1, heads, L, head_dim]):
+    transformers' block loop of MiniMaxLightningAttention.forward (no cache), line for line, with its per-head decay
+    buffers sliced to these heads. Ours because transformers inlines it in the layer's forward (no core function)."""
+    L, bs = q.shape[2], module.block_size
+    slope, qdec, kdec = module.slope_rate[heads], module.query_decay[heads], module.key_decay[heads]
+    ddec = module.diagonal_decay[:, heads]
+    inter = torch.zeros(q.shape[0], q.shape[1], q.shape[3], q.shape[3], device=v.device, dtype=v.dtype)
+    out = []
+    for i in range((L + bs - 1) // bs):
+        a, e = i * bs, min(i * bs + bs, L)
+        n = e - a
+        qi, ki, vi = q[:, :, a:e], k[:, :, a:e], v[:, :, a:e]
+        block_decay = torch.exp(-slope * n)
+        intra = torch.matmul(torch.matmul(qi, ki.transpose(-1, -2)) * ddec[:, :, :n, :n], vi)
+        out.append(torch.matmul(qi * qdec[:, :n], inter) + intra)
+        inter = inter * block_decay + torch.matmul((ki * kdec[:, -n:]).transpose(-1, -2), vi)
+    return torch.cat(out, dim=-2)
+
+
+def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
+                      heads_per_chunk: Optional[int] = None, **kwargs):
+    """One MiniMax lightning-attention layer of a training forward under SP: qkv projected (and activated) on the
+    sequence shard, this rank's heads over the whole sequence by one all-to-all, the block recurrence per document
+    (``heads_per_chunk`` heads at a time under untied), the output back before the norm over all heads, the output gate
+    and out_proj. Returns (output, None) as the layer's (no cache)."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path trains without a cache (use_cache=False)")
+    docs = kwargs.pop(DOCS_KWARG, None)
+    hf = sys.modules[type(module).__module__]
+    b, s, _ = hidden_states.shape
+    H, hd = module.num_attention_heads, module.head_dim
+    qkv, gate = fam.project(module, hidden_states)
+    qkv = hf.apply_mask_to_padding_states(qkv, attention_mask)
+    hq = H // sp
+    if group is not None:
+        qkv = SeqToHeads.apply(qkv.reshape(b, s, sp, hq * 3 * hd), group)
+    S = qkv.shape[1]
+    q, k, v = torch.split(qkv.reshape(b, S, hq, 3 * hd).transpose(1, 2), hd, dim=3)  # [b, hq, S, hd] each
+    rows = []
+    for i, spans in enumerate(_segments(docs, b, S)):
+        outs = []
+        for a, e in spans:
+            parts = [_lightning_core(module, q[i:i + 1, j:j + n, a:e], k[i:i + 1, j:j + n, a:e],
+                                     v[i:i + 1, j:j + n, a:e], slice(rank * hq + j, rank * hq + j + n))
+                     for j, n in _head_chunks(hq, 1, heads_per_chunk)]
+            outs.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
+    y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2).reshape(b, S, hq * hd)
+    if group is not None:
+        y = HeadsToSeq.apply(y.contiguous(), group)
+    return fam.finish(module, y.reshape(b, s, H * hd), gate), None
+
+
+_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward, "mamba2": mamba2_forward,
+             "lightning": lightning_forward}
 
 
 class MixerInstall:
@@ -299,4 +354,4 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
 
 
 __all__ = ["HeadsToSeq", "MixerInstall", "SeqToHeads", "gated_deltanet_forward", "install_mixers",
-           "mamba2_forward", "short_conv_forward"]
+           "lightning_forward", "mamba2_forward", "short_conv_forward"]

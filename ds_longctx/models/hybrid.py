@@ -17,6 +17,10 @@ Kimi Delta Attention (``kimi_linear``): Gated DeltaNet's layout and plumbing wit
 key channel (fp32 [b, s, heads, head_dim], moved with its heads) and transformers' ``chunk_kimi_delta_attention``;
 its full-attention layers are MLA, which only 'ulysses' splits (checks.py refuses it under 'untied_ulysses').
 
+Lightning attention (``minimax``): per head q|k|v (head-major after act(qkv_proj)), a linear-attention recurrence
+in blocks with a fixed per-head decay (the layer's slope buffers); the RMSNorm after it spans all heads, so it runs
+after the output all-to-all. transformers has no core function for it: attention/mixers.py replays its block loop.
+
 Mamba2 mixers (``falcon_h1``: every 'hybrid' layer runs full causal attention and a Mamba2 mixer side by side;
 ``granitemoehybrid``: its 'linear_attention' layers): ``in_proj`` gives z (the gate) | x | B | C | dt; x is
 head-major (channel h*head_dim + i is head h), B and C are ``n_groups`` groups of ``d_state`` channels, head h reads
@@ -75,6 +79,17 @@ def _project_kimi_linear(m, h):
 def _finish_kimi_linear(m, core, gate):
     b, s = core.shape[:2]
     return m.o_proj(m.o_norm(core, gate).reshape(b, s, -1))
+
+
+def _project_lightning(m, h):
+    """MiniMax's lightning attention: act(qkv_proj) per head (q|k|v of head_dim each, head-major); the hidden states
+    are the output gate's input."""
+    return m.act_fn(m.qkv_proj(h)), h
+
+
+def _finish_lightning(m, y, h):
+    """transformers' forward after the block loop: RMSNorm over all heads, sigmoid output gate, out_proj."""
+    return m.out_proj(torch.sigmoid(m.output_gate(h)) * m.norm(y))
 
 
 def _finish_norm_out(norm: str, out: str):
@@ -137,7 +152,7 @@ class MixerFamily:
     beta [b, s, Hv])``, ``finish(module, core [b, s, Hv, dv], gate)``; ``heads``: (key heads, value heads).
     short_conv: ``project(module, hidden) -> (conv input [b, s, hidden], gate)``, ``finish(module, conv output,
     gate)``; ``heads``: (channels, channels) (the conv is depthwise: a channel is a head)."""
-    kind: str  # 'gated_deltanet', 'short_conv' or 'mamba2' (project -> (z, x|B|C, dt); heads: (groups, heads))
+    kind: str  # gated_deltanet, short_conv, lightning or mamba2 (project -> (z, x|B|C, dt); heads: (groups, heads))
     module_class: str
     layer_type: str
     project: Callable
@@ -162,6 +177,8 @@ MIXERS: Dict[str, MixerFamily] = {
                                _finish_kimi_linear, lambda tc: (int(tc.linear_num_heads),) * 2, ("heads", "heads"),
                                lambda m: (m.num_heads, m.num_heads, m.head_dim, m.head_dim),
                                "chunk_kimi_delta_attention"),
+    "minimax": MixerFamily("lightning", "MiniMaxLightningAttention", "linear_attention", _project_lightning,
+                           _finish_lightning, lambda tc: (int(tc.num_attention_heads),) * 2, ("heads", "heads")),
 }
 for _t, _cls, _lt in (("falcon_h1", "FalconH1Mixer", "hybrid"),
                       ("granitemoehybrid", "GraniteMoeHybridMambaLayer", "linear_attention")):
