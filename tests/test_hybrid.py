@@ -190,13 +190,12 @@ def test_gated_deltanet_sp_equals_one_process(sp, sp_results, references):
                 torch.testing.assert_close(deltas[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
 
 
-def test_references_see_documents_and_whole_sequence():
+def test_references_see_documents_and_whole_sequence(references):
     """The references can fail the SP runs: documents change the one-process result (a recurrence that crossed a
     document start would differ), and so does a recurrence restarted at a shard edge (what the layer computed on
     each rank's shard alone, before this split)."""
     for name in FAMILIES:
-        packed = reference(name, batch(True), DOC_LENS)
-        plain = reference(name, batch(False))
+        packed, plain = references[name, True], references[name, False]
         cut = reference(name, batch(True), [[5, 3, 4, 4], [8, 7, 1]])  # row 0 also restarted at the SP=2 edge 8
         assert abs(packed[0] - plain[0]) > 1e-4 and abs(packed[0] - cut[0]) > 1e-5, (name, packed[0], plain[0], cut[0])
 
