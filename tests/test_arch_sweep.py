@@ -92,8 +92,8 @@ def test_architectures_at_sp2_are_exact_or_refused():
 def test_patch_model_directly_refuses_non_attention_layers():
     """A direct patch_model (its spec from spec.build_spec, without initialize): a hybrid model's linear-attention
     layers that ds_longctx does not split by heads would mix only their rank's shard under SP, so they are refused
-    when the spec is built, not left to train wrong (Jamba's Mamba, MiniMax's lightning attention); Qwen3-Next's
-    Gated DeltaNet is split by heads (tests/test_hybrid.py)."""
+    when the spec is built, not left to train wrong (Jamba's Mamba); Qwen3-Next's Gated DeltaNet is split by heads
+    (tests/test_hybrid.py)."""
     from transformers import AutoModelForCausalLM
 
     from ds_longctx.config import parse
@@ -102,7 +102,7 @@ def test_patch_model_directly_refuses_non_attention_layers():
 
     lc = parse({"sequence_parallel_size": 1, "long_context": {"attention": {"implementation": "untied_ulysses",
                                                                             "fuse_projections": False}}})
-    for model_type in ("jamba", "minimax"):
+    for model_type in ("jamba",):
         model = AutoModelForCausalLM.from_config(arch_sweep.tiny_config(model_type), attn_implementation="sdpa")
         with pytest.raises(ConfigError, match="'linear_attention' layers"):
             patch(model, lc)

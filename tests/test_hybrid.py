@@ -1,9 +1,9 @@
-"""Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid) and LFM2's gated short
-convolutions split by heads
-(attention/mixers.py) train exactly like one process: per-step loss and SGD(lr=1) parameter deltas, ZeRO-3 through
-ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples (documents crossing the shard edges, each document
-restarting the conv and the recurrence), under 'ulysses' and 'untied_ulysses'. Heads that SP does not divide, and
-layer types it does not run, are one clear ConfigError."""
+"""Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid), Mamba2 mixers
+(Falcon-H1, Granite-4 hybrid), Kimi Delta Attention (Kimi-Linear, with its MLA layers under 'ulysses') and LFM2's
+gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and
+SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
+(documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
+'untied_ulysses'. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
@@ -16,7 +16,8 @@ SEQ, VOCAB = 16, 64
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2")
+FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid", "kimi_linear",
+            "minimax")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 # the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
@@ -40,6 +41,29 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
                                   shared_expert_intermediate_size=24)
     if name == "olmo_hybrid":
         return tf.OlmoHybridConfig(**kw)
+    if name in ("falcon_h1", "granitemoehybrid"):  # Mamba2 mixers: 8 heads of 8 channels, a 4-token scan chunk
+        # (documents and shards cross chunks); falcon_h1: one B/C group (every rank gets it), every layer attention
+        # and Mamba2 side by side; granite: 4 groups of 2 heads (two per rank at SP=2, one at SP=4), MoE
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_") and k != "layer_types"}
+        mamba = dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                     mamba_chunk_size=4, mamba_conv_bias=True, initializer_range=0.2)
+        if name == "falcon_h1":
+            return tf.FalconH1Config(**kw, **mamba, head_dim=8, mamba_d_ssm=64, mamba_n_groups=1,
+                                     mamba_rms_norm=True, mamba_norm_before_gate=False, ssm_in_multiplier=1.5,
+                                     ssm_multipliers=[1.0, 0.5, 2.0, 1.0, 1.5])
+        return tf.GraniteMoeHybridConfig(**kw, **mamba, mamba_n_groups=4, num_local_experts=4,
+                                         num_experts_per_tok=2, shared_intermediate_size=48,
+                                         layer_types=["linear_attention", "full_attention"])
+    if name == "kimi_linear":  # Kimi Delta Attention (4 heads of 4) and an MLA layer (NoPE), MoE MLPs
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.KimiLinearConfig(**dict(kw, num_key_value_heads=4), linear_attn_config={
+            "num_heads": 4, "head_dim": 4, "short_conv_kernel_size": 4}, kv_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+            initializer_range=0.2)
+    if name == "minimax":  # lightning attention (4 heads, 4-token blocks: documents and shards cross them), MoE
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.MiniMaxConfig(**kw, head_dim=8, block_size=4, num_local_experts=4, num_experts_per_tok=2,
+                                output_router_logits=False, initializer_range=0.2)
     if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
         # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
@@ -128,9 +152,14 @@ def _worker(rank, world, cases):
 
 SP_CASES = {  # one spawn per degree, side by side: every family under both paths, plain and packed
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
-        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True)],
-    4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False)],
-}
+        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
+        ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
+        ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True),
+        ("minimax", "ulysses", True)],
+    4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
+        ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
+        ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False)],
+}  # kimi_linear: its MLA layers run under 'ulysses' only
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +190,12 @@ def test_gated_deltanet_sp_equals_one_process(sp, sp_results, references):
                 torch.testing.assert_close(deltas[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
 
 
-def test_references_see_documents_and_whole_sequence():
+def test_references_see_documents_and_whole_sequence(references):
     """The references can fail the SP runs: documents change the one-process result (a recurrence that crossed a
     document start would differ), and so does a recurrence restarted at a shard edge (what the layer computed on
     each rank's shard alone, before this split)."""
     for name in FAMILIES:
-        packed = reference(name, batch(True), DOC_LENS)
-        plain = reference(name, batch(False))
+        packed, plain = references[name, True], references[name, False]
         cut = reference(name, batch(True), [[5, 3, 4, 4], [8, 7, 1]])  # row 0 also restarted at the SP=2 edge 8
         assert abs(packed[0] - plain[0]) > 1e-4 and abs(packed[0] - cut[0]) > 1e-5, (name, packed[0], plain[0], cut[0])
 
@@ -219,15 +247,15 @@ def test_accelerate_refusal_stays_for_what_ds_longctx_does_not_run():
 
     original = acc._refuse_recurrent_layers_under_sequence_parallelism
     qwen = types.SimpleNamespace(config=hybrid_config("qwen3_5"))
-    minimax = types.SimpleNamespace(config=types.SimpleNamespace(model_type="minimax",
-                                                                 layer_types=["linear_attention", "full_attention"]))
+    other = types.SimpleNamespace(config=types.SimpleNamespace(model_type="some_linear_lm",
+                                                               layer_types=["linear_attention", "full_attention"]))
     ds_longctx.enable()
     try:
         gate = acc._refuse_recurrent_layers_under_sequence_parallelism
         integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={"long_context": {}})
         assert gate(qwen) is None
         with pytest.raises(ValueError, match="linear_attention"):
-            gate(minimax)
+            gate(other)
         integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={})  # DeepSpeed's own SP
         with pytest.raises(ValueError, match="linear_attention"):
             gate(qwen)
@@ -245,7 +273,11 @@ def test_sp1_packed_restarts_every_document(impl):
     from tiny_models import patch
 
     lc = parse({"long_context": {"attention": {"implementation": impl}}})
-    for name in ("qwen3_5", "lfm2"):
+    # granitemoehybrid only under untied: at 'none' its attention (no rope; its causal mask is built without
+    # position_ids) does not see the documents through HF's packed path (the mixer alone is exact there too)
+    # kimi_linear only at 'none': its MLA layers are refused under 'untied_ulysses' (test_kimi_linear_untied_...)
+    for name in ("qwen3_5", "lfm2", "falcon_h1", "minimax") + \
+            (("granitemoehybrid",) if impl != "none" else ("kimi_linear",)):
         ref_loss, ref_deltas = reference(name, batch(True), DOC_LENS)
         model = build_hybrid(name)
         assert patch(model, lc).mixers is not None
@@ -265,12 +297,16 @@ def _check(name, impl, sp, **kw):
 
 
 def test_untied_head_chunks_keep_key_head_groups():
-    from ds_longctx.attention.mixers import _head_chunks
+    from ds_longctx.attention.mixers import _head_chunks, _mamba2_chunks
 
     assert _head_chunks(4, 2, None) == [(0, 4)]
     assert _head_chunks(4, 2, 1) == [(0, 2), (2, 2)]  # at least one key head's group of value heads
     assert _head_chunks(6, 2, 4) == [(0, 4), (4, 2)]
     assert _head_chunks(4, 1, 3) == [(0, 3), (3, 1)]
+    assert _mamba2_chunks(4, 2, None) == [(0, 4)]
+    assert _mamba2_chunks(4, 4, 1) == [(0, 1), (1, 1), (2, 1), (3, 1)]  # inside the one B/C group
+    assert _mamba2_chunks(8, 2, 3) == [(0, 2), (2, 2), (4, 2), (6, 2)]  # whole groups
+    assert _mamba2_chunks(8, 4, 3) == [(0, 2), (2, 2), (4, 2), (6, 2)]  # a divisor of the group's heads
 
 
 def test_heads_sp_does_not_divide_are_refused():
@@ -280,3 +316,37 @@ def test_heads_sp_does_not_divide_are_refused():
         assert e.startswith("sequence_parallel_size: the qwen3_5_text model's linear_attention layers "
                             "(Qwen3_5GatedDeltaNet) have 2 key heads and 4 value heads"), e
         assert "use a sequence_parallel_size dividing both: 1, 2" in e, e
+
+
+def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
+    """Mamba2: SP divides the heads and divides the B/C groups or is a multiple of them; else one error naming both
+    counts and the degrees that work."""
+    from ds_longctx.checks import check_against
+    from ds_longctx.config import parse
+
+    def check(sp, heads, groups):
+        cfg = hybrid_config("granitemoehybrid")
+        cfg.mamba_n_heads, cfg.mamba_n_groups = heads, groups
+        lc = parse({"sequence_parallel_size": sp, "long_context": {"attention": {"implementation": "ulysses"}}})
+        check_against(lc, cfg, world_size=sp)
+
+    check(4, 8, 2)  # one group per two ranks
+    check(2, 8, 2)  # a group per rank
+    check(2, 8, 1)  # the one group on every rank
+    check(4, 8, 8)  # two groups per rank
+    e = config_error(check, 4, 12, 6)  # the heads divide, the groups neither divide nor are divided
+    assert e.startswith("sequence_parallel_size: the granitemoehybrid model's linear_attention layers "
+                        "(GraniteMoeHybridMambaLayer) have 12 heads in 6 B/C groups"), e
+    assert "use a sequence_parallel_size of 1, 2, 3, 6, 12" in e, e
+    e = config_error(check, 4, 6, 2)  # the heads do not divide
+    assert "have 6 heads in 2 B/C groups" in e and "use a sequence_parallel_size of 1, 2, 6" in e, e  # not 3 (2 groups)
+
+
+def test_kimi_linear_untied_is_refused_for_its_mla_layers():
+    """Kimi Delta Attention runs split by heads under both paths, but kimi_linear's full-attention layers are MLA,
+    which only 'ulysses' splits: 'untied_ulysses' is one clear error naming MLA and the fix."""
+    _check("kimi_linear", "ulysses", 4)
+    e = config_error(_check, "kimi_linear", "untied_ulysses", 2)
+    assert e.startswith("long_context.attention.implementation: the kimi_linear model has multi-head latent "
+                        "attention"), e
+    assert "use long_context.attention.implementation 'ulysses'" in e, e

@@ -1,5 +1,5 @@
-"""Sequence parallelism for head-parallel mixers that carry state along the sequence (Gated DeltaNet, LFM2's gated
-short convolutions): split by heads.
+"""Sequence parallelism for head-parallel mixers that carry state along the sequence (Gated DeltaNet, Mamba2, LFM2's
+gated short convolutions): split by heads.
 
 Each head's recurrence (and each channel of the depthwise causal conv before it) reads only its own head over the
 whole sequence, so Ulysses' pattern is exact by construction: the projections run on the sequence shard
@@ -9,7 +9,10 @@ these channels, transformers' own core function (its chunked gated-delta rule: t
 kernel where transformers installed one) runs on this rank's heads, and one all-to-all brings the output back to the
 sequence shard before what mixes heads again (gated norm, out projection). Under 'untied_ulysses' the conv and the
 core loop over this rank's value heads ``heads_per_chunk`` at a time (whole key-head groups). A short conv (LFM2) is the same with its
-conv input's channels as heads and no recurrence. Packed documents restart the conv and the
+conv input's channels as heads and no recurrence. A Mamba2 mixer (falcon_h1, granitemoehybrid) is the same with
+x channels per head, its B/C groups (a group that several ranks' heads read goes to each of them) and dt moved, and
+transformers' ``mamba2_chunk_scan``; its gated RMSNorm spans groups of heads, so it runs after the output all-to-all,
+on the sequence shard, as transformers runs it. Packed documents restart the conv and the
 recurrence at every document start: the conv and the core run per document (transformers' torch reference ignores
 ``cu_seqlens``).
 
@@ -97,16 +100,20 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
     hf = sys.modules[type(module).__module__]  # transformers' own functions of this model (kernelized there)
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
     b, s, _ = hidden_states.shape
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    hk, hv, dk, dv = fam.dims(module)
     kd, vd = hk * dk, hv * dv
     qkv, gate, g, beta = fam.project(module, hidden_states)
     kq, vq, hq = kd // sp, vd // sp, hv // sp  # this rank's q (= k) channels, v channels, value heads
+    gw = g.shape[-1] if g.dim() == 4 else 1  # the decay's channels per value head (KDA: per key channel)
     if group is not None:
         per_rank = [qkv[..., :kd].reshape(b, s, sp, kq), qkv[..., kd:2 * kd].reshape(b, s, sp, kq),
                     qkv[..., 2 * kd:].reshape(b, s, sp, vq)]
         qkv = SeqToHeads.apply(torch.cat(per_rank, dim=-1), group)
-        gb = SeqToHeads.apply(torch.cat([g.reshape(b, s, sp, hq), beta.float().reshape(b, s, sp, hq)], dim=-1), group)
-        g, beta = gb[..., :hq], gb[..., hq:].to(beta.dtype)
+        gb = SeqToHeads.apply(torch.cat([g.reshape(b, s, sp, hq * gw), beta.float().reshape(b, s, sp, hq)], dim=-1),
+                              group)
+        g, beta = gb[..., :hq * gw], gb[..., hq * gw:].to(beta.dtype)
+        if gw > 1:
+            g = g.reshape(b, -1, hq, gw)
     S = qkv.shape[1]
     w = module.conv1d.weight.squeeze(1)  # [2*kd + vd, K]: q | k | v channels, key-head-major
     bias = module.conv1d.bias
@@ -130,7 +137,7 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
             for a, e in spans:
                 mixed = hf.causal_conv1d_fn(xc[i:i + 1, :, a:e], wc, bc, activation=module.activation).transpose(1, 2)
                 q, k, v = torch.split(mixed, [nk, nk, n * dv], dim=-1)
-                out, _ = hf.torch_chunk_gated_delta_rule(
+                out, _ = getattr(hf, fam.core)(
                     q.reshape(1, e - a, -1, dk), k.reshape(1, e - a, -1, dk), v.reshape(1, e - a, n, dv),
                     g=g[i:i + 1, a:e, j:j + n], beta=beta[i:i + 1, a:e, j:j + n], initial_state=None,
                     output_final_state=False, use_qk_l2norm_in_kernel=True)
@@ -172,7 +179,136 @@ def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, at
     return fam.finish(module, y, gate)
 
 
-_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward}
+def _mamba2_chunks(hq: int, r: int, per_chunk: Optional[int]):
+    """This rank's heads in chunks of at most ``per_chunk`` (None: all at once) that are whole groups of ``r`` heads
+    (one B/C group each) or lie inside one group: (first head, heads) per chunk."""
+    if not per_chunk or per_chunk >= hq:
+        return [(0, hq)]
+    n = per_chunk // r * r if per_chunk >= r else max(d for d in range(1, per_chunk + 1) if r % d == 0)
+    return [(j, min(n, hq - j)) for j in range(0, hq, n)]
+
+
+def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
+                   heads_per_chunk: Optional[int] = None, **kwargs):
+    """One Mamba2 mixer (falcon_h1, granitemoehybrid) of a training forward under SP: in_proj on the sequence shard,
+    one all-to-all of this rank's x channels, its B/C groups (a group shared by several ranks goes to each) and dt,
+    the depthwise conv with these channels' weights and transformers' ``mamba2_chunk_scan`` with this rank's
+    dt_bias / A / D over the whole sequence (per document, ``heads_per_chunk`` heads at a time under untied), the
+    output back to the sequence shard before the gated norm (which spans groups of heads) and out_proj."""
+    if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path trains without a cache (use_cache=False)")
+    if attention_mask is not None and not bool((attention_mask == 1).all()):
+        # transformers zeroes padded tokens again after the conv; under SP the conv runs on the gathered sequence
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path takes no padding mask (got one with zeros); "
+                         "pack the samples (position_ids restarting per document) instead of padding them")
+    docs = kwargs.pop(DOCS_KWARG, None)
+    hf = sys.modules[type(module).__module__]
+    b, s, _ = hidden_states.shape
+    nh, hd, ng, ds = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    di = nh * hd
+    z, xbc, dt = fam.project(module, hidden_states)
+    hq = nh // sp
+    gq = ng // sp if ng % sp == 0 else 1  # B/C groups per rank (1: the one group all this rank's heads read)
+    per_rank = [list(range(j * gq, (j + 1) * gq)) if ng % sp == 0 else [j * ng // sp] for j in range(sp)]
+    gidx = torch.tensor([g for gs in per_rank for g in gs], device=xbc.device)
+    x = xbc[..., :di].reshape(b, s, sp, hq * hd)
+    B = xbc[..., di:di + ng * ds].reshape(b, s, ng, ds).index_select(2, gidx).reshape(b, s, sp, gq * ds)
+    C = xbc[..., di + ng * ds:].reshape(b, s, ng, ds).index_select(2, gidx).reshape(b, s, sp, gq * ds)
+    xbc = torch.cat([x, B, C, dt.reshape(b, s, sp, hq)], dim=-1)
+    if group is not None:
+        xbc = SeqToHeads.apply(xbc, group)
+    else:
+        xbc = xbc.reshape(b, s, -1)
+    S = xbc.shape[1]
+    xbc, dt = xbc[..., :-hq], xbc[..., -hq:]
+    mine = per_rank[rank]
+    idx = torch.cat([torch.arange(rank * hq * hd, (rank + 1) * hq * hd)] +
+                    [di + g * ds + torch.arange(ds) for g in mine] +
+                    [di + (ng + g) * ds + torch.arange(ds) for g in mine]).to(module.conv1d.weight.device)
+    w = module.conv1d.weight.squeeze(1).index_select(0, idx)
+    bias = module.conv1d.bias.index_select(0, idx) if module.conv1d.bias is not None else None
+    heads = slice(rank * hq, (rank + 1) * hq)
+    A, D, dt_bias = -torch.exp(module.A_log[heads].float()), module.D[heads], module.dt_bias[heads]
+    r = hq // gq  # this rank's heads per B/C group
+    xt = xbc.transpose(1, 2)  # [b, channels, S]
+    rows = []
+    for i, spans in enumerate(_segments(docs, b, S)):
+        outs = []
+        for a, e in spans:
+            conv = hf.causal_conv1d_fn(xt[i:i + 1, :, a:e], w, bias, activation=module.activation).transpose(1, 2)
+            xs, Bs, Cs = torch.split(conv, [hq * hd, gq * ds, gq * ds], dim=-1)
+            xs, Bs, Cs = xs.reshape(1, e - a, hq, hd), Bs.reshape(1, e - a, gq, ds), Cs.reshape(1, e - a, gq, ds)
+            parts = []
+            for j, n in _mamba2_chunks(hq, r, heads_per_chunk):
+                gs = slice(j // r, (j + n) // r) if n >= r else slice(j // r, j // r + 1)
+                parts.append(hf.mamba2_chunk_scan(
+                    xs[:, :, j:j + n], dt[i:i + 1, a:e, j:j + n], A[j:j + n], Bs[:, :, gs], Cs[:, :, gs],
+                    chunk_size=module.chunk_size, D=D[j:j + n], dt_bias=dt_bias[j:j + n], dt_softplus=True,
+                    dt_limit=module.time_step_limit, return_final_states=False))
+            outs.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+        rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
+    y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).reshape(b, S, hq * hd)
+    if group is not None:
+        y = HeadsToSeq.apply(y, group)
+    return fam.finish(module, y.reshape(b, s, di), z)
+
+
+def _lightning_core(module, q, k, v, heads: slice):
+    """MiniMax's lightning attention over one document for the heads ``heads`` (q, k, v [1, heads, L, head_dim]):
+    transformers' block loop of MiniMaxLightningAttention.forward (no cache), line for line, with its per-head decay
+    buffers sliced to these heads. Ours because transformers inlines it in the layer's forward (no core function)."""
+    L, bs = q.shape[2], module.block_size
+    slope, qdec, kdec = module.slope_rate[heads], module.query_decay[heads], module.key_decay[heads]
+    ddec = module.diagonal_decay[:, heads]
+    inter = torch.zeros(q.shape[0], q.shape[1], q.shape[3], q.shape[3], device=v.device, dtype=v.dtype)
+    out = []
+    for i in range((L + bs - 1) // bs):
+        a, e = i * bs, min(i * bs + bs, L)
+        n = e - a
+        qi, ki, vi = q[:, :, a:e], k[:, :, a:e], v[:, :, a:e]
+        block_decay = torch.exp(-slope * n)
+        intra = torch.matmul(torch.matmul(qi, ki.transpose(-1, -2)) * ddec[:, :, :n, :n], vi)
+        out.append(torch.matmul(qi * qdec[:, :n], inter) + intra)
+        inter = inter * block_decay + torch.matmul((ki * kdec[:, -n:]).transpose(-1, -2), vi)
+    return torch.cat(out, dim=-2)
+
+
+def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
+                      heads_per_chunk: Optional[int] = None, **kwargs):
+    """One MiniMax lightning-attention layer of a training forward under SP: qkv projected (and activated) on the
+    sequence shard, this rank's heads over the whole sequence by one all-to-all, the block recurrence per document
+    (``heads_per_chunk`` heads at a time under untied), the output back before the norm over all heads, the output gate
+    and out_proj. Returns (output, None) as the layer's (no cache)."""
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError(f"{type(module).__name__}: ds_longctx's SP path trains without a cache (use_cache=False)")
+    docs = kwargs.pop(DOCS_KWARG, None)
+    hf = sys.modules[type(module).__module__]
+    b, s, _ = hidden_states.shape
+    H, hd = module.num_attention_heads, module.head_dim
+    qkv, gate = fam.project(module, hidden_states)
+    qkv = hf.apply_mask_to_padding_states(qkv, attention_mask)
+    hq = H // sp
+    if group is not None:
+        qkv = SeqToHeads.apply(qkv.reshape(b, s, sp, hq * 3 * hd), group)
+    S = qkv.shape[1]
+    q, k, v = torch.split(qkv.reshape(b, S, hq, 3 * hd).transpose(1, 2), hd, dim=3)  # [b, hq, S, hd] each
+    rows = []
+    for i, spans in enumerate(_segments(docs, b, S)):
+        outs = []
+        for a, e in spans:
+            parts = [_lightning_core(module, q[i:i + 1, j:j + n, a:e], k[i:i + 1, j:j + n, a:e],
+                                     v[i:i + 1, j:j + n, a:e], slice(rank * hq + j, rank * hq + j + n))
+                     for j, n in _head_chunks(hq, 1, heads_per_chunk)]
+            outs.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
+    y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2).reshape(b, S, hq * hd)
+    if group is not None:
+        y = HeadsToSeq.apply(y.contiguous(), group)
+    return fam.finish(module, y.reshape(b, s, H * hd), gate), None
+
+
+_FORWARDS = {"gated_deltanet": gated_deltanet_forward, "short_conv": short_conv_forward, "mamba2": mamba2_forward,
+             "lightning": lightning_forward}
 
 
 class MixerInstall:
@@ -213,9 +349,9 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
 
         m.forward = types.MethodType(forward, m)
     label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp}"
-    label += f", heads_per_chunk={per_chunk})" if per_chunk and fam.kind == "gated_deltanet" else ")"
+    label += f", heads_per_chunk={per_chunk})" if per_chunk and fam.kind != "short_conv" else ")"
     return MixerInstall(mods, label)
 
 
 __all__ = ["HeadsToSeq", "MixerInstall", "SeqToHeads", "gated_deltanet_forward", "install_mixers",
-           "short_conv_forward"]
+           "lightning_forward", "mamba2_forward", "short_conv_forward"]

@@ -12,6 +12,24 @@ Gated DeltaNet (``qwen3_5``, ``qwen3_5_moe``, ``qwen3_next``, ``olmo_hybrid``): 
 the q|k|v channels (key-head-major: q channel h*dk + i is key head h), then transformers' chunked gated-delta rule per
 value head; value head j reads key head j // (value heads / key heads). The decay ``g`` and ``beta`` are per value
 head and elementwise over tokens, so they are computed on the sequence shard from the full per-head parameters.
+
+Kimi Delta Attention (``kimi_linear``): Gated DeltaNet's layout and plumbing with key heads = value heads, a decay per
+key channel (fp32 [b, s, heads, head_dim], moved with its heads) and transformers' ``chunk_kimi_delta_attention``;
+its full-attention layers are MLA, which only 'ulysses' splits (checks.py refuses it under 'untied_ulysses').
+
+Lightning attention (``minimax``): per head q|k|v (head-major after act(qkv_proj)), a linear-attention recurrence
+in blocks with a fixed per-head decay (the layer's slope buffers); the RMSNorm after it spans all heads, so it runs
+after the output all-to-all. transformers has no core function for it: attention/mixers.py replays its block loop.
+
+Mamba2 mixers (``falcon_h1``: every 'hybrid' layer runs full causal attention and a Mamba2 mixer side by side;
+``granitemoehybrid``: its 'linear_attention' layers): ``in_proj`` gives z (the gate) | x | B | C | dt; x is
+head-major (channel h*head_dim + i is head h), B and C are ``n_groups`` groups of ``d_state`` channels, head h reads
+group h // (heads / groups). The depthwise conv runs over x|B|C, then transformers' ``mamba2_chunk_scan`` per head
+(dt_bias, A_log, D per head). The gated RMSNorm after the scan normalises over whole groups of heads (granite:
+``group_size`` = d_inner / n_groups; falcon: ``n_groups`` groups): it runs after the output all-to-all, on the
+sequence shard over every head, so it is exactly transformers' norm whatever the groups. SP must divide the heads and
+either divide the groups (each rank its groups) or be a multiple of them (each rank's heads lie in one group, whose
+B/C every rank of that group receives: autograd sums their gradients back).
 """
 from __future__ import annotations
 
@@ -50,6 +68,30 @@ def _project_olmo_hybrid(m, h):
     return qkv, m.g_proj(h), _decay(m, m.a_proj(h)), beta
 
 
+def _project_kimi_linear(m, h):
+    """Kimi Delta Attention: GDN's layout with as many key as value heads, and a decay per key channel (its forget
+    gate, fp32 [b, s, heads, head_dim]); the output gate is per channel too."""
+    qkv = torch.cat([m.q_proj(h), m.k_proj(h), m.v_proj(h)], dim=-1)
+    gate = m.g_b_proj(m.g_a_proj(h)).view(h.shape[0], h.shape[1], -1, m.head_dim)
+    return qkv, gate, m.forget_gate(h), m.b_proj(h).sigmoid()
+
+
+def _finish_kimi_linear(m, core, gate):
+    b, s = core.shape[:2]
+    return m.o_proj(m.o_norm(core, gate).reshape(b, s, -1))
+
+
+def _project_lightning(m, h):
+    """MiniMax's lightning attention: act(qkv_proj) per head (q|k|v of head_dim each, head-major); the hidden states
+    are the output gate's input."""
+    return m.act_fn(m.qkv_proj(h)), h
+
+
+def _finish_lightning(m, y, h):
+    """transformers' forward after the block loop: RMSNorm over all heads, sigmoid output gate, out_proj."""
+    return m.out_proj(torch.sigmoid(m.output_gate(h)) * m.norm(y))
+
+
 def _finish_norm_out(norm: str, out: str):
     def finish(m, core, gate):
         b, s = core.shape[:2]
@@ -68,8 +110,36 @@ def _finish_short_conv(m, conv, C):
     return m.out_proj(C * conv)
 
 
+def _project_mamba2(m, h):
+    """A Mamba2 mixer's in_proj on the sequence shard (falcon_h1 first scales it by its muP multipliers):
+    (z [b, s, d_inner], x|B|C before the conv [b, s, conv_dim], dt [b, s, heads])."""
+    if hasattr(m, "mup_vector"):  # FalconH1Mixer
+        p = m.in_proj(h * m.ssm_in_multiplier) * m.mup_vector
+    else:
+        p = m.in_proj(h)
+    return p.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+
+
+def _finish_mamba2(m, y, z):
+    """After the scan, on the sequence shard with every head: the gated norm (or falcon's plain silu gate when
+    mamba_rms_norm is off), then the out projection, as transformers' forward."""
+    if getattr(m, "mamba_rms_norm", True):
+        y = m.norm(y, z)
+    else:
+        y = y * F.silu(z)
+    return m.out_proj(y.to(z.dtype))
+
+
+def _mamba2_heads(tc) -> Tuple[int, int]:
+    return int(tc.mamba_n_groups), int(tc.mamba_n_heads)
+
+
 def _gdn_heads(tc) -> Tuple[int, int]:
     return int(tc.linear_num_key_heads), int(tc.linear_num_value_heads)
+
+
+def _gdn_dims(m) -> Tuple[int, int, int, int]:
+    return m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -82,13 +152,15 @@ class MixerFamily:
     beta [b, s, Hv])``, ``finish(module, core [b, s, Hv, dv], gate)``; ``heads``: (key heads, value heads).
     short_conv: ``project(module, hidden) -> (conv input [b, s, hidden], gate)``, ``finish(module, conv output,
     gate)``; ``heads``: (channels, channels) (the conv is depthwise: a channel is a head)."""
-    kind: str
+    kind: str  # gated_deltanet, short_conv, lightning or mamba2 (project -> (z, x|B|C, dt); heads: (groups, heads))
     module_class: str
     layer_type: str
     project: Callable
     finish: Callable
     heads: Callable = _gdn_heads
     units: Tuple[str, str] = ("key heads", "value heads")
+    dims: Callable = _gdn_dims  # gated_deltanet: module -> (key heads, value heads, key head dim, value head dim)
+    core: str = "torch_chunk_gated_delta_rule"  # gated_deltanet: transformers' core function (of the model's module)
 
 
 _QWEN_FINISH = _finish_norm_out("norm", "out_proj")
@@ -101,7 +173,17 @@ MIXERS: Dict[str, MixerFamily] = {
                               _QWEN_FINISH),
     "olmo_hybrid": MixerFamily("gated_deltanet", "OlmoHybridGatedDeltaNet", "linear_attention",
                                _project_olmo_hybrid, _finish_norm_out("o_norm", "o_proj")),
+    "kimi_linear": MixerFamily("gated_deltanet", "KimiLinearDeltaAttention", "linear_attention", _project_kimi_linear,
+                               _finish_kimi_linear, lambda tc: (int(tc.linear_num_heads),) * 2, ("heads", "heads"),
+                               lambda m: (m.num_heads, m.num_heads, m.head_dim, m.head_dim),
+                               "chunk_kimi_delta_attention"),
+    "minimax": MixerFamily("lightning", "MiniMaxLightningAttention", "linear_attention", _project_lightning,
+                           _finish_lightning, lambda tc: (int(tc.num_attention_heads),) * 2, ("heads", "heads")),
 }
+for _t, _cls, _lt in (("falcon_h1", "FalconH1Mixer", "hybrid"),
+                      ("granitemoehybrid", "GraniteMoeHybridMambaLayer", "linear_attention")):
+    MIXERS[_t] = MixerFamily("mamba2", _cls, _lt, _project_mamba2, _finish_mamba2, _mamba2_heads,
+                             ("B/C groups", "heads"))
 _CHANNELS = (lambda tc: (int(tc.hidden_size), int(tc.hidden_size)), ("channels", "channels"))
 for _t, _cls in (("lfm2", "Lfm2ShortConv"), ("lfm2_moe", "Lfm2MoeShortConv"), ("lfm3", "Lfm3ShortConv")):
     MIXERS[_t] = MixerFamily("short_conv", _cls, "conv", _project_short_conv, _finish_short_conv, *_CHANNELS)
@@ -117,6 +199,18 @@ def runs_layer_type(model_config, layer_type: str) -> bool:
     return fam is not None and fam.layer_type == layer_type
 
 
+def attends_fully(model_config, layer_type: str) -> bool:
+    """A layer type whose attention is plain causal attention beside a mixer ds_longctx splits (falcon_h1's
+    'hybrid' layers: attention and a Mamba2 mixer side by side); the SP attention paths run its attention."""
+    fam = mixer_for(model_config)
+    return fam is not None and fam.kind == "mamba2" and fam.layer_type == "hybrid" == layer_type
+
+
+def mamba2_groups_ok(groups: int, heads: int, sp: int) -> bool:
+    """Each rank runs whole heads and either whole B/C groups or heads of one group only."""
+    return heads % sp == 0 and (groups % sp == 0 or sp % groups == 0)
+
+
 def check_mixer_heads(model_config, sp: int, key: str) -> None:
     """Key and value heads of the mixer divide by the SP degree (each rank runs whole heads), else one error naming
     the counts and the degrees that work. Pure."""
@@ -125,6 +219,16 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
         return
     tc = text_config(model_config)
     hk, hv = fam.heads(tc)
+    if fam.kind == "mamba2":
+        if not mamba2_groups_ok(hk, hv, sp):
+            ok = [d for d in range(1, hv + 1) if mamba2_groups_ok(hk, hv, d)]
+            raise ConfigError(key, f"the {tc.model_type} model's {fam.layer_type} layers ({fam.module_class}) have "
+                              f"{hv} heads in {hk} B/C groups; sequence_parallel_size {sp} must divide the heads and "
+                              "divide the groups or be a multiple of them (each rank runs whole heads over the "
+                              "gathered sequence, with whole groups or within one group)",
+                              f"use a sequence_parallel_size of {', '.join(map(str, ok[:12]))}"
+                              f"{', ...' if len(ok) > 12 else ''}")
+        return
     if hk % sp or hv % sp:
         ok = [d for d in range(1, max(hk, hv) + 1) if hk % d == 0 and hv % d == 0]
         counts = f"{hk} {fam.units[0]} and {hv} {fam.units[1]}" if fam.units[0] != fam.units[1] else \
@@ -136,4 +240,5 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
                           f"{', '.join(map(str, ok[:12]))}{', ...' if len(ok) > 12 else ''}")
 
 
-__all__ = ["MIXERS", "MixerFamily", "check_mixer_heads", "mixer_for", "runs_layer_type"]
+__all__ = ["MIXERS", "MixerFamily", "attends_fully", "check_mixer_heads", "mamba2_groups_ok", "mixer_for",
+           "runs_layer_type"]

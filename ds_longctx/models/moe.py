@@ -188,7 +188,10 @@ def aux_loss_facts(model, forward_lines, decoder) -> Optional[AuxLossFacts]:
         raise ValueError("its load_balancing_loss_func is not Mixtral's (the one ds_longctx reproduces per shard)")
     rec = getattr(type(decoder), "_can_record_outputs", {}).get("router_logits")
     target = getattr(rec, "target_class", None)
-    if target is None or getattr(rec, "layer_name", None) or not any(isinstance(m, target) for m in decoder.modules()):
+    names = [n for n, m in decoder.named_modules() if isinstance(m, target)] if target is not None else []
+    layer = "." + (getattr(rec, "layer_name", None) or "").strip(".") + "."
+    # a layer_name (MiniMax: 'mlp.gate') that every router of the class matches selects them all, as none does
+    if not names or (layer != ".." and not all(layer in "." + n + "." for n in names)):
         raise ValueError("its decoder records router logits from no router module ds_longctx can find")
     return AuxLossFacts(router_class=target, index=int(getattr(rec, "index", 0) or 0), num_experts=num_experts,
                         top_k=top_k, coef=float(coef))

@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 
 from ..errors import ConfigError
 from ._common import text_config
+from .hybrid import attends_fully
 
 _FULL = ("full_attention",)
 _MLP_KINDS = ("dense", "sparse", "moe")  # MLP layer kinds that may share the list (transformers' BC)
@@ -124,8 +125,9 @@ def layer_attention(model_config) -> List[LayerAttention]:
     for t in types:
         if t == "sliding_attention":
             out.append(LayerAttention(int(window) if window else None, cap, t))
-        else:
-            out.append(LayerAttention(None, cap, "full_attention" if t in _MLP_KINDS else t,
+        else:  # falcon_h1's 'hybrid' layers: full causal attention beside a Mamba2 mixer (models.hybrid)
+            full = t in _MLP_KINDS or attends_fully(model_config, t)
+            out.append(LayerAttention(None, cap, "full_attention" if full else t,
                                       int(chunk) if chunk and t == "chunked_attention" else None))
     return out
 
