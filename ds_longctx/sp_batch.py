@@ -35,6 +35,7 @@ from .errors import BatchError, LongContextError, error_class
 from .hf_loader import shard_in_turns
 from .loss import shift_labels_of
 from .models import ARCHITECTURES, text_config
+from .models.packing import mask_ignores_positions
 from .models.rope import group_positions, local_max_position, sequence_dependent_rotaries
 
 _LOADER_FIX = ("feed batches from the loader returned by ds_longctx.initialize, or shard each full batch with "
@@ -255,6 +256,9 @@ def install_document_forward(model, spec) -> None:
     # RoPE that rescales by the longest position it sees (dynamic, LongRoPE) is given the group's (models/rope.py)
     global_rope = sp > 1 and bool(sequence_dependent_rotaries(model))
     no_hf_mask = hands_hf_no_mask(model, own_attention)
+    # under transformers' own attention ("none") a packed batch is exact only where HF builds its mask from the
+    # restarting position_ids; where it does not (models/packing.py), refuse it rather than attend across documents
+    blind = None if own_attention else mask_ignores_positions(model) and type(model).__name__
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
                 **kwargs):
@@ -297,6 +301,13 @@ def install_document_forward(model, spec) -> None:
             docs = Documents(cu)
         # sp > 1 without doc_cu_seqlens: checked above (agree: one contiguous causal sample)
         if docs is not None and not docs.dense:
+            if blind and _later_documents_scored(docs, shift_labels if shift_labels is not None else
+                                                  shift_labels_of(labels) if labels is not None else None):
+                raise BatchError("batch", f"holds packed documents, but {blind}'s causal mask is built "
+                                 "without position_ids: under attention implementation 'none' (transformers' own "
+                                 "attention) every token would attend across documents",
+                                 "set long_context.attention.implementation to 'untied_ulysses' (per-document "
+                                 "attention), or feed one document per sample without padding")
             if kwargs.get("use_cache"):
                 raise BatchError("use_cache", "is true for a packed batch: HF ignores packed position_ids when it "
                                   "builds a KV cache, so attention would cross documents", "call with use_cache=False")
@@ -314,6 +325,15 @@ def install_document_forward(model, spec) -> None:
                      shift_labels=shift_labels, **kwargs)
 
     model.forward = types.MethodType(forward, model)
+
+
+def _later_documents_scored(docs, shift) -> bool:
+    """Whether a sample has a document after its first whose tokens count (a target, or no targets given): under a
+    plain causal mask those attend to the documents before them. A right-padded tail (no targets) does not count."""
+    for i, spans in enumerate(docs.bounds):
+        if len(spans) > 1 and (shift is None or bool((shift[i, spans[0][1]:] != -100).any())):
+            return True
+    return False
 
 
 def hands_hf_no_mask(model, own_attention: bool) -> bool:

@@ -313,3 +313,39 @@ def test_our_attention_gets_documents_and_no_hf_packed_mask(own, monkeypatch):
                                                    use_cache=False).logits
     assert seen[0] == (("no_mask", True) if own else ((3, 1, SEQ, SEQ), True))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_batch_refused_where_transformers_mask_ignores_positions():
+    """Under "none" transformers' own attention sees packed documents only where the decoder hands position_ids to
+    its mask builder; GPT-OSS (and GraniteMoeHybrid, OPT, BLOOM, ...) does not, so its tokens attended across
+    documents (issue 36's finding). A packed batch with targets in a later document is refused there; a right-padded
+    batch (the tail has no targets) and any batch of a model whose mask reads positions still run."""
+    import transformers as tf
+
+    from ds_longctx.config import parse
+    from ds_longctx.errors import BatchError
+    from ds_longctx.models.packing import mask_ignores_positions
+    from ds_longctx.sp_batch import install_document_forward
+    from tiny_models import spec_for
+
+    llama = build(tiny_config(vocab=VOCAB), seed=0)
+    assert not mask_ignores_positions(llama)
+    cfg = tf.GptOssConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+                          vocab_size=VOCAB, intermediate_size=48, num_local_experts=2, num_experts_per_tok=1,
+                          layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    oss = tf.GptOssForCausalLM(cfg).eval()
+    assert mask_ignores_positions(oss)
+    install_document_forward(oss, spec_for(oss, parse({"long_context": {}})))
+    b = packed_batch()
+    ids, pos = b["input_ids"], b["position_ids"]
+    labels = ids.clone()
+    with pytest.raises(BatchError, match="GptOssForCausalLM's causal mask is built without position_ids"):
+        oss.forward(input_ids=ids, position_ids=pos, labels=labels)
+    # one document and a right-padded tail without targets: a plain causal mask is exact for the real tokens
+    one = ids[:1, :SEQ]
+    mask = torch.ones_like(one)
+    mask[:, SEQ - 3:] = 0
+    oss.forward(input_ids=one, attention_mask=mask, labels=one.clone())

@@ -13,11 +13,11 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 # bottom to top; a module may import its own layer and the layers before it
 LAYERS = (
-    ("leaves", ("_version", "shipped", "preemptible", "errors", "config", "loss", "comm", "planner.units", "measure", "measure.fake", "measure.allocator",
+    ("leaves", ("_version", "shipped", "preemptible", "errors", "config", "loss", "comm", "planner.units", "planner.recurrent", "measure", "measure.fake", "measure.allocator",
                 "measure.flops", "memory.arena", "memory.keep", "memory.tiles")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
                "models.windows", "models.logits", "models.loading", "models.hybrid", "models.adapters", "models.rope",
-               "models.temperature", "models.moe", "rope_scaling", "layout", "batch", "launch",
+               "models.temperature", "models.moe", "models.packing", "rope_scaling", "layout", "batch", "launch",
                "corpus", "weights",
                "planner.model_states", "planner.rates")),
     ("process and data", ("runtime", "data", "hf_loader", "evaluate", "measure.live_bytes", "checkpoint",
