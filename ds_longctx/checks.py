@@ -82,12 +82,14 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
                               "with no SDPA path (Gemma2: attention soft-capping) trains with "
                               "attn_implementation='flex_attention' under long_context.attention.implementation "
                               "'ulysses'")
-        check_sp_heads(heads, kv, sp)
+        for layer_shape in shape.distinct():  # per layer where the config gives shapes per layer (Gemma 4)
+            check_sp_heads(layer_shape.heads, layer_shape.kv_heads, sp)
         check_mixer_heads(model_config, sp, "sequence_parallel_size")
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         check_sp_attention_pattern(impl, model_config, seq)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
-        check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)
+        for layer_shape in shape.distinct():
+            check_heads_per_chunk(cfg.attention.heads_per_chunk, layer_shape.heads, layer_shape.kv_heads, sp)
     if impl == "untied_ulysses" and cfg.attention.fuse_projections is True and facts_for(tc.model_type) is None:
         raise ConfigError(FUSE_KEY, f"architecture {tc.model_type!r} has no fused untied attention (fused: "
                           f"{', '.join(FUSED_ARCHITECTURES)})", "set it to 'auto' (the default) or false: heads are "

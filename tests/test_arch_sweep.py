@@ -53,7 +53,7 @@ UNTIED_CASES = {  # ds_longctx's own attention (untied, fuse_projections 'auto')
     "doge": ("refused", "refused"),        # keeps its own attention table: our attention would never run
     "ctrl": ("refused", "exact"),          # key biases' gradients vanish in exact arithmetic (noise in both runs)
     "roberta": ("refused", "refused"),     # built bidirectional (is_decoder=False): refused at patch time
-    "gemma4_unified_text": ("refused", "refused"),  # per-layer head shapes: refused, not a raw config error
+    "gemma4_unified_text": ("refused", "refused"),  # bidirectional attention (its per-layer shapes are read)
 }
 
 

@@ -102,6 +102,8 @@ _TAKE_HIDDEN = tuple(f"hidden_states = {src}" for out in ("outputs", "transforme
 _BEFORE_LM_HEAD = _TAKE_HIDDEN + (
     "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
     "slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep",
+    # Gemma 4: the slice guarded by "not already sliced" (its KV-shared layers may slice to logits_to_keep first)
+    "if hidden_states.shape[1] == (input_ids if input_ids is not None else inputs_embeds).shape[1]:",
 )
 # logits = self.lm_head(hidden_states) [.contiguous() | .float() | * <factor>]; a factor becomes its own line
 _LM_HEAD = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)"
