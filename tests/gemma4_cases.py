@@ -26,11 +26,22 @@ def gemma4_config(window: int = 4, global_head_dim: int = 16, k_eq_v: bool = Fal
                                final_logit_softcapping=30.0, **kw)
 
 
-def build_gemma4(seed: int = 0, dtype=torch.float32, **cfg):
+def multimodal_config(**cfg):
+    """``gemma4``: the text config above inside Gemma4Config, a one-layer vision tower, no audio (text-only batches
+    never reach the towers)."""
+    import transformers as tf
+
+    return tf.Gemma4Config(text_config=gemma4_config(**cfg).to_dict(), audio_config=None,
+                           vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                              num_attention_heads=2, num_key_value_heads=2, head_dim=8))
+
+
+def build_gemma4(seed: int = 0, dtype=torch.float32, multimodal: bool = False, **cfg):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(gemma4_config(**cfg), dtype=dtype, attn_implementation="sdpa")
+    config = multimodal_config(**cfg) if multimodal else gemma4_config(**cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     with torch.no_grad():  # norms' weights off their init (ones), so that every layer's q/k-norm matters
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -46,7 +57,8 @@ def batch(kind: str, seed: int = 0):
 
 def reference(b: dict, attn: str = "sdpa", **cfg):
     model = build_gemma4(**cfg)
-    model.config._attn_implementation = attn
+    if attn != "sdpa":
+        model.set_attn_implementation(attn)
     loss = model(**b, use_cache=False).loss  # HF masks packed documents only without a cache
     loss.backward()
     return loss.item(), {n: (-p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
