@@ -13,7 +13,7 @@ from moe_cases import AUX, batch, build_moe, reference, sp_step
 FAMILIES = ("glm4_moe", "deepseek_v3", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "granitemoe",
             "qwen3_5_moe", "mixtral", "qwen3_moe")
 # under SP (mixtral and qwen3_moe are in test_arch_batches.py); deepseek_v3's multi-head latent attention under
-# 'ulysses' (issue 37, item 1: value heads padded to the query/key head dim for DeepSpeed's all-to-all)
+# 'ulysses' and untied (issue 37, item 1: value heads padded to the query/key head dim for the all-to-all)
 SP_FAMILIES = tuple(f for f in FAMILIES if f not in ("mixtral", "qwen3_moe"))
 
 
