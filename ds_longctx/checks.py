@@ -67,13 +67,14 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
                           f"indexer ({indexer}={getattr(tc, indexer)}): its top-k key selection per query is not "
                           f"split by {impl!r}", _NOT_YET_UNDER_SP)
     mla = getattr(tc, "kv_lora_rank", None) or (isinstance(v_dim, int) and v_dim != shape.head_dim)
-    if mla and impl != "ulysses":  # 'ulysses' splits the heads after the up-projections (attention/ulysses.py)
+    # 'ulysses' and untied (function level: MLA has no fused path) split the heads after the up-projections
+    if mla and impl not in ("ulysses", "untied_ulysses"):
         name = getattr(tc, "model_type", None) or type(tc).__name__
         raise ConfigError(f"{SECTION}.attention.implementation", f"the {name} model has multi-head latent attention "
                           f"(query/key head dim {getattr(tc, 'qk_head_dim', None) or shape.head_dim}, value head dim "
                           f"{v_dim}), which {impl!r} does not split",
-                          "use long_context.attention.implementation 'ulysses' (it splits the heads after the "
-                          f"up-projections); or {_NOT_YET_UNDER_SP}")
+                          "use long_context.attention.implementation 'ulysses' or 'untied_ulysses' (they split the "
+                          f"heads after the up-projections); or {_NOT_YET_UNDER_SP}")
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):
@@ -82,12 +83,14 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
                               "with no SDPA path (Gemma2: attention soft-capping) trains with "
                               "attn_implementation='flex_attention' under long_context.attention.implementation "
                               "'ulysses'")
-        check_sp_heads(heads, kv, sp)
+        for layer_shape in shape.distinct():  # per layer where the config gives shapes per layer (Gemma 4)
+            check_sp_heads(layer_shape.heads, layer_shape.kv_heads, sp)
         check_mixer_heads(model_config, sp, "sequence_parallel_size")
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         check_sp_attention_pattern(impl, model_config, seq)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
-        check_heads_per_chunk(cfg.attention.heads_per_chunk, heads, kv, sp)
+        for layer_shape in shape.distinct():
+            check_heads_per_chunk(cfg.attention.heads_per_chunk, layer_shape.heads, layer_shape.kv_heads, sp)
     if impl == "untied_ulysses" and cfg.attention.fuse_projections is True and facts_for(tc.model_type) is None:
         raise ConfigError(FUSE_KEY, f"architecture {tc.model_type!r} has no fused untied attention (fused: "
                           f"{', '.join(FUSED_ARCHITECTURES)})", "set it to 'auto' (the default) or false: heads are "

@@ -34,7 +34,7 @@ from .checks import check_against, check_kernel
 from .config import SECTION, LongContextConfig, auto_keys
 from .errors import ConfigError
 from .layout import Layout
-from .models import attention_shape, facts_for, text_config
+from .models import AttentionShape, attention_shape, facts_for, text_config
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,17 @@ class ModelFacts:
     hidden: Optional[int] = None
     vocab: Optional[int] = None
     model_type: Optional[str] = None
+    # where the config gives attention shapes per layer (Gemma 4): each layer's (models.AttentionShape); then heads,
+    # kv_heads and head_dim above are the largest over the layers. () where every layer has the one shape
+    layer_shapes: tuple = ()
+
+    def layer_shape(self, idx):
+        """Layer ``idx``'s attention shape (heads, kv_heads, head_dim)."""
+        return AttentionShape(self.heads, self.kv_heads, self.head_dim, self.layer_shapes).of_layer(idx)
+
+    def distinct_shapes(self) -> tuple:
+        """Every attention shape some layer has, once each."""
+        return AttentionShape(self.heads, self.kv_heads, self.head_dim, self.layer_shapes).distinct()
 
     @classmethod
     def of(cls, model_config, attention: bool = True) -> "ModelFacts":
@@ -57,7 +68,7 @@ class ModelFacts:
                                                      ("vocab", "vocab_size"))}
         shape = attention_shape(model_config) if attention else None
         return cls(heads=shape and shape.heads, kv_heads=shape and shape.kv_heads, head_dim=shape and shape.head_dim,
-                   model_type=getattr(tc, "model_type", None),
+                   model_type=getattr(tc, "model_type", None), layer_shapes=shape.layers if shape else (),
                    **{k: v if isinstance(v, int) and not isinstance(v, bool) else None for k, v in ints.items()})
 
 

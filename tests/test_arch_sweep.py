@@ -53,7 +53,7 @@ UNTIED_CASES = {  # ds_longctx's own attention (untied, fuse_projections 'auto')
     "doge": ("refused", "refused"),        # keeps its own attention table: our attention would never run
     "ctrl": ("refused", "exact"),          # key biases' gradients vanish in exact arithmetic (noise in both runs)
     "roberta": ("refused", "refused"),     # built bidirectional (is_decoder=False): refused at patch time
-    "gemma4_unified_text": ("refused", "refused"),  # per-layer head shapes: refused, not a raw config error
+    "gemma4_unified_text": ("refused", "refused"),  # bidirectional attention (its per-layer shapes are read)
 }
 
 
@@ -69,7 +69,7 @@ SP2_CASES = {  # at SP=2 (two processes, gloo): type -> (attention, final)
     "qwen3_next": ("ulysses", "exact"),     # Gated DeltaNet layers split by heads (its MoE block: tiled MLP refused)
     "jamba": ("untied", "refused"),         # Mamba layers see only their shard: refused, not trained wrong
     "doge": ("ulysses", "refused"),         # its own attention table (was trained on local shards, silently)
-    "deepseek_v2": ("untied", "refused"),   # multi-head latent attention (was a gloo size mismatch under untied)
+    "deepseek_v2": ("untied", "exact"),     # multi-head latent attention (was a gloo size mismatch, then refused)
     "ctrl": ("ulysses", "exact"),           # no position_ids in its attention call: supplied (the shard's indices)
     "gpt2": ("ulysses", "exact"),           # reshapes the attention output by its last two dims (was a raw error)
     "qwen3_moe": ("untied", "exact"),       # whole stack: its MoE block tiled (per-token routing), HF's no-mask

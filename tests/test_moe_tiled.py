@@ -13,7 +13,7 @@ from moe_cases import AUX, batch, build_moe, reference, sp_step
 FAMILIES = ("glm4_moe", "deepseek_v3", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "granitemoe",
             "qwen3_5_moe", "mixtral", "qwen3_moe")
 # under SP (mixtral and qwen3_moe are in test_arch_batches.py); deepseek_v3's multi-head latent attention under
-# 'ulysses' (issue 37, item 1: value heads padded to the query/key head dim for DeepSpeed's all-to-all)
+# 'ulysses' and untied (issue 37, item 1: value heads padded to the query/key head dim for the all-to-all)
 SP_FAMILIES = tuple(f for f in FAMILIES if f not in ("mixtral", "qwen3_moe"))
 
 
@@ -142,8 +142,8 @@ SP_CASES = {
     2: [(f, "packed", "ulysses", False) for f in ("glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe",
                                                   "deepseek_v3")] +
        [("granitemoe", "packed", "ulysses", True), ("minimax_m2", "plain", "ulysses", True),
-        ("qwen3_5_moe", "packed", "untied", True)],
-    4: [("ernie4_5_moe", "packed", "ulysses", True)],
+        ("qwen3_5_moe", "packed", "untied", True), ("deepseek_v3", "plain", "untied", False)],
+    4: [("ernie4_5_moe", "packed", "ulysses", True), ("deepseek_v3", "packed", "untied", False)],
 }
 FOUR_KV = {"num_key_value_heads": 4}  # SP=4 splits 4 KV heads
 
@@ -230,8 +230,9 @@ def test_router_aux_loss_with_another_balancing_function_is_refused(monkeypatch)
 
 
 def test_mla_checks_ulysses_splits_untied_refused_and_the_sparse_indexer_named():
-    """Multi-head latent attention passes the SP check under 'ulysses' (exact at SP=2 in the spawn above); untied
-    still refuses it, naming 'ulysses' as the fix; DeepSeek-V3.2's sparse indexer is refused by name."""
+    """Multi-head latent attention passes the SP check under 'ulysses' and untied (exact at SP=2 and 4 in the spawn
+    above; untied at the function level, its values zero-padded to the query/key head dim); the fused untied path
+    refuses it (no fused DeepSeek attention); DeepSeek-V3.2's sparse indexer is refused by name."""
     import transformers as tf
 
     from ds_longctx.checks import check_against
@@ -245,9 +246,13 @@ def test_mla_checks_ulysses_splits_untied_refused_and_the_sparse_indexer_named()
         return config_error(check_against, lc, cfg, 2)
 
     assert check("ulysses", moe_config("deepseek_v3")) is None
-    e = check("untied_ulysses", moe_config("deepseek_v3"))
-    assert "multi-head latent attention (query/key head dim 24, value head dim 16)" in e, e
-    assert "implementation 'ulysses'" in e.split("Fix:")[1], e
+    assert check("untied_ulysses", moe_config("deepseek_v3")) is None
+    cfg = moe_config("deepseek_v3")
+    cfg._attn_implementation = "sdpa"
+    lc = parse({"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": "untied_ulysses",
+                                                                            "fuse_projections": True}}})
+    e = config_error(check_against, lc, cfg, 2)
+    assert e is not None and "has no fused untied attention" in e, e
     v32 = tf.DeepseekV32Config(**{k: v for k, v in vars(moe_config("deepseek_v3")).items()
                                   if k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                            "num_hidden_layers", "vocab_size", "qk_rope_head_dim", "qk_nope_head_dim",

@@ -73,3 +73,23 @@ def test_sinks_under_ulysses_equal_eager_one_process(sp, sp_results):
             print(sp, rank, kind, ref_loss, loss, err, where)
             assert math.isclose(loss, ref_loss, rel_tol=1e-5), (kind, loss, ref_loss)
             assert err < 1e-5, (kind, err, where)
+
+
+def test_sinks_under_untied_are_refused_naming_ulysses():
+    """Untied has no sink correction in its stage loop: GPT-OSS (flex_attention or eager on CPU; flash on a GPU) is
+    refused before any collective, naming 'ulysses' (which applies the sinks, above) as the fix, never run without
+    its sinks."""
+    from ds_longctx.checks import check_against
+    from ds_longctx.config import parse
+    from ds_longctx.models.windows import sinks_error
+    from eco_cases import config_error
+    from sink_cases import gpt_oss_config
+
+    lc = parse({"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": "untied_ulysses"}}})
+    for impl in ("flex_attention", "eager"):
+        cfg = gpt_oss_config()
+        cfg._attn_implementation = impl
+        e = config_error(check_against, lc, cfg, 2)
+        assert e is not None and "'ulysses'" in e.split("Fix:")[1], (impl, e)
+    e = str(sinks_error(0, "untied_ulysses"))  # the function level's refusal (a flash core on a GPU)
+    assert "attention sinks" in e and "implementation 'ulysses'" in e, e

@@ -386,6 +386,16 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     if kwargs.get(DOCS_KWARG) is None:  # with documents HF's (packed) mask is redundant: attention runs per document
         _check_mask(attention_mask, s, window, **({"chunk": lf.chunk} if chunked else {}))
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    v_dim = v.shape[-1]
+    if v_dim != q.shape[-1]:
+        if k.shape[-1] != q.shape[-1] or v_dim > q.shape[-1]:
+            raise ValueError(f"untied attention: query/key/value head dims {q.shape[-1]}/{k.shape[-1]}/{v_dim}; "
+                             "only a value head dim at most the query/key one (multi-head latent attention) runs")
+        # multi-head latent attention after its up-projections: ordinary heads whose value head dim is below the
+        # query/key one. The stage buffers have one head dim, so the values go zero-padded to it (as transformers'
+        # own flash path for MLA does) and the padding is cut from the output: exact (zero value columns give zero
+        # output columns, and their gradient is dropped); it moves qk/v - 1 more value bytes through the all-to-all
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
     sched = state.schedule
     if (q.shape[2], k.shape[2]) != (sched.heads, sched.kv_heads):
         # the install's schedule is for the config's head counts; a module attending over others gets its own
@@ -393,7 +403,7 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
         out, _ = untied_attention_qkv(q, k, v, sched, group=state.group, backend=backend, causal=True,
                                       scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs)
-    return out, None
+    return (out[..., :v_dim] if v_dim != out.shape[-1] else out), None
 
 
 # ---------------------------------------------------------------------------------------------

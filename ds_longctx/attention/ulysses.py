@@ -177,17 +177,29 @@ def install_ulysses(model, spec) -> registry.Installation:
     facts = spec.model
     layers = layer_attention(tc)
     core = pattern_core(registry.original(impl), impl, layers, KernelChoice("auto"), spec.group)
-    qk_dim, v_dim = _latent_dims(tc, facts.head_dim)
-    uattn = UlyssesSPAttentionHF(
-        attn=document_core(core, impl), batch_size=1, attn_head_count=facts.heads,
-        attn_head_size=qk_dim, kv_head_count=facts.kv_heads, num_hidden_layers=facts.layers,
-        process_group=spec.group,
-        seq_length_is_variable=True)
-    # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
-    uattn.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
+    wrapped = document_core(core, impl)
+    uattns = {}  # one DeepSpeed wrapper per attention shape: its all-to-all shapes are fixed at construction
+
+    def ulysses_for(shape):
+        """(DeepSpeed's wrapper, q/k head dim, v head dim) for a layer of ``shape`` (models.AttentionShape): per
+        layer where the config gives shapes per layer (Gemma 4's global layers have their own head_dim)."""
+        if shape not in uattns:
+            qk, vd = _latent_dims(tc, shape.head_dim)
+            u = UlyssesSPAttentionHF(attn=wrapped, batch_size=1, attn_head_count=shape.heads, attn_head_size=qk,
+                                     kv_head_count=shape.kv_heads, num_hidden_layers=facts.layers,
+                                     process_group=spec.group, seq_length_is_variable=True)
+            # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
+            u.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
+            uattns[shape] = (u, qk, vd)
+        return uattns[shape]
+
+    for shape in facts.distinct_shapes():
+        ulysses_for(shape)
 
     def ulysses_attention(module, query, key, value, attention_mask, *args, **kwargs):
         # sinks (s_aux): applied from the kernel's LSE on the gathered sequence (pattern_core, _SinkAttention)
+        shape = facts.layer_shape(getattr(module, "layer_idx", None))
+        uattn, qk_dim, v_dim = ulysses_for(shape)
         bs = query.shape[0]
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
             uattn.batch_size = bs
@@ -198,7 +210,7 @@ def install_ulysses(model, spec) -> registry.Installation:
         # what DeepSpeed's wrapper asserts (and the heads it splits), as our refusal on every rank, before the
         # all-to-all: a model whose attention call lacks them has no Ulysses path
         shapes = tuple((t.shape[1], t.shape[-1]) for t in (query, key, value))  # (heads, head_dim), HF's layout
-        expect = ((facts.heads, qk_dim), (facts.kv_heads, qk_dim), (facts.kv_heads, v_dim))
+        expect = ((shape.heads, qk_dim), (shape.kv_heads, qk_dim), (shape.kv_heads, v_dim))
         if "position_ids" not in kwargs and shapes == expect:
             # Llama 4's attention hands its function no position_ids; DeepSpeed gathers them only to give the core
             # the whole sequence's (flash detects packing from them). ds_longctx's shards are equal and in rank

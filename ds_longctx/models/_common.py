@@ -19,10 +19,28 @@ def text_config(model_config):
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Query heads, key/value heads and head size of a decoder's attention, read once from its config."""
+    """Query heads, key/value heads and head size of a decoder's attention, read once from its config.
+
+    ``layers``: where the config gives them per layer (transformers' heterogeneous configs: Gemma 4's global layers
+    have their own ``head_dim`` and key/value heads), each layer's shape in layer order, and then ``heads``,
+    ``kv_heads`` and ``head_dim`` are the largest over the layers (upper bounds, for sizing); () where every layer
+    has the one shape. Whatever splits heads reads :meth:`of_layer` / :meth:`distinct`."""
     heads: int
     kv_heads: int
     head_dim: int
+    layers: Tuple["AttentionShape", ...] = ()
+
+    def of_layer(self, idx) -> "AttentionShape":
+        """Layer ``idx``'s shape (this one where the config has one shape, or the index is unknown)."""
+        if self.layers and isinstance(idx, int) and 0 <= idx < len(self.layers):
+            return self.layers[idx]
+        return self if not self.layers else AttentionShape(self.heads, self.kv_heads, self.head_dim)
+
+    def distinct(self) -> Tuple["AttentionShape", ...]:
+        """Every shape some layer has, once each, in first-layer order."""
+        if not self.layers:
+            return (self,)
+        return tuple(dict.fromkeys(self.layers))
 
 
 # the config spellings transformers ships, in the order they are tried
@@ -37,15 +55,16 @@ def attention_shape(model_config) -> AttentionShape:
     hidden_size / heads, which is what those models' attention modules compute."""
     tc = text_config(model_config)
     name = getattr(tc, "model_type", None) or type(tc).__name__
-    try:
+    per_layer = set(getattr(tc, "per_layer_attributes", None) or ()) if getattr(tc, "is_heterogeneous", False) else set()
+    if not per_layer & {"num_attention_heads", *_KV_SPELLINGS, *_HEAD_DIM_SPELLINGS, "hidden_size"}:
         return _attention_shape(tc, name)
-    except RuntimeError as e:  # transformers' per-layer (heterogeneous) configs refuse a global head count
-        if type(e).__name__ != "AmbiguousGlobalPerLayerAttributeError":
-            raise
-        raise ConfigError("model.config", f"the {name} config gives attention shapes per layer (heterogeneous "
-                          f"layers: {str(e).split('.')[0]})", "sequence parallelism, untied attention and the "
-                          "planner need one head count and head_dim for every layer: train this model at "
-                          "sequence_parallel_size 1 with long_context.attention.implementation 'none'") from None
+    # transformers' per-layer (heterogeneous) config: its global head_dim (etc.) raises; each layer's view has its own
+    views = tc.per_layer_config
+    layers = tuple(_attention_shape(views[i], f"{name} layer {i}") for i in range(len(views)))
+    if len(set(layers)) == 1:
+        return layers[0]
+    return AttentionShape(heads=max(s.heads for s in layers), kv_heads=max(s.kv_heads for s in layers),
+                          head_dim=max(s.head_dim for s in layers), layers=layers)
 
 
 def _attention_shape(tc, name: str) -> AttentionShape:

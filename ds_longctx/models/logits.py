@@ -39,6 +39,17 @@ def _softcap(model) -> Optional[LogitFn]:
     return fn
 
 
+def _softcap_text(model) -> Optional[LogitFn]:
+    # Gemma 4's multimodal causal LM: the same soft-capping, its cap read from the text config
+    def fn(logits):
+        cap = text_config(model.config).final_logit_softcapping
+        if cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
+
+    return fn
+
+
 def _softcap_fp32(model) -> Optional[LogitFn]:
     # Beam: the same soft-capping, computed after an upcast to fp32
     def fn(logits):
@@ -86,6 +97,10 @@ KNOWN_TRANSFORMS: Dict[Tuple[str, ...], Tuple[str, Optional[Callable]]] = {
      "logits = logits.float() / self.config.final_logit_softcapping",
      "logits = torch.tanh(logits)",
      "logits = logits * self.config.final_logit_softcapping"): ("final_logit_softcapping in fp32", _softcap_fp32),
+    ("if (final_logit_softcapping := self.config.get_text_config().final_logit_softcapping) is not None:",
+     "logits = logits / final_logit_softcapping",
+     "logits = torch.tanh(logits)",
+     "logits = logits * final_logit_softcapping"): ("final_logit_softcapping (text config)", _softcap_text),
     ("cap = self.config.logits_soft_cap",
      "logits = nn.functional.tanh(logits / cap) * cap"): ("logits_soft_cap", _logits_soft_cap),
     ("logits = logits / self.config.logits_scaling",): ("logits_scaling", _logits_scaling),
@@ -102,6 +117,8 @@ _TAKE_HIDDEN = tuple(f"hidden_states = {src}" for out in ("outputs", "transforme
 _BEFORE_LM_HEAD = _TAKE_HIDDEN + (
     "hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)",
     "slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep",
+    # Gemma 4: the slice guarded by "not already sliced" (its KV-shared layers may slice to logits_to_keep first)
+    "if hidden_states.shape[1] == (input_ids if input_ids is not None else inputs_embeds).shape[1]:",
 )
 # logits = self.lm_head(hidden_states) [.contiguous() | .float() | * <factor>]; a factor becomes its own line
 _LM_HEAD = re.compile(r"^logits = self\.lm_head\(hidden_states(\[:, slice_indices, :\])?\)"
@@ -130,13 +147,23 @@ def _refuse(cls_name: str, problem: str):
                       "ds_longctx/models/logits.py with a test that the loss equals the model's own forward loss")
 
 
+def _is_causal_lm_loss(loss_type) -> bool:
+    """transformers maps ``loss_type`` to the causal-LM cross entropy (``ForConditionalGeneration``: Gemma 4's
+    multimodal causal LM, text-only batches)."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return False
+    return LOSS_MAPPING.get(loss_type) is ForCausalLMLoss
+
+
 def describe_logit_path(model) -> str:
     """The name of ``model``'s logit transform ('identity', 'final_logit_softcapping', ...), or a
     ConfigError naming the class when its path between lm_head and the loss is not one we reproduce."""
     kind, rest = classify_forward(type(model))
     name = type(model).__name__
     loss_type = getattr(model, "loss_type", None)
-    if loss_type not in (None, "ForCausalLM"):
+    if loss_type not in (None, "ForCausalLM") and not _is_causal_lm_loss(loss_type):
         _refuse(name, f"its loss_type is {loss_type!r}, not the causal-LM cross entropy")
 
     # a router auxiliary loss (output_router_logits) is computed by patch._install_router_aux_loss (models.moe)
