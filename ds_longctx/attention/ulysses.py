@@ -204,9 +204,9 @@ def install_ulysses(model, spec) -> registry.Installation:
         if uattn.batch_size != bs:  # DeepSpeed fixes the batch size at construction
             uattn.batch_size = bs
             for name in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
-                shape = list(getattr(uattn, name))
-                shape[1] = bs
-                setattr(uattn, name, torch.Size(shape))
+                dims = list(getattr(uattn, name))
+                dims[1] = bs
+                setattr(uattn, name, torch.Size(dims))
         # what DeepSpeed's wrapper asserts (and the heads it splits), as our refusal on every rank, before the
         # all-to-all: a model whose attention call lacks them has no Ulysses path
         shapes = tuple((t.shape[1], t.shape[-1]) for t in (query, key, value))  # (heads, head_dim), HF's layout
