@@ -154,12 +154,12 @@ SP_CASES = {  # one spawn per degree, side by side: every family under both path
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
         ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
         ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
-        ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True),
+        ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True), ("kimi_linear", "untied", True),
         ("minimax", "ulysses", True)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
         ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
         ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False)],
-}  # kimi_linear: its MLA layers run under 'ulysses' only
+}  # kimi_linear under untied: its MLA layers at the attention-function level
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +275,7 @@ def test_sp1_packed_restarts_every_document(impl):
     lc = parse({"long_context": {"attention": {"implementation": impl}}})
     # granitemoehybrid only under untied: at 'none' its attention (no rope; its causal mask is built without
     # position_ids) does not see the documents through HF's packed path (the mixer alone is exact there too)
-    # kimi_linear only at 'none': its MLA layers are refused under 'untied_ulysses' (test_kimi_linear_untied_...)
+    # kimi_linear only at 'none' (at SP 1 untied adds nothing to its MLA layers the SP spawns do not cover)
     for name in ("qwen3_5", "lfm2", "falcon_h1", "minimax") + \
             (("granitemoehybrid",) if impl != "none" else ("kimi_linear",)):
         ref_loss, ref_deltas = reference(name, batch(True), DOC_LENS)
@@ -342,11 +342,15 @@ def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
     assert "have 6 heads in 2 B/C groups" in e and "use a sequence_parallel_size of 1, 2, 6" in e, e  # not 3 (2 groups)
 
 
-def test_kimi_linear_untied_is_refused_for_its_mla_layers():
-    """Kimi Delta Attention runs split by heads under both paths, but kimi_linear's full-attention layers are MLA,
-    which only 'ulysses' splits: 'untied_ulysses' is one clear error naming MLA and the fix."""
+def test_kimi_linear_runs_under_both_paths_and_its_mla_is_refused_only_fused():
+    """Kimi Delta Attention runs split by heads under both paths; kimi_linear's MLA layers run under 'ulysses' and at
+    untied's attention-function level (exact: SP_CASES); fuse_projections true is one clear error naming the key."""
+    from ds_longctx.checks import check_against
+    from ds_longctx.config import parse
+
     _check("kimi_linear", "ulysses", 4)
-    e = config_error(_check, "kimi_linear", "untied_ulysses", 2)
-    assert e.startswith("long_context.attention.implementation: the kimi_linear model has multi-head latent "
-                        "attention"), e
-    assert "use long_context.attention.implementation 'ulysses'" in e, e
+    _check("kimi_linear", "untied_ulysses", 2)
+    lc = parse({"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": "untied_ulysses",
+                                                                           "fuse_projections": True}}})
+    e = config_error(check_against, lc, hybrid_config("kimi_linear"), world_size=2)
+    assert e.startswith("long_context.attention.fuse_projections: architecture 'kimi_linear' has no fused"), e
