@@ -342,7 +342,7 @@ def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
     assert "have 6 heads in 2 B/C groups" in e and "use a sequence_parallel_size of 1, 2, 6" in e, e  # not 3 (2 groups)
 
 
-def test_kimi_linear_runs_under_both_paths_and_its_mla_is_refused_only_fused():
+def test_kimi_linear_runs_under_both_paths_and_fused_is_refused():
     """Kimi Delta Attention runs split by heads under both paths; kimi_linear's MLA layers run under 'ulysses' and at
     untied's attention-function level (exact: SP_CASES); fuse_projections true is one clear error naming the key."""
     from ds_longctx.checks import check_against
