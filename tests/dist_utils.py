@@ -101,6 +101,14 @@ def run_distributed_side_by_side(*calls, timeout: float = 600, return_exceptions
         return [job.exception() or job.result() for job in jobs]
 
 
+def runs_per_degree(worker, cases: dict) -> dict:
+    """``{sp: worker's results}`` for ``cases`` = ``{sp: [case, ...]}``: one spawn per degree, side by side, a failed
+    degree's exception in its place (:func:`result_or_raise` re-raises it in the test of that degree)."""
+    sps = sorted(cases)
+    runs = run_distributed_side_by_side(*[(worker, sp, cases[sp]) for sp in sps], return_exceptions=True)
+    return dict(zip(sps, runs))
+
+
 def result_or_raise(result):
     """One entry of run_distributed_side_by_side(..., return_exceptions=True): re-raised if it failed."""
     if isinstance(result, BaseException):

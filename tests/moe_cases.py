@@ -87,20 +87,8 @@ def reference(name: str, b: dict, **overrides):
 
 def sp_step(name: str, lc: dict, b: dict, sp: int, **overrides):
     """One SGD(lr=1) step at SP=``sp`` through ds_longctx.initialize (ZeRO-3): (loss, deltas, tiled block classes)."""
-    import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
-    from ds_longctx.data import shard_batch
     from ds_longctx.memory import get_memory_handle
-    from sp_cases import ds_config, full_params
+    from sp_cases import one_sgd_step
 
-    model = build_moe(name, **overrides)
-    engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                            config=ds_config(3, sp, lc))
-    tiled = sorted({type(m).__name__ for m in get_memory_handle(engine).tiled_mlps})
-    before = full_params(engine.module)
-    loss = engine(**shard_batch(b, sp_rank(sp_group()), sp)).loss
-    engine.backward(loss)
-    engine.step()
-    after = full_params(engine.module)
-    engine.module._ds_longctx_patch.remove()
-    return loss.item(), {n: after[n] - before[n] for n in after}, tiled
+    return one_sgd_step(build_moe(name, **overrides), b, sp, lc, inspect=lambda engine: sorted(
+        {type(m).__name__ for m in get_memory_handle(engine).tiled_mlps}))

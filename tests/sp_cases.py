@@ -103,19 +103,21 @@ def token_batch(kind: str, vocab: int, seq: int, doc_lens, seed: int = 0):
     return out
 
 
-def one_sgd_step(model, b: dict, sp: int, lc: dict, stage: int = 3):
+def one_sgd_step(model, b: dict, sp: int, lc: dict, stage: int = 3, inspect=None):
     """One SGD(lr=1) step of ``model`` through ds_longctx.initialize on this rank's shard of ``b``; returns (loss,
-    parameter deltas); the patch is removed after."""
+    parameter deltas), and ``inspect(engine)``'s answer third when given; the patch is removed after."""
     import ds_longctx
     from ds_longctx.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                             config=ds_config(stage, sp, lc))
+    seen = inspect(engine) if inspect is not None else None
     before = full_params(engine.module)
     loss = engine(**shard_batch(b, sp_rank(sp_group()), sp)).loss
     engine.backward(loss)
     engine.step()
     after = full_params(engine.module)
     engine.module._ds_longctx_patch.remove()
-    return loss.item(), {n: after[n] - before[n] for n in after}
+    deltas = {n: after[n] - before[n] for n in after}
+    return (loss.item(), deltas) if inspect is None else (loss.item(), deltas, seen)

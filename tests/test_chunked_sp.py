@@ -10,7 +10,7 @@ import torch
 
 from arch_cases import max_delta_error
 from chunked_cases import batch, build_llama4, reference, sp_step
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
@@ -42,9 +42,7 @@ def _worker(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def sp_results():
-    sps = sorted(CASES)
-    runs = run_distributed_side_by_side(*[(_worker, sp, CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    return runs_per_degree(_worker, CASES)
 
 
 @pytest.mark.distributed

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 from gemma4_cases import batch, reference, sp_step, tensor_errors
 
 CFG = dict(k_eq_v=True, kv_shared=2)
@@ -79,9 +79,7 @@ def _worker(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def sp_results():
-    sps = sorted(CASES)
-    runs = run_distributed_side_by_side(*[(_worker, sp, CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    return runs_per_degree(_worker, CASES)
 
 
 @pytest.mark.distributed

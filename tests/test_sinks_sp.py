@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from arch_cases import max_delta_error
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 from sink_cases import batch, reference, sp_step
 
 ULYSSES = {"attention": {"implementation": "ulysses"},
@@ -53,9 +53,7 @@ def _worker(rank, world, kinds):
 
 @pytest.fixture(scope="module")
 def sp_results():
-    sps = sorted(CASES)
-    runs = run_distributed_side_by_side(*[(_worker, sp, CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    return runs_per_degree(_worker, CASES)
 
 
 @pytest.mark.distributed
