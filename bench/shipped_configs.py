@@ -3,7 +3,7 @@
 peak per GPU (max of backward and optimizer step), the activation peak, and host/NVMe bytes per node.
 README's "Shipped configs" table is this script's output.
 
-    python bench/shipped_configs.py [--json bench/results/shipped_configs.json]
+    python bench/shipped_configs.py [--json bench/results/shipped_configs.json] [--configs a.json,b.json]
 """
 from __future__ import annotations
 
@@ -24,9 +24,16 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--configs", default=None, help="comma-separated names from targets.json (default: all)")
     a = ap.parse_args()
     targets = {k: v for k, v in json.load(open(os.path.join(ROOT, "ds_configs", "targets.json"))).items()
                if k != "_comment"}
+    if a.configs:
+        wanted = a.configs.split(",")
+        unknown = sorted(set(wanted) - set(targets))
+        if unknown:
+            ap.error(f"--configs: {unknown} not in ds_configs/targets.json (it has {sorted(targets)})")
+        targets = {k: targets[k] for k in wanted}
     rows = []
     print("| config | hardware | peak / GPU | activations | host / node | NVMe / node | planner s |")
     print("|---|---|---:|---:|---:|---:|---:|")

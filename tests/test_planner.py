@@ -157,7 +157,8 @@ def test_resolve_auto_picks_fastest_fitting_and_logs():
     from ds_longctx.planner import resolve_auto
 
     ds = {"bf16": {"enabled": True}, "sequence_parallel_size": 8, "zero_optimization": {"stage": 3},
-          "long_context": {"sequence_length": 262144,
+          # 64K: 8K tokens per rank, two tiled-MLP shard candidates (DeepSpeed's ceil(local / hidden)) to time
+          "long_context": {"sequence_length": 65536,
                            "attention": {"implementation": "untied_ulysses", "heads_per_chunk": "auto"},
                            "activation_checkpointing": {"enabled": True, "offload": "cpu"},
                            "tiled_mlp": {"enabled": True, "shards": "auto"}, "tiled_loss": {"enabled": True}}}
