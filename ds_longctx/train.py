@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import comm, needle, watchdog
 from .agreement import check_agreement
+from .attention import registry
 from .checkpoint import find_resume_tag
 from .compat import active_stack_line, check_model_scale
 from .config import auto_keys, check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
@@ -360,7 +362,8 @@ def stage_runs(args, lc) -> list:
         try:
             validate_args(check, lc)
         except ConfigError as e:  # say which stage of the schedule
-            raise ConfigError("--stages" if e.key == "--seq-len" else e.key, f"in stage {k + 1} of --stages ({length} tokens): {e.problem}", e.fix) from None
+            raise ConfigError("--stages" if e.key == "--seq-len" else e.key,
+                              f"in stage {k + 1} of --stages ({length} tokens): {e.problem}", e.fix) from None
         runs.append(a)
     return runs
 
@@ -891,10 +894,6 @@ def run_stages(args):
     (stage_runs); the model patches of a stage are undone and its engine dropped before the next is built. With
     --resume auto, the stages that --save's checkpoint is past are skipped (every rank reads the same files). A
     preemption signal ends the schedule at its save."""
-    import gc
-
-    from .attention import registry
-
     runs = stage_runs(args, parse(load_ds_config(args.deepspeed_config)))
     done = int(find_resume_tag(args.save)[1]["step"]) if args.resume == "auto" and _has_checkpoint(args.save) else 0
     loss = None

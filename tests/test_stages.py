@@ -6,15 +6,16 @@ steps), the memory stack re-planned; without the flag the length change is refus
 
 One spawn (2 ranks, SP=2, ZeRO-3, tiny-cpu.json's whole memory stack, train.main in process): stage 1 at L=128 (2
 steps, saved), stage 2 at 2L=256 (1 step, exported, --eval-needle at its end), stage 2 requeued (1 more step),
-the refused resume, then ``--stages 128:2,256:1`` (one train.main through both stages): its losses and learning
-rates equal the two commands' bit for bit, its stage records too; stage 2's line before step 1 names the planner's
-predicted peak at 2L (initialize.predicted_step, recomputed here; the figure at L differs). The reference, in this process without
-DeepSpeed: a fresh one-process HF model started from stage 1's weights and AdamW state (read from DeepSpeed's
-universal checkpoint of stage 1, per parameter) at 2L, trained one step with torch's AdamW at the fresh schedule's
-first learning rate on samples 0..3 of the 2L data, gradient clipping 1.0. Its loss and its parameter deltas equal
-stage 2's first step up to summation order (SP=2 vs one process); the same reference with the moments not carried,
-with stage 1's last learning rate, or with the data position kept instead, differs far beyond that tolerance (the
-test can fail)."""
+the refused resume, then ``--stages 128:2,256:1`` (one train.main through both stages) and its requeue as
+``--stages 128:2,256:2 --resume auto`` (stage 1 skipped, stage 2 goes on): their losses and learning rates equal the
+commands' (stage 1, stage 2, stage 2 requeued) bit for bit, the stage records too; stage 2's line before step 1
+names the planner's predicted peak at 2L (initialize.predicted_step, recomputed here; the figure at L differs).
+The reference, in this process without DeepSpeed: a fresh one-process HF model started from stage 1's weights and
+AdamW state (read from DeepSpeed's universal checkpoint of stage 1, per parameter) at 2L, trained one step with
+torch's AdamW at the fresh schedule's first learning rate on samples 0..3 of the 2L data, gradient clipping 1.0. Its
+loss and its parameter deltas equal stage 2's first step up to summation order (SP=2 vs one process); the same
+reference with the moments not carried, with stage 1's last learning rate, or with the data position kept instead,
+differs far beyond that tolerance (the test can fail)."""
 import json
 import math
 import os
@@ -67,6 +68,10 @@ def _stages(rank, world, tmp):
     state.reset()
     # the schedule flag: both stages in one train.main (the engine rebuilt in this process between them)
     train.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:1", "--save", os.path.join(tmp, "C"),
+                         "--metrics", os.path.join(tmp, "mC.jsonl")])
+    state.reset()
+    # requeued with one more step in stage 2 and --resume auto: stage 1 skipped, stage 2 goes on (as B's requeue)
+    train.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:2", "--save", os.path.join(tmp, "C"), "--resume", "auto",
                          "--metrics", os.path.join(tmp, "mC.jsonl")])
     return refused, lines
 
@@ -198,7 +203,8 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     # --stages L:2,2L:1 is the two commands: the same losses bit for bit, the same learning rates, the same stage
     # records (a stage that did not carry the moments or restart the schedule would differ: see the references)
     mc = [json.loads(x) for x in open(tmp_path / "mC.jsonl")]
-    assert [(r["step"], r["loss"], r["lr"]) for r in mc] == [(r["step"], r["loss"], r["lr"]) for r in m1 + m2], (mc, m1, m2)
+    assert [(r["step"], r["loss"], r["lr"]) for r in mc] == [(r["step"], r["loss"], r["lr"]) for r in m1 + m2 + m3], \
+        (mc, m1, m2, m3)
     recC = json.loads((tmp_path / "C" / f"step{STEPS1 + 1}" / ckpt.RECORD_FILE).read_text())
     assert (recC["stage"], recC["stages"], recC["samples_consumed"]) == (rec["stage"], rec["stages"], 4), recC
     assert (tmp_path / "C" / f"step{STEPS1}").is_dir()  # saved at the boundary

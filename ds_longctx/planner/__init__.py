@@ -130,4 +130,5 @@ def _child(cfg, mc_dict, world_size, gpu_mem_bytes, seq, host_mem, reserve, gpus
     return (out, plan_result and plan_result.to_dict()), lines
 
 
-__all__ = ["plan", "max_context", "planned_work", "plan_resolved", "plan_resolved_soon", "resolve_auto", "PlanResult", "Planner", "load_model_config"]
+__all__ = ["plan", "max_context", "planned_work", "plan_resolved", "plan_resolved_soon", "resolve_auto", "PlanResult",
+           "Planner", "load_model_config"]
