@@ -25,7 +25,7 @@ from .layout import Layout, zero_stage
 from .models.adapters import hf_model_of
 from .models.logits import describe_logit_path
 from .patch import patch_model
-from .planner import resolve_auto
+from .planner import plan_resolved_soon, resolve_auto
 from .planner.host import machine_ram_bytes
 from .planner.units import fmt_bytes, parse_bytes
 from .spec import build_spec
@@ -93,22 +93,37 @@ def _auto_log(line: str) -> None:
     (logger.warning if unfit else logger.info)(line)
 
 
-def _resolve_auto(ds_config: dict, model_config, world: int) -> dict:
+def _planner_budgets(world: int):
+    """(device bytes per rank, (host bytes per node, its source), local ranks): what the planner plans against."""
+    return _device_budget_bytes(), _host_budget(), _local_ranks(world)
+
+
+def predicted_step(resolved: dict, model_config, world: int, seq_len: int):
+    """The planner's prediction (planner.PlanResult) of this run's step, as a function to call for it (the
+    simulation runs meanwhile where it needs a process of its own: planner.plan_resolved_soon): ``resolved`` the
+    ds_config as ``initialize`` resolves it (config.resolved_ds_config), against the budgets "auto" is resolved
+    with. This rank only, no collective (seconds of simulation: call it on one rank)."""
+    device, (host, _), local = _planner_budgets(world)
+    return plan_resolved_soon(resolved, model_config, world, device, seq_len, host_mem=host, gpus_per_node=local)
+
+
+def _resolve_auto(ds_config: dict, model_config, world: int, predicted: Optional[list] = None) -> dict:
     """The values of the "auto" keys (config.AUTO_KEYS, and tiled shards) the planner picks as fastest fitting
     ({key inside the section: value}, planner.resolve_auto): computed on rank 0 (the simulation is pure but costs
     seconds; its Planner checks the config against the model and the world first) and broadcast with rank 0's
-    ConfigError if any, so every rank gets the same values or the same error. Budgets: this device's memory, and
+    ConfigError if any, so every rank gets the same values or the same error; ``predicted`` (a list) gets rank 0's
+    PlanResult of the chosen configuration (the run's predicted step). Budgets: this device's memory, and
     the host memory per node (``DS_LONGCTX_HOST_MEM`` or this machine's RAM) shared by the ranks on this machine."""
     box = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            host, source = _host_budget()
-            local = _local_ranks(world)
-            device = _device_budget_bytes()
+            device, (host, source), local = _planner_budgets(world)
             logger.info(f"ds_longctx auto: budgets: device {fmt_bytes(device)} per rank, host {fmt_bytes(host)} "
                         f"per node ({source}) over {local} local rank(s): {fmt_bytes(host // local)} per rank")
-            box[0] = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=_auto_log,
-                                  gpus_per_node=local)
+            box[0], plan = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=_auto_log,
+                                        gpus_per_node=local, with_plan=True)
+            if predicted is not None:
+                predicted.append(plan)
         except ConfigError as e:
             box[0] = e
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -143,10 +158,13 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     # job's watchdog (agreement.py, watchdog.py)
     agreement.check_config(ds_config)
     model_config = getattr(model, "config", None)
+    predicted = None  # the planner's PlanResult of the step as resolved (rank 0, when "auto" ran it)
     if auto_keys(lc):
         # "auto" resolved once, into the resolved config every rank builds the spec from (rank 0's planner, its
         # choices broadcast): nothing downstream sees "auto" or re-derives a count (spec.py)
-        lc = with_values(lc, _resolve_auto(ds_config, model_config, world))
+        predicted = []
+        lc = with_values(lc, _resolve_auto(ds_config, model_config, world, predicted))
+        predicted = predicted[0] if predicted else None
     # same verdict on every rank, before any group is built: the spec builder checks the config against the
     # model and the world (checks.check_against) and the kernel against this machine, and resolves every count
     spec = build_spec(lc, model_config, Layout.build(ds_config, sp, world))
@@ -178,6 +196,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
     engine.long_context = spec.config
     engine.long_context_layout = layout
     engine.long_context_spec = spec
+    engine.long_context_plan = predicted
 
     loader = None
     if training_data is not None:

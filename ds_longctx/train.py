@@ -17,8 +17,9 @@ or DP degree (DeepSpeed's universal checkpoint). --save-hf writes a model from_p
 
 Context extension: --rope-theta / --rope-scaling set the model's RoPE; --resume DIR --new-stage continues a run at
 another --seq-len (a stage: weights and optimizer state carried, the learning-rate schedule restarted for the
-stage, the data position per --stage-data, the memory stack re-planned); --eval-needle LENGTHS scores passkey
-retrieval under SP at the eval points (ds-longctx needle's evaluation).
+stage, the data position per --stage-data, the memory stack re-planned, the planner's predicted peak stated before
+step 1); --stages 64K:N1,256K:N2,... runs such stages one after another in one job; --eval-needle LENGTHS scores
+passkey retrieval under SP at the eval points (ds-longctx needle's evaluation).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import os
@@ -39,15 +41,16 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import comm, needle, watchdog
 from .agreement import check_agreement
+from .attention import registry
 from .checkpoint import find_resume_tag
 from .compat import active_stack_line, check_model_scale
-from .config import check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
+from .config import auto_keys, check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
 from .corpus import check_data_path, open_corpus, tokenizer_content_sha256
 from .corpus import data_identity as corpus_identity
 from .data import TASKS, SampleStream, shard_batch
 from .errors import ConfigError
 from .evaluate import eval_loader, evaluate
-from .initialize import init_distributed, initialize, model_init
+from .initialize import init_distributed, initialize, model_init, predicted_step
 from .launch import check_launch
 from .layout import zero_stage
 from .loss import IGNORE_INDEX
@@ -58,6 +61,7 @@ from .models.loading import load_model_config  # --model-config's HF config (a f
 from .rope_scaling import apply_rope
 from .shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (also train.X)
 from .planner import planned_work
+from .planner.units import fmt_bytes
 from .preflight import reserve_offload_storage
 from .runtime import graceful_stop, stop_requested, stop_saved
 from .weights import deterministic_init
@@ -109,7 +113,7 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", help="tokenizer for --data files (default: --model)")
     p.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
                    "long_context.sequence_length or 512)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps to train, in all (default: 200; a resumed "
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps to train, in all (default: 200; a resumed "
                    "run trains the steps past its checkpoint)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random init and the copy task's data: the same "
                    "seed gives the same weights and samples for every SP degree, ZeRO stage and process count")
@@ -151,6 +155,14 @@ def parse_args(argv=None):
     ck.add_argument("--stage-data", choices=("restart", "keep"), default=None, help="--new-stage's data position: "
                     "'restart' (default: the stage's data from its first sample; --data may change) or 'keep' (the "
                     "same token position: sample ceil(samples consumed x old length / new length) of the same data)")
+    ck.add_argument("--stages", metavar="LEN:STEPS,...", help="a context-extension schedule in one run, e.g. "
+                    "64K:1000,256K:500,1M:200: 1000 steps at 64K tokens, then 500 at 256K, then 200 at 1M (K=1024); "
+                    "each stage saved to --save at its end and continued exactly as --resume DIR --new-stage would "
+                    "(weights and optimizer state carried, the learning-rate schedule restarted, the memory stack "
+                    "re-planned, the data per --stage-data); the engine is rebuilt in the same processes. With "
+                    "--resume auto a requeued job continues in the stage its checkpoint is in. Replaces --seq-len, "
+                    "--steps and --new-stage; the RoPE (--rope-theta/--rope-scaling) is the same in every stage (to "
+                    "change it with the length, run the stages as separate --new-stage commands)")
     ck.add_argument("--save-hf", help="at the end, write the model as a Hugging Face directory (safetensors, config, "
                     "tokenizer, generation config)")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
@@ -165,6 +177,8 @@ def parse_args(argv=None):
                    "plain line every --log-every steps without a terminal, and the final loss)")
     args = p.parse_args(argv)
     args.deepspeed_config = resolve_config_path(args.deepspeed_config)
+    if args.steps is None and not args.stages:  # with --stages the schedule gives the steps (stage_runs)
+        args.steps = 200
     return args
 
 
@@ -284,6 +298,74 @@ def validate_args(args, lc):
         raise ConfigError("--stage-data", "applies to a new stage only", "add --new-stage or drop --stage-data")
     check_shards(lc, seq_len)  # against the length trained (--seq-len), not only the config's sequence_length
     return seq_len
+
+
+def parse_stages(text: str) -> list:
+    """--stages' value: 'LEN:STEPS,...' (LEN with K/M = 1024 / 1048576, as --eval-needle's lengths) -> [(length,
+    steps of that stage), ...]. Each stage changes the length (two stages at one length and RoPE would be one stage:
+    a requeued job could not tell them apart)."""
+    out = []
+    for part in str(text).split(","):
+        length, sep, steps = part.strip().partition(":")
+        if not sep:
+            raise ConfigError("--stages", f"{part.strip()!r} is not LEN:STEPS", "give stages like 64K:1000,256K:500")
+        try:
+            n = int(steps)
+        except ValueError:
+            raise ConfigError("--stages", f"{part.strip()!r}: {steps!r} is not a number of steps",
+                              "give stages like 64K:1000,256K:500 (the steps of each stage)") from None
+        if n < 1:
+            raise ConfigError("--stages", f"{part.strip()!r}: a stage needs at least one step",
+                              "give each stage's steps as a positive integer")
+        out.append((needle.parse_lengths(length, "--stages")[0] if length.strip() else 0, n))
+        if out[-1][0] < 1:
+            raise ConfigError("--stages", f"{part.strip()!r} has no length", "give stages like 64K:1000,256K:500")
+    if len(out) < 2:
+        raise ConfigError("--stages", f"{text!r} is one stage", "give two stages or more (or train one length with "
+                          "--seq-len and --steps)")
+    for (a, _), (b, _) in zip(out, out[1:]):
+        if a == b:
+            raise ConfigError("--stages", f"two stages in a row at length {a}", "merge them into one stage (their "
+                              "steps added): each stage changes the length")
+    return out
+
+
+def stage_runs(args, lc) -> list:
+    """--stages' runs: one argument namespace per stage, each checked as its own command line would be
+    (validate_args at its length) before anything is launched. Stage 1 is the plain run (--resume auto as given);
+    stage k > 1 is --resume SAVE --new-stage at its length with --steps the steps up to its end, --save-hf on the
+    last stage only. Refuses the flags the schedule replaces and a --resume other than 'auto', naming them."""
+    schedule = parse_stages(args.stages)
+    for flag, value in (("--seq-len", args.seq_len), ("--steps", args.steps), ("--new-stage", args.new_stage)):
+        if value:
+            raise ConfigError(flag, "is given by --stages (each stage's length and steps; every stage after the first "
+                              "is a new stage)", f"drop {flag}")
+    if not args.save:
+        raise ConfigError("--stages", "needs --save (each stage is saved there at its end and the next one continues "
+                          "from it)", "add --save DIR")
+    if args.resume not in (None, "auto"):
+        raise ConfigError("--resume", f"{args.resume!r} with --stages: the schedule resumes from --save only",
+                          "use --resume auto (a requeued job continues in the stage its checkpoint is in), or "
+                          "continue a finished schedule with --resume DIR --new-stage")
+    runs, end = [], 0
+    for k, (length, steps) in enumerate(schedule):
+        end += steps
+        a = argparse.Namespace(**vars(args))
+        a.seq_len, a.steps, a.stage_of_schedule = length, end, (k + 1, len(schedule))
+        a.save_hf = args.save_hf if k == len(schedule) - 1 else None
+        if k == 0:
+            a.new_stage, a.stage_data = False, None
+        else:
+            a.resume, a.new_stage = args.save, True
+        check = argparse.Namespace(**vars(a))
+        check.resume, check.new_stage, check.stage_data = None, False, None  # the checkpoint is written by then
+        try:
+            validate_args(check, lc)
+        except ConfigError as e:  # say which stage of the schedule
+            raise ConfigError("--stages" if e.key == "--seq-len" else e.key,
+                              f"in stage {k + 1} of --stages ({length} tokens): {e.problem}", e.fix) from None
+        runs.append(a)
+    return runs
 
 
 def _check_local_or_hub(flag, value):
@@ -415,7 +497,7 @@ AGREED_FLAGS = {"--steps": "steps", "--seed": "seed", "--model": "model", "--mod
                 "--save": "save", "--save-every": "save_every", "--save-interval": "save_interval",
                 "--keep-last": "keep_last", "--resume": "resume", "--save-hf": "save_hf",
                 "--rope-theta": "rope_theta", "--rope-scaling": "rope_scaling", "--new-stage": "new_stage",
-                "--stage-data": "stage_data"}
+                "--stage-data": "stage_data", "--stages": "stages"}
 
 
 def _agree(flags):
@@ -533,6 +615,10 @@ def prepare(args) -> Job:
 
     if seq_len != lc.sequence_length:  # the planner ("auto"), the host-memory check: the length trained
         ds_config = dict(ds_config, long_context=dict(ds_config.get("long_context") or {}, sequence_length=seq_len))
+    prediction = None
+    if new_stage and dist.get_rank() == 0 and not auto_keys(lc):  # ("auto": initialize's planner predicts it)
+        stage_lc = parse(ds_config)
+        prediction = predicted_step(resolved_ds_config(ds_config, stage_lc), model_config, world, seq_len)
     model = build_model(args, ds_config, model_config)
     dataset = build_dataset(args, model.config, seq_len, tokenizer)
     eval_set = build_dataset(args, model.config, seq_len, tokenizer, path=args.eval_data, flag="--eval-data") \
@@ -567,7 +653,11 @@ def prepare(args) -> Job:
              f"params={n_params / 1e6:.2f}M attention={lc.attention.implementation} "
              f"zero_stage={engine.zero_optimization_stage()}")
         if new_stage:
-            info(stage_line(stage, stages[-1], plan, args, ds_config, engine))
+            # the planner's prediction of this stage's step, the new peak stated before step 1: the simulation
+            # that resolved "auto" for the new length, else the same planner on the config as initialize resolves
+            # it (started before the model was built), against the same budgets
+            predicted = engine.long_context_plan or prediction()
+            info(stage_line(stage, stages[-1], plan, args, ds_config, engine, predicted))
     needle_cases = None
     if args.eval_needle:
         needle_cases = needle.build_cases(_needle_tokenizer(tokenizer, model.config),
@@ -613,9 +703,10 @@ def _stage_schedule(ds_config: dict, stage_steps: int) -> dict:
     return dict(ds_config, scheduler=dict(sched, params=dict(params, total_num_steps=stage_steps)))
 
 
-def stage_line(stage, prev, plan, args, ds_config, engine) -> str:
+def stage_line(stage, prev, plan, args, ds_config, engine, predicted) -> str:
     """Rank 0's statement of a new stage, before step 1: what is carried, where the data and the schedule start,
-    and the memory stack as initialize re-planned it for the new length."""
+    the memory stack as initialize re-planned it for the new length and the planner's predicted peak of its step
+    (``predicted``: initialize.predicted_step's PlanResult)."""
     rope = (stage.get("rope") or {}).get("parameters")
     old_rope = (prev.get("rope") or {}).get("parameters")
     sched = ds_config.get("scheduler") or {}
@@ -623,7 +714,9 @@ def stage_line(stage, prev, plan, args, ds_config, engine) -> str:
     data = (f"restart: from sample 0 of --data (--stage-data restart)" if stage["data"] == "restart" else
             f"keep: from sample {stage['start_sample']} at the new length, the token position "
             f"{plan.samples_consumed} samples x {prev.get('seq_len')} tokens reached (--stage-data keep)")
-    return (f"stage {stage['index']} (--new-stage): seq_len {prev.get('seq_len')} -> {stage['seq_len']}; RoPE "
+    how = (f"--stages, {args.stage_of_schedule[0]} of {args.stage_of_schedule[1]}"
+           if getattr(args, "stage_of_schedule", None) else "--new-stage")
+    return (f"stage {stage['index']} ({how}): seq_len {prev.get('seq_len')} -> {stage['seq_len']}; RoPE "
             f"{old_rope if old_rope == rope else f'{old_rope} -> {rope}'}; weights and optimizer state from "
             f"{os.path.join(plan.path, plan.tag)} (step {plan.step}, DeepSpeed's checkpoint load); data: {data}; "
             f"learning-rate schedule: "
@@ -631,7 +724,17 @@ def stage_line(stage, prev, plan, args, ds_config, engine) -> str:
                f"{args.steps}, params {sched.get('params')})" if sched else
                f"no scheduler: the ds_config's optimizer lr for this stage's {steps} steps")
             + f"; memory stack re-planned for {stage['seq_len']} tokens: "
-            f"{active_stack_line(engine.long_context_spec, engine.module)}")
+            f"{active_stack_line(engine.long_context_spec, engine.module)}; " + predicted_peak_text(predicted))
+
+
+def predicted_peak_text(r) -> str:
+    """The planner's peak of one rank's step (planner.PlanResult) in words: the figure, its parts (what the length
+    changes: the activations at the backward's peak), the optimizer step's, the budget."""
+    states = r.breakdown.get("model_states", 0)
+    return (f"planner: predicted peak {fmt_bytes(r.peak_device_bytes)} per rank at {r.sequence_length} tokens "
+            f"(backward: model states {fmt_bytes(states)} + activations {fmt_bytes(r.activation_peak_bytes - states)}"
+            f"; optimizer step {fmt_bytes(r.step_peak_bytes)}) of {fmt_bytes(r.device_budget_bytes)} per device "
+            f"({'fits' if r.fits else 'does NOT fit'}: {r.binding_detail})")
 
 
 def train_step(job: Job) -> float:
@@ -777,9 +880,39 @@ def _report_stop(text: str) -> None:
 
 
 def main(argv=None):
-    job = prepare(parse_args(argv))
+    args = parse_args(argv)
+    if args.stages:
+        return run_stages(args)
+    job = prepare(args)
     loss, stopped = train(job)
     finish(job, loss, stopped)
+    return loss
+
+
+def run_stages(args):
+    """--stages: the stages one after another in these processes, each as its own command line would run it
+    (stage_runs); the model patches of a stage are undone and its engine dropped before the next is built. With
+    --resume auto, the stages that --save's checkpoint is past are skipped (every rank reads the same files). A
+    preemption signal ends the schedule at its save."""
+    runs = stage_runs(args, parse(load_ds_config(args.deepspeed_config)))
+    done = int(find_resume_tag(args.save)[1]["step"]) if args.resume == "auto" and _has_checkpoint(args.save) else 0
+    loss = None
+    for a in runs:
+        k, n = a.stage_of_schedule
+        if k < n and done >= a.steps:
+            info(f"--stages: stage {k} of {n} ({a.seq_len} tokens, steps up to {a.steps}) is done in {args.save} "
+                 f"(step {done}): skipped")
+            continue
+        with registry.restored():  # this stage's installs on its model undone at its end
+            job = prepare(a)
+            loss, stopped = train(job)
+            finish(job, loss, stopped)
+            del job
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if stopped:
+            break
     return loss
 
 

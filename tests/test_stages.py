@@ -6,13 +6,16 @@ steps), the memory stack re-planned; without the flag the length change is refus
 
 One spawn (2 ranks, SP=2, ZeRO-3, tiny-cpu.json's whole memory stack, train.main in process): stage 1 at L=128 (2
 steps, saved), stage 2 at 2L=256 (1 step, exported, --eval-needle at its end), stage 2 requeued (1 more step),
-and the refused resume. The reference, in this process without
-DeepSpeed: a fresh one-process HF model started from stage 1's weights and AdamW state (read from DeepSpeed's
-universal checkpoint of stage 1, per parameter) at 2L, trained one step with torch's AdamW at the fresh schedule's
-first learning rate on samples 0..3 of the 2L data, gradient clipping 1.0. Its loss and its parameter deltas equal
-stage 2's first step up to summation order (SP=2 vs one process); the same reference with the moments not carried,
-with stage 1's last learning rate, or with the data position kept instead, differs far beyond that tolerance (the
-test can fail)."""
+the refused resume, then ``--stages 128:2,256:1`` (one train.main through both stages) and its requeue as
+``--stages 128:2,256:2 --resume auto`` (stage 1 skipped, stage 2 goes on): their losses and learning rates equal the
+commands' (stage 1, stage 2, stage 2 requeued) bit for bit, the stage records too; stage 2's line before step 1
+names the planner's predicted peak at 2L (initialize.predicted_step, recomputed here; the figure at L differs).
+The reference, in this process without DeepSpeed: a fresh one-process HF model started from stage 1's weights and
+AdamW state (read from DeepSpeed's universal checkpoint of stage 1, per parameter) at 2L, trained one step with
+torch's AdamW at the fresh schedule's first learning rate on samples 0..3 of the 2L data, gradient clipping 1.0. Its
+loss and its parameter deltas equal stage 2's first step up to summation order (SP=2 vs one process); the same
+reference with the moments not carried, with stage 1's last learning rate, or with the data position kept instead,
+differs far beyond that tolerance (the test can fail)."""
 import json
 import math
 import os
@@ -30,12 +33,19 @@ SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_
 
 
 def _stages(rank, world, tmp):
-    """Stage 1, stage 2 (--new-stage), then the resume at 2L without the flag (refused); train.main in process."""
+    """Stage 1, stage 2 (--new-stage), the requeued stage 2, the resume at 2L without the flag (refused), then the
+    same two stages as one --stages run; train.main in process. Returns (the refusal, rank 0's stage lines)."""
+    import logging
+
     from eco_cases import ProcessState  # noqa: F401 (examples/ on sys.path is harmless)
 
     from ds_longctx import train
     from ds_longctx.errors import ConfigError
 
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda r: lines.append(r.getMessage()) if r.getMessage().startswith("stage ") else None
+    train._logger().addHandler(handler)
     state = ProcessState()
     cfg = os.path.join(tmp, "ds.json")
     common = ["--deepspeed_config", cfg, "--no-progress", "--eval-samples", "0"]
@@ -55,7 +65,15 @@ def _stages(rank, world, tmp):
         refused = None
     except ConfigError as e:
         refused = str(e)
-    return refused
+    state.reset()
+    # the schedule flag: both stages in one train.main (the engine rebuilt in this process between them)
+    train.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:1", "--save", os.path.join(tmp, "C"),
+                         "--metrics", os.path.join(tmp, "mC.jsonl")])
+    state.reset()
+    # requeued with one more step in stage 2 and --resume auto: stage 1 skipped, stage 2 goes on (as B's requeue)
+    train.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:2", "--save", os.path.join(tmp, "C"), "--resume", "auto",
+                         "--metrics", os.path.join(tmp, "mC.jsonl")])
+    return refused, lines
 
 
 def _reference(tmp, lr, carry_moments=True, first_sample=0):
@@ -123,6 +141,24 @@ def test_stage_flags_are_checked_before_the_launch():
     train.validate_args(args("--eval-needle", "256", "--eval-every", "5"), lc)  # --eval-every needs something to eval
     with pytest.raises(ConfigError, match=r"^--eval-every: needs --eval-data or --eval-needle"):
         train.validate_args(args("--eval-every", "5"), lc)
+    # --stages: parsed and checked where it enters, each stage as its own command line, naming the flag
+    runs = train.stage_runs(args("--stages", "256:3,1K:2", "--save", "/tmp/s", "--save-hf", "/tmp/nonexistent-hf"), lc)
+    assert [(a.seq_len, a.steps, a.resume, a.new_stage, a.save_hf) for a in runs] == [
+        (256, 3, None, False, None), (1024, 5, "/tmp/s", True, "/tmp/nonexistent-hf")]
+    for bad, msg in ((("256:3,1K",), r"^--stages: '1K' is not LEN:STEPS"),
+                     (("256:x,1K:2",), r"^--stages: '256:x': 'x' is not a number of steps"),
+                     (("256:0,1K:2",), r"^--stages: '256:0': a stage needs at least one step"),
+                     (("256:3",), r"^--stages: '256:3' is one stage"),
+                     (("256:3,256:2",), r"^--stages: two stages in a row at length 256"),
+                     (("256:3,255:2",), r"^--stages: in stage 2 of --stages \(255 tokens\): 255 is not divisible"),
+                     (("256:3,1K:2", "--steps", "5"), r"^--steps: is given by --stages"),
+                     (("256:3,1K:2", "--seq-len", "256"), r"^--seq-len: is given by --stages"),
+                     (("256:3,1K:2", "--resume", "/tmp/s"), r"^--resume: '/tmp/s' with --stages: .* use --resume auto"),
+                     (("1K:3,256:2", "--eval-needle", "1K"), r"^--eval-needle: in stage 2 of --stages \(256 tokens\)")):
+        with pytest.raises(ConfigError, match=msg):
+            train.stage_runs(args("--stages", *bad, "--save", "/tmp/s"), lc)
+    with pytest.raises(ConfigError, match=r"^--stages: needs --save"):
+        train.stage_runs(args("--stages", "256:3,1K:2"), lc)
     # total_num_steps "auto": the stage's steps; another "auto" scheduler key is refused naming it
     cfg = {"scheduler": SCHEDULE}
     assert train._stage_schedule(cfg, 7)["scheduler"]["params"]["total_num_steps"] == 7
@@ -143,7 +179,8 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
         ds = json.load(f)
     ds["scheduler"] = SCHEDULE
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    refused = run_distributed(_stages, 2, str(tmp_path), timeout=600)
+    out = run_distributed(_stages, 2, str(tmp_path), timeout=600)
+    refused, lines = [r for r, _ in out], out[0][1]
     for msg in refused:  # every rank refused the length change, naming the flag
         assert msg and f"seq_len {L} in the checkpoint vs {2 * L} now" in msg and "--new-stage" in msg, msg
 
@@ -162,6 +199,33 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     assert [(r["step"], r["lr"]) for r in m3] == [(STEPS1 + 2, 0.002)], m3  # the stage's schedule went on
     rec3 = json.loads((tmp_path / "B" / f"step{STEPS1 + 2}" / ckpt.RECORD_FILE).read_text())
     assert rec3["stage"] == rec["stage"] and rec3["samples_consumed"] == 8, rec3
+
+    # --stages L:2,2L:1 is the two commands: the same losses bit for bit, the same learning rates, the same stage
+    # records (a stage that did not carry the moments or restart the schedule would differ: see the references)
+    mc = [json.loads(x) for x in open(tmp_path / "mC.jsonl")]
+    assert [(r["step"], r["loss"], r["lr"]) for r in mc] == [(r["step"], r["loss"], r["lr"]) for r in m1 + m2 + m3], \
+        (mc, m1, m2, m3)
+    recC = json.loads((tmp_path / "C" / f"step{STEPS1 + 1}" / ckpt.RECORD_FILE).read_text())
+    assert (recC["stage"], recC["stages"], recC["samples_consumed"]) == (rec["stage"], rec["stages"], 4), recC
+    assert (tmp_path / "C" / f"step{STEPS1}").is_dir()  # saved at the boundary
+
+    # the stage line (rank 0, before step 1) of stage 2, in both forms, names the planner's peak at 2L of the config
+    # as initialize resolves it, against the run's budgets; the figure at L differs (the check can fail)
+    assert [x.split(" (")[1].split(")")[0] for x in lines] == ["--new-stage", "--stages, 2 of 2"], lines
+    from ds_longctx.config import parse, resolved_ds_config
+    from ds_longctx.initialize import predicted_step
+    from ds_longctx.models.loading import load_model_config
+    from ds_longctx.train import default_model_config, predicted_peak_text
+
+    def peak_words(seq):
+        cfg = dict(ds, long_context=dict(ds["long_context"], sequence_length=seq))
+        r = predicted_step(resolved_ds_config(cfg, parse(cfg)), load_model_config(default_model_config()), 2, seq)()
+        return predicted_peak_text(r).split(" of ")[0]  # the figures (the budget's host share varies with free RAM)
+
+    words = peak_words(2 * L)
+    print("stage line's planner figures:", words)
+    assert all(words in x for x in lines), (words, lines)
+    assert peak_words(L) not in lines[0], lines[0]
 
     ckpt.convert_to_universal(str(tmp_path / "A"), f"step{STEPS1}", log=lambda *_: None)
     got = {n: p.detach() for n, p in AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().named_parameters()}

@@ -138,7 +138,8 @@ def auto_knobs(section: dict, model_config, sp: int, seq_len: int, auto: Sequenc
     return knobs
 
 
-def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None) -> Dict[str, object]:
+def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log=None,
+            with_plan: bool = False):
     """The values for the "auto" settings of ``ds_config``: the fastest whose step fits, by the planner's predicted
     step time, as {key inside the section: value} (e.g. {"attention.heads_per_chunk": 4, "tiled_mlp.shards": 2};
     config.with_values applies them to the parsed section).
@@ -152,10 +153,15 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     to the next fitting value while the predicted step time (PlanResult.time) is lower: ties between
     fitting settings go to the faster prediction, at one extra simulation per knob in the usual case.
 
-    The choices are a flat mapping of values (``chosen``, the return value); every simulated configuration is a
+    The choices are a flat mapping of values (``chosen``, the return value; with ``with_plan`` the pair (chosen,
+    the PlanResult of the chosen configuration, None when nothing is "auto")); every simulated configuration is a
     new ds_config built from ``ds_config`` and them (:func:`ds_config_with`). ``ds_config`` is not modified.
     """
-    log = log or logger.info
+    chosen, best = _resolve(planner_factory, ds_config, model_config, world_size, seq_len, log or logger.info)
+    return (chosen, best) if with_plan else chosen
+
+
+def _resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq_len: int, log):
     base = copy.deepcopy(ds_config)
     section = dict(base.get(SECTION) or {})
     section.setdefault("attention", {})
@@ -169,7 +175,7 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     chosen: Dict[str, object] = {k.key: k.values[-1] for k in knobs}
     chosen.update({f"activation_checkpointing.{k}": False if k == "keep_attention_output" else 0 for k in reinvest})
     if not knobs and not reinvest:
-        return {}
+        return {}, None
 
     def run(values: Mapping[str, object]):
         return planner_factory(ds_config_with(base, values)).run(seq_len)
@@ -180,7 +186,7 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
             f"({r.binding_detail}); keeping them: "
             + ", ".join([f"{k.key}={chosen[k.key]}" for k in knobs]
                         + [f"{k}={chosen[f'activation_checkpointing.{k}']}" for k in reinvest]))
-        return chosen
+        return chosen, r
     best = r
     for knob in knobs:
         value, best, why = _choose(knob, chosen, best, run)
@@ -194,7 +200,7 @@ def resolve(planner_factory, ds_config: dict, model_config, world_size: int, seq
     if "keep_on_device" in reinvest:
         value, best = _keep_on_device(run, ac, chosen, best, log)
         chosen = {**chosen, "activation_checkpointing.keep_on_device": value}
-    return chosen
+    return chosen, best
 
 
 def _choose(knob: Knob, chosen: Mapping[str, object], best, run):
