@@ -25,7 +25,7 @@ import time
 import pytest
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, TRAIN, _env, read_metrics, run_train
+from launch_utils import ROOT, TINY_CPU, TRAIN, _env, mpirun_command, read_metrics, run_train
 from test_faults import small_tmpfs  # noqa: F401  (fixture)
 
 from ds_longctx import checkpoint
@@ -229,3 +229,95 @@ def full_step(full):
     m = re.search(r"could not write step (\d+)'s line", full[1])
     assert m, full[1][-3000:]
     return int(m.group(1))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mpirun (pip's Open MPI 5: PRRTE's prterun) and the launch/*.sh scripts
+# --------------------------------------------------------------------------------------------------------------
+
+# a rank that says which signals reach it (standard library only: a launch takes ~1 s) and treats the first one as
+# a graceful stop: it records it, 'saves' for 3 s (mpirun's SIGKILL follows its SIGTERM within about a second) and
+# exits 0
+_MPI_RANK = r"""
+import os, signal, sys, time
+rank, out = os.environ.get("OMPI_COMM_WORLD_RANK", "?"), sys.argv[1]
+def say(what):
+    with open(f"{out}.{rank}", "a") as fh:
+        fh.write(what + "\n")
+def on(s, f):
+    say(signal.Signals(s).name)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(s, on)
+say("ready")
+t0 = time.monotonic()
+while time.monotonic() - t0 < 60:
+    time.sleep(0.05)
+    if open(f"{out}.{rank}").read().split()[1:]:
+        time.sleep(3)
+        say("saved")
+        os._exit(0)
+os._exit(3)
+"""
+
+
+def _mpi_case(tmp_path, name, wrapped, signals, target):
+    """One mpirun job of two stub ranks; ``signals`` sent 0.3 s apart to the launcher's pid or its process group
+    once both ranks are ready. Returns (exit code, {rank: lines}, seconds from the first signal to the exit)."""
+    script = tmp_path / "mpi_rank.py"
+    script.write_text(_MPI_RANK)
+    out = str(tmp_path / name)
+    mpirun = mpirun_command(2, [str(script), out])
+    cmd = [sys.executable, PREEMPTIBLE, *mpirun] if wrapped else mpirun
+    p = subprocess.Popen(cmd, cwd=ROOT, env=dict(_env(), MASTER_PORT="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{out}.{r}") for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-2000:]
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(0.3)
+            (os.killpg if target == "group" else os.kill)(p.pid, sig)
+        log = p.communicate(timeout=60)[0].decode(errors="replace")
+        took = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    lines = {}
+    for r in (0, 1):
+        with open(f"{out}.{r}") as f:
+            lines[r] = f.read().split()[1:]
+    return p.returncode, lines, took, log
+
+
+def test_mpirun_signals_through_the_wrapper(tmp_path):
+    """Open MPI's mpirun forwards SIGUSR1 to its ranks but kills them on SIGTERM/SIGINT (no handler of theirs runs,
+    rc 1) and puts each rank in a process group of its own: the wrapper (ds-longctx launch mpirun ..., what
+    launch/mpi.sh runs) turns the first SIGTERM, SIGINT or SIGUSR1, sent to its pid or its process group, into one
+    SIGUSR1 per rank, and every process exits 0; a second SIGTERM ends the job at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = {"plain-term": (False, [signal.SIGTERM], "pid"), "plain-usr1": (False, [signal.SIGUSR1], "group"),
+             "twice": (True, [signal.SIGTERM, signal.SIGTERM], "group")}
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for target in ("pid", "group"):
+            cases[f"{sig.name}-{target}"] = (True, [sig], target)
+    with ThreadPoolExecutor(len(cases)) as pool:  # stub ranks sleep: side by side
+        got = dict(zip(cases, pool.map(lambda kv: _mpi_case(tmp_path, kv[0], *kv[1]), cases.items())))
+    saved = {0: ["SIGUSR1", "saved"], 1: ["SIGUSR1", "saved"]}
+    # plain mpirun: what the wrapper is for (SIGTERM: killed before the save; SIGUSR1 forwarded)
+    code, lines, _, log = got.pop("plain-term")
+    assert code != 0 and lines == {0: ["SIGTERM"], 1: ["SIGTERM"]}, (code, lines, log)
+    code, lines, _, log = got.pop("plain-usr1")
+    assert code == 0 and lines == saved, (code, lines, log)
+    # a second SIGTERM: mpirun's own SIGTERM, the job ends now, before the 3 s save
+    code, lines, took, log = got.pop("twice")
+    assert code != 0 and "saved" not in lines[0] + lines[1], (code, took, lines, log)
+    assert "received SIGTERM again: ending the job now" in log, log
+    for name, (code, lines, _, log) in got.items():
+        assert code == 0 and lines == saved, (name, code, lines, log)
+        assert f"received {name.split('-')[0]}: asking the ranks to finish this step" in log, (name, log)
