@@ -152,7 +152,8 @@ def parse_args(argv=None):
                     "'restart' (default: the stage's data from its first sample; --data may change) or 'keep' (the "
                     "same token position: sample ceil(samples consumed x old length / new length) of the same data)")
     ck.add_argument("--save-hf", help="at the end, write the model as a Hugging Face directory (safetensors, config, "
-                    "tokenizer, generation config)")
+                    "generation config, and the run's tokenizer where it has one: --tokenizer or --model's; the "
+                    "built-in copy task has none)")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
     p.add_argument("--allow-beyond-max-position", action="store_true", help="train with --seq-len above the "
                    "model's max_position_embeddings on purpose (context extension); refused otherwise")
@@ -307,7 +308,9 @@ def hub_load(flag, name, load):
         if flag == "--tokenizer":
             local = "--tokenizer <local tokenizer directory> (or a --model directory that holds one)"
         else:
-            local = ("--model-config path/to/config.json (random init, e.g. ds_configs/models/llama3-8b.json) or "
+            # the shipped preset where this install has it (a wheel's lies inside the package, not at ds_configs/)
+            example = os.path.join(shipped_configs_dir() or "ds_configs", "models", "llama3-8b.json")
+            local = (f"--model-config path/to/config.json (random init, e.g. {example}) or "
                      "--model <local model directory>")
         raise ConfigError(flag, f"{name!r} is not a local directory and could not be loaded from the Hugging Face "
                             f"hub: the hub is unreachable{' (HF_HUB_OFFLINE is set)' if offline else ''}, the repo "
