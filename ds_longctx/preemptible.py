@@ -49,6 +49,22 @@ _FORWARDED = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
 MPI_LAUNCHERS = ("mpirun", "mpiexec", "prterun", "orterun")
 
 
+# device nodes of the accelerators DeepSpeed detects (CUDA, ROCm, Intel XPU/Gaudi, Ascend, AMD/Intel NPUs)
+_ACCELERATOR_NODES = ("/dev/nvidia*", "/dev/kfd", "/dev/dri/renderD*", "/dev/accel/*", "/dev/davinci*", "/dev/hl*")
+
+
+def accelerator_env(environ, nodes=None):
+    """On a machine without any accelerator device node (and DS_ACCELERATOR unset): ``{"DS_ACCELERATOR": "cpu"}``,
+    DeepSpeed's own fallback there, chosen once here; otherwise every process (the runner, launch.py, each rank)
+    warns "Setting accelerator to CPU. If you have GPU ... we were unable to detect it". Else ``{}``."""
+    import glob
+
+    if environ.get("DS_ACCELERATOR"):
+        return {}
+    found = [n for pattern in _ACCELERATOR_NODES for n in glob.glob(pattern)] if nodes is None else nodes
+    return {} if found else {"DS_ACCELERATOR": "cpu"}
+
+
 def _is_mpi(argv):
     return bool(argv) and os.path.basename(argv[0]) in MPI_LAUNCHERS
 
@@ -95,6 +111,11 @@ def main(argv=None):
     os.close(fd)
     os.unlink(report)  # rank 0 creates it after a graceful stop's save
     env = dict(os.environ, **{WRAPPER_ENV: str(os.getpid()), STOP_REPORT_ENV: report})
+    quiet = accelerator_env(os.environ)
+    if quiet:
+        _say("no accelerator device on this machine (/dev/nvidia*, /dev/kfd, ...): DS_ACCELERATOR=cpu for every "
+             "process (set DS_ACCELERATOR to choose)")
+        env.update(quiet)
     received = []
     mpi = _is_mpi(argv)
     # the deepspeed runner over pdsh (several hosts): only the runner's own handler reaches the remote ranks

@@ -779,7 +779,19 @@ def _report_stop(text: str) -> None:
             info(f"could not write the stop report {path}: {e}")
 
 
+# DeepSpeed's ZeRO-3 calls torch.distributed's deprecated names; torch then warns (FutureWarning, once per process)
+# about DeepSpeed's code, which a user of train.py can neither see nor change: filtered where we launch only
+DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def quiet_deepspeed_warnings() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATIONS, category=FutureWarning)
+
+
 def main(argv=None):
+    quiet_deepspeed_warnings()
     job = prepare(parse_args(argv))
     loss, stopped = train(job)
     finish(job, loss, stopped)

@@ -276,3 +276,26 @@ def test_export_line_says_whether_a_tokenizer_was_written():
     assert "config, generation config, tokenizer;" in exported_line("out", object(), 1.0)
     line = exported_line("out", None, 1.0)
     assert "no tokenizer: the run has none" in line and "--tokenizer names one" in line, line
+
+
+def test_launch_noise_where_we_launch():
+    """Item 11: every CPU launch printed DeepSpeed's "Setting accelerator to CPU" three times (runner, launch.py, a
+    rank: ds-longctx launch and launch/*.sh now choose DeepSpeed's CPU fallback once, saying so, where no accelerator
+    device exists) and torch's two FutureWarnings about DeepSpeed's deprecated calls (train.py filters those two)."""
+    import warnings
+
+    from ds_longctx import preemptible, train
+
+    assert preemptible.accelerator_env({}, nodes=[]) == {"DS_ACCELERATOR": "cpu"}
+    assert preemptible.accelerator_env({}, nodes=["/dev/nvidia0"]) == {}
+    assert preemptible.accelerator_env({"DS_ACCELERATOR": "cuda"}, nodes=[]) == {}  # the user's choice stays
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train.quiet_deepspeed_warnings()
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.",
+                          FutureWarning)
+        warnings.warn("`torch.distributed.other` is deprecated.", FutureWarning)  # anything else still shows
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", UserWarning)
+    assert [str(w.message)[:40] for w in seen] == ["`torch.distributed.other` is deprecated.",
+                                                   "`torch.distributed.all_gather_into_tenso"], seen
