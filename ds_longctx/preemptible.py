@@ -50,7 +50,9 @@ MPI_LAUNCHERS = ("mpirun", "mpiexec", "prterun", "orterun")
 
 
 # device nodes of the accelerators DeepSpeed detects (CUDA, ROCm, Intel XPU/Gaudi, Ascend, AMD/Intel NPUs)
-_ACCELERATOR_NODES = ("/dev/nvidia*", "/dev/kfd", "/dev/dri/renderD*", "/dev/accel/*", "/dev/davinci*", "/dev/hl*")
+# (WSL's CUDA: /dev/dxg); Linux only (macOS has MPS without a device node)
+_ACCELERATOR_NODES = ("/dev/nvidia*", "/dev/dxg", "/dev/kfd", "/dev/dri/renderD*", "/dev/accel/*", "/dev/davinci*",
+                      "/dev/hl*")
 
 
 def accelerator_env(environ, nodes=None):
@@ -59,7 +61,7 @@ def accelerator_env(environ, nodes=None):
     warns "Setting accelerator to CPU. If you have GPU ... we were unable to detect it". Else ``{}``."""
     import glob
 
-    if environ.get("DS_ACCELERATOR"):
+    if environ.get("DS_ACCELERATOR") or (nodes is None and not sys.platform.startswith("linux")):
         return {}
     found = [n for pattern in _ACCELERATOR_NODES for n in glob.glob(pattern)] if nodes is None else nodes
     return {} if found else {"DS_ACCELERATOR": "cpu"}
@@ -133,7 +135,8 @@ def main(argv=None):
         else:
             again = sum(1 for s in received[1:] if s in (signal.SIGTERM, signal.SIGINT))
             send = signal.SIGTERM if again == 1 else signal.SIGKILL
-            _say(f"received {name} again: ending the job now ({signal.Signals(send).name} to every process)")
+            to = "mpirun (it ends its ranks)" if mpi else "the runner" if pdsh else "every process"
+            _say(f"received {name} again: ending the job now ({signal.Signals(send).name} to {to})")
         if pdsh and send == signal.SIGUSR1:
             send = signal.SIGTERM
         try:
