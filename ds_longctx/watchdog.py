@@ -63,7 +63,7 @@ STEP_MULTIPLE = 3.0    # "auto": this many predicted steps (a rank may wait a wh
 INTERVALS_BEFORE = 8   # silence threshold = T - 8 intervals - ENDING_S: scan (3) + grace (2) + observation lag (2) + 1
 ENDING_S = 2.0         # ... and the launcher's own time to notice the exit and end the rest
 ENDED = 1 << 40        # added to a rank's counter when it ends normally
-LAST_OUT_S = 5.0       # rank 0 (its process serves the store) waits at most this long for the others' end marks
+LAST_OUT_S = 2.0       # rank 0 (its process serves the store) waits at most this long for the others' end marks
 PG_MARGIN_INTERVALS = 3
 
 
@@ -245,11 +245,19 @@ class Watchdog:
         # an error exit or a signal (runtime's cleanups) only stops the beat: no store call there, where it would
         # delay the removal of the NVMe files while the launcher is ending the process. A normal end (shutdown(0)
         # runs the atexit handlers after its barrier; interpreter exit) marks the rank ended.
-        runtime.on_exit(self.stop)
+        runtime.on_exit(self._on_exit)
         atexit.register(self.mark_ended)
 
     def stop(self) -> None:
         self.stopped.set()
+
+    def _on_exit(self) -> None:
+        # a rank that ends through a signal or its launcher's exit after a graceful stop's save ends normally (exit
+        # 0): its mark spares rank 0 the wait for it (LAST_OUT_S)
+        if runtime.stop_was_saved():
+            self.mark_ended()
+        else:
+            self.stop()
 
     def mark_ended(self) -> None:
         """This rank ends normally: its counter says so, so that a rank still finishing is not told it went silent

@@ -66,6 +66,14 @@ def _start(log_path, argv, wrapper=False):
     return p
 
 
+def _ended_nonzero(out):
+    """A rank ended before or without its save ("ending this rank (exit 143)"); a rank that learns of its launcher's
+    exit after the graceful stop's save ends with 0 and says so (timing: the store's host waits for the others)."""
+    import re
+
+    return re.search(r"ending this rank[^\n]*\(exit (?!0\))", out) is not None
+
+
 def _steps(metrics):
     try:
         return open(metrics).read().count("\n")
@@ -140,7 +148,7 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
         for r in (0, 1):
             assert f"[rank {r}] ds_longctx: received {sig}: finishing this step, saving a checkpoint" in out, out[-3000:]
         assert f"stopped after step {last} on {sig}: saved; continue with --resume {ck}" in out, out[-3000:]
-        assert "ending this rank" not in out and "Traceback" not in out, out[-3000:]
+        assert not _ended_nonzero(out) and "Traceback" not in out, out[-3000:]
         assert checkpoint.find_resume_tag(str(ck))[0] == f"step{last}", (name, os.listdir(ck))
     # (job c: launch.py's own SIGTERM reaches a rank either merged with the group's, absorbed as the launcher's copy,
     # or after the save; the runner's death is a stop request too: no path ends a rank before the save)
@@ -162,7 +170,7 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
     assert b_code == 0, b_out[-3000:]  # the wrapper's code: the runner's, launch.py's, every rank's
     assert "ds-longctx launch: received SIGTERM: asking the ranks to finish this step, save a checkpoint" in b_out
     assert b_out.count("exits successfully") == 2, b_out[-3000:]  # launch.py: both ranks exited 0
-    assert f"stopped after step {last} on SIGUSR1: saved" in b_out and "ending this rank" not in b_out, b_out[-3000:]
+    assert f"stopped after step {last} on SIGUSR1: saved" in b_out and not _ended_nonzero(b_out), b_out[-3000:]
     assert checkpoint.find_resume_tag(str(a_ck))[0] == f"step{last}"
     # the metrics of two jobs (stopped, resumed and stopped; appended to one file): each step once, equal to the
     # uninterrupted run's (the same layout: the same arithmetic)
@@ -434,7 +442,7 @@ def test_preemption_under_mpi_sh_slurm_srun_and_multi_node_sh(tmp_path):
         for r in (0, 1):
             assert f"[rank {r}] ds_longctx: received {saw}: finishing this step, saving a checkpoint" in out, (name, out)
         assert f"stopped after step {last} on {saw}: saved" in out, (name, out)
-        assert "ending this rank" not in out and "Traceback" not in out, (name, out)
+        assert not _ended_nonzero(out) and "Traceback" not in out, (name, out)
         assert tag == f"step{last}", (name, tag, last)
         if name.endswith(".2") or name == "multi":  # the stopped (and resumed) job's steps, each once
             got = [(r["step"], r["loss"]) for r in records]

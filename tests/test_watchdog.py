@@ -161,3 +161,12 @@ def test_rank_0_whose_process_serves_the_store_leaves_last(monkeypatch):
     t0 = time.monotonic()
     d.mark_ended()
     assert 0.3 <= time.monotonic() - t0 < 2  # rank 1 never marked: bounded
+    # a rank ended by a signal or its launcher's exit after a graceful stop's save ends normally: it marks its end
+    from ds_longctx import runtime
+
+    for saved in (None, "step 3"):
+        monkeypatch.setattr(runtime, "_stop_saved", saved)
+        s3 = dist.HashStore()
+        e = _Recorded(2, _roster(2), 1, store_maker=(lambda: s3, "hash store"))
+        e._on_exit()
+        assert (s3.add(e._k("n1"), 0) >= wd.ENDED) == bool(saved) and e.stopped.is_set()
