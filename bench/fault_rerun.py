@@ -869,6 +869,241 @@ error_case("host_memory_arena_over_budget", "this node's ranks need 1.00 MiB of 
                             {"DS_LONGCTX_HOST_MEM": "768KiB"}))
 
 
+# ---- issue 38: preemption under every launcher, and the faults that lost steps or trained on the wrong tokens -------
+PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "preemptible.py")
+
+
+def _wrapped_cmd(launcher, argv, port):
+    """What the project ships: ds-longctx launch (the deepspeed runner through ds_longctx/preemptible.py, what
+    launch/single_node.sh runs) or launch/mpi.sh (mpirun through the same wrapper)."""
+    if launcher == "deepspeed":
+        return [sys.executable, PREEMPTIBLE, "--num_gpus", "2", "--master_port", str(port), *argv]
+    return ["bash", os.path.join(ROOT, "launch", "mpi.sh"), *argv[1:]]  # the script adds train.py itself
+
+
+def preempt38_case(name, sig, target, wrapped=True, launchers=("deepspeed", "mpirun"), note=""):
+    """Training with --save through a launcher; ``sig`` to the launcher's pid or its process group once two steps
+    ran: clear when the stopped step is saved, `latest` names it, no process is left, and every process exits 0
+    (through the project's wrapper; the plain deepspeed runner dies of the signal itself: its code is recorded)."""
+    def fn(d, launcher):
+        ck, metrics = os.path.join(d, "ck"), os.path.join(d, "m.jsonl")
+        argv = train_argv(TINY_CPU, "--steps", "100000", *FAST, "--save", ck, "--metrics", metrics)
+        port = free_port()
+        cmd = _wrapped_cmd(launcher, argv, port) if wrapped else launcher_cmd(launcher, argv, port)
+        p = start(launcher, argv, cmd=cmd, env_extra={"NP": "2"})
+        if not _wait_training(p, metrics):
+            rc, out = finish(p, 5)
+            return dict(outcome="wrong", detail="training did not start", rc=rc, tail=out[-2000:])
+        t0 = time.monotonic()
+        (os.killpg if target == "group" else os.kill)(p.pid, sig)
+        rc, out = finish(p, TIMEOUT_S)
+        while time.monotonic() - t0 < 60 and case_pids(d):  # the ranks of a runner that died of the signal
+            time.sleep(0.1)
+        wall = round(time.monotonic() - t0, 1)
+        orphans = orphans_after(d)
+        last = json.loads(open(metrics).read().splitlines()[-1])["step"]
+        latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else None
+        res = dict(rc=rc, exit_s=wall, last_step=last, latest=latest)
+        if rc is None or orphans:
+            res.update(outcome="hang" if rc is None else "orphan", detail=f"orphans {orphans}", tail=out[-2000:])
+        elif any(m in out for m in RAW_MARKS):
+            res.update(outcome="raw", detail=next(m for m in RAW_MARKS if m in out), tail=out[-2000:])
+        elif (wrapped and rc != 0) or latest != f"step{last}" or f"stopped after step {last} on" not in out \
+                or "ending this rank" in out:
+            res.update(outcome="wrong", detail=f"exit {rc}, latest {latest}, last step {last}", tail=out[-2000:])
+        else:
+            res.update(outcome="clear", detail=f"saved step {last}, launcher exit {rc}, {wall} s after the signal")
+        return res
+    CASES.append(Case(name, "issue38", fn, note, launchers))
+
+
+preempt38_case("i38_wrapped_sigterm_group", signal.SIGTERM, "group",
+               note="item 1: SIGTERM to the process group of ds-longctx launch (deepspeed) / launch/mpi.sh (mpirun)")
+preempt38_case("i38_wrapped_sigint_pid", signal.SIGINT, "pid", note="item 1: Ctrl-C once, to the wrapper's pid")
+preempt38_case("i38_wrapped_usr1_group", signal.SIGUSR1, "group", launchers=("mpirun",),
+               note="item 1: SIGUSR1 to launch/mpi.sh's group (mpirun forwards it)")
+preempt38_case("i38_plain_runner_usr1_group", signal.SIGUSR1, "group", wrapped=False, launchers=("deepspeed",),
+               note="item 1: the plain deepspeed runner, SIGUSR1 to its group (SLURM --signal, most schedulers): the "
+               "runner and launch.py die of it (rc -10), the ranks save (was: latest = an older --save-every tag)")
+
+
+def _tokenizer_rank(d, r):
+    """Rank r's copy of 'the same' tokenizer path (another node's mount): rank 1's ids reversed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = os.path.join(d, f"node{r}", "tok")
+    if not os.path.exists(path):
+        n = 60
+        tok = Tokenizer(models.WordLevel({f"w{i}": (n - 1 - i if r else i) for i in range(n)}, unk_token="w0"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1").save_pretrained(path)
+    data = _file(d, "data.jsonl", json.dumps({"text": " ".join(f"w{2 + i % 50}" for i in range(400))}) + "\n")
+    return train_argv(TINY_CPU, "--steps", "1", *FAST, "--data", data, "--tokenizer", path)
+
+
+@case("i38_tokenizer_content_differs", "issue38", launchers=("mpirun",),
+      note="item 2: the same --tokenizer path (relative: each rank in its own node directory, as two nodes' "
+      "mounts), other content on rank 1 (was: 3 steps on different token ids)")
+def _tokenizer_differs(d, launcher):
+    argvs = [_tokenizer_rank(d, r) for r in (0, 1)]
+    for argv in argvs:
+        argv[argv.index("--tokenizer") + 1] = "tok"
+    cmd = mpirun_command(1, ["dummy"])[:-2]  # mpirun and its global options, without the program
+    del cmd[cmd.index("-np"):cmd.index("-np") + 2]
+    for r, argv in enumerate(argvs):
+        cmd += ([":"] if r else []) + ["-np", "1", "-wdir", os.path.join(d, f"node{r}"), sys.executable, *argv]
+    p = start(launcher, None, cmd=cmd)
+    rc, out = finish(p, TIMEOUT_S)
+    orphans = orphans_after(d)
+    outcome, detail = classify_error(rc, out, "tokenizer (the sha256 of its vocabulary, merges and special tokens): "
+                                     "differs between the ranks of this job")
+    return dict(rc=rc, outcome="orphan" if orphans else outcome, detail=f"pids {orphans}" if orphans else detail,
+                tail=out[-1500:] if outcome != "clear" else "")
+
+
+@case("i38_metrics_disk_full", "issue38", launchers=("deepspeed",),
+      note="item 3: --metrics on a 64 KiB tmpfs filled to its last page (was: raw OSError at metrics.py:125, the "
+      "step's save lost, a truncated line)")
+def _metrics_full(d, launcher):
+    mnt = os.path.join(d, "tmpfs")
+    os.makedirs(mnt)
+    m = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", mnt], capture_output=True, text=True)
+    if m.returncode != 0:
+        return dict(outcome="skipped", detail=f"cannot mount a tmpfs here: {m.stderr.strip()[:200]}")
+    st = os.statvfs(mnt)
+    with open(os.path.join(mnt, "filler"), "wb") as f:
+        f.write(b"\0" * ((st.f_bavail - 1) * st.f_frsize))
+    metrics, ck = os.path.join(mnt, "m.jsonl"), os.path.join(d, "ck")
+    p = start(launcher, train_argv(TINY_CPU, "--steps", "60", *FAST, "--save", ck, "--metrics", metrics))
+    rc, out = finish(p, TIMEOUT_S)
+    orphans = orphans_after(d)
+    outcome, detail = classify_error(rc, out, "could not write step", ranks=(0,))  # rank 0 writes the metrics
+    res = dict(rc=rc, outcome="orphan" if orphans else outcome, detail=f"pids {orphans}" if orphans else detail,
+               tail=out[-1500:] if outcome != "clear" else "")
+    if res["outcome"] == "clear":
+        step = int(re.search(r"could not write step (\d+)", res["detail"]).group(1))
+        lines = open(metrics).read().splitlines()
+        whole = all(json.loads(x) for x in lines)
+        latest = open(os.path.join(ck, "latest")).read().strip()
+        if latest != f"step{step}" or not whole:
+            res.update(outcome="wrong", detail=f"latest {latest} (step {step} expected), whole lines {whole}")
+    return res
+
+
+@case("i38_metrics_resumed_once_per_step", "issue38", launchers=("deepspeed",),
+      note="item 4: kill -9 of the job after a step past its last save, then --resume auto (was: the killed run's "
+      "steps past the save stayed, then the resumed run's: a step twice)")
+def _metrics_resumed(d, launcher):
+    ck, metrics = os.path.join(d, "ck"), os.path.join(d, "m.jsonl")
+    p = start(launcher, train_argv(TINY_CPU, "--steps", "100000", *FAST, "--save", ck, "--save-every", "3",
+                                   "--metrics", metrics))
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline and p.poll() is None:  # a step past the save of step 3
+        if os.path.exists(os.path.join(ck, "latest")) and open(metrics).read().count("\n") >= 4:
+            break
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    finish(p, 30)
+    orphans_after(d)
+    killed_at = open(metrics).read().count("\n")
+    saved = open(os.path.join(ck, "latest")).read().strip()
+    rc, out = finish(start(launcher, train_argv(TINY_CPU, "--steps", str(killed_at + 2), *FAST, "--save", ck,
+                                                "--resume", "auto", "--metrics", metrics)), TIMEOUT_S)
+    steps = [json.loads(x)["step"] for x in open(metrics).read().splitlines()]
+    res = dict(rc=rc, killed_after_step=killed_at, resumed_from=saved, steps=steps)
+    if rc != 0 or any(m in out for m in RAW_MARKS):
+        res.update(outcome="wrong" if rc else "raw", detail=f"resume exit {rc}", tail=out[-2000:])
+    elif steps != list(range(1, killed_at + 3)):
+        res.update(outcome="wrong", detail=f"metrics steps {steps}")
+    else:
+        res.update(outcome="clear", detail=f"killed after step {killed_at} ({saved} saved); resumed: steps 1.."
+                   f"{killed_at + 2}, each once")
+    return res
+
+
+def _no_text(d):
+    tok = _tokenizer(d, n=60)  # below the tiny model's vocabulary of 64
+    data = _file(d, "empty.jsonl", '{"text": ""}\n' * 20)
+    return train_argv(TINY_CPU, "--steps", "2", *FAST, "--data", data, "--tokenizer", tok), None
+
+
+error_case("i38_data_without_text", "has no text tokens: each of its 20 document(s) is empty", group="issue38",
+           note="item 5: every line {\"text\": \"\"} (was: one EOS-only sample trained 20 times)", setup=_no_text)
+error_case("i38_metrics_under_a_file", "is a file, not a directory", group="issue38",
+           note="item 8: --metrics under a regular file (was: 'directory does not exist. Fix: mkdir -p')",
+           setup=lambda d: (train_argv(TINY_CPU, "--steps", "2", *FAST, "--metrics",
+                                       os.path.join(_file(d, "a_file", "x"), "sub", "m.jsonl")), None))
+error_case("i38_host_check_counts_the_device_side", "device side (host RAM: no CUDA device)", group="issue38",
+           note="item 9: DS_LONGCTX_HOST_MEM between the offload arena and arena + model states on a CPU machine "
+           "(was: admitted)",
+           setup=lambda d: (train_argv(TINY_CPU, "--steps", "1", "--seq-len", "512", "--eval-samples", "0"),
+                            {"DS_LONGCTX_HOST_MEM": "1100KiB"}))
+for _c in CASES[-3:]:
+    _c.launchers = ("deepspeed",)
+
+
+@case("i38_convert_killed", "issue38", launchers=("deepspeed",),
+      note="item 7: ds-longctx convert killed -9 while its pool works (was: 2-4 workers left with ppid 1, a partial "
+      ".tmp-...universal- directory until the next --save run)")
+def _convert_killed(d, launcher):
+    ck = os.path.join(d, "ck")
+    rc, out = finish(start(launcher, train_argv(TINY_CPU, "--steps", "2", *FAST, "--save", ck)), TIMEOUT_S)
+    if rc != 0:
+        return dict(outcome="wrong", detail=f"the checkpoint run exited {rc}", tail=out[-2000:])
+    cmd = [sys.executable, "-c", "import sys; from ds_longctx.cli import main; sys.exit(main())", "convert", ck,
+           "--workers", "4"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    workers, deadline = [], time.monotonic() + 120
+    while len(workers) < 2 and p.poll() is None and time.monotonic() < deadline:
+        workers = [pid for pid in case_pids(d) if pid != p.pid and _ppid(pid) == p.pid]
+        time.sleep(0.01)
+    if not workers:
+        p.wait()
+        return dict(outcome="skipped", detail="the conversion ended before its workers could be seen")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    time.sleep(5)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and _ppid(w) is not None]
+    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    partial = [e for e in os.listdir(ck) if e.startswith(".tmp-")]
+    res = dict(workers=len(workers), alive_after_5s=alive, partial_after_next=partial, rc_next=again.returncode)
+    if alive or partial or again.returncode != 0:
+        res.update(outcome="orphan" if alive else "wrong", detail=f"workers alive {alive}, partial {partial}, next "
+                   f"conversion exit {again.returncode}", tail=(again.stdout + again.stderr)[-2000:])
+    else:
+        res.update(outcome="clear", detail=f"{len(workers)} workers gone with it; the next conversion completed and "
+                   "left no partial directory")
+    return res
+
+
+def _ppid(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]) if fields[0] != "Z" else None
+    except OSError:
+        return None
+
+
+@case("i38_readme_trainer_recipe", "issue38", launchers=("deepspeed",),
+      note="item 6: README's HF Trainer recipe as written, twice in one process, under the deepspeed launcher on CPU "
+      "(was: AssertionError parallel_state_sp.py:28; the second Trainer: 'already initialized')")
+def _readme_recipe(d, launcher):
+    p = start(launcher, None, cmd=[sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+                                   "--master_port", str(free_port()), os.path.join(ROOT, "tests", "readme_recipe.py"),
+                                   d])
+    rc, out = finish(p, TIMEOUT_S * 2)
+    res = dict(rc=rc)
+    if rc != 0 or "readme_losses" not in out:
+        bad = next((m for m in RAW_MARKS if m in out), None)
+        res.update(outcome="raw" if bad else "wrong", detail=f"exit {rc}" + (f", {bad}" if bad else ""),
+                   tail=out[-2000:])
+    else:
+        res.update(outcome="clear", detail="both Trainers trained: " + out.split("readme_losses", 1)[1][:120])
+    return res
+
+
 # ------------------------------------------------------------------ main ------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

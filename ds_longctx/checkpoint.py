@@ -1273,8 +1273,16 @@ def export_hf(engine, out_dir: str, tokenizer=None, dtype=None, max_shard_size: 
                        "give a writable directory with free space")
     _raise_everywhere(_broadcast(outcome))
     if rank == 0:
-        log(f"exported the model to {out_dir} (safetensors; from_pretrained loads it) in "
-            f"{time.monotonic() - t0:.1f} s")
+        log(exported_line(out_dir, tokenizer, time.monotonic() - t0))
+
+
+def exported_line(out_dir: str, tokenizer, seconds: float) -> str:
+    """What an export wrote: the tokenizer only where the run has one (``--tokenizer``, a ``--model`` directory or
+    hub id); the built-in copy task trains on token ids without one."""
+    side = "config, generation config, tokenizer" if tokenizer is not None else \
+        "config, generation config; no tokenizer: the run has none (the built-in task's token ids; --tokenizer " \
+        "names one)"
+    return f"exported the model to {out_dir} (safetensors, {side}; from_pretrained loads it) in {seconds:.1f} s"
 
 
 def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype: Optional[str] = "auto",

@@ -6,6 +6,7 @@
     ds-longctx configs                                     the shipped ds_configs and model configs, and where
     ds-longctx launch  [deepspeed args] train.py ...       the deepspeed runner, preemptible: a SIGTERM, SIGUSR1 or
                                                            Ctrl-C ends with the step saved and every process exit 0
+    ds-longctx launch  mpirun -np N ... python train.py    the same for Open MPI's mpirun (launch/mpi.sh)
     ds-longctx needle  --model DIR --lengths 1K,4K ...     passkey retrieval by length x depth under SP (--help)
     ds-longctx --version
 

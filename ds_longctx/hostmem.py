@@ -61,6 +61,17 @@ def _no_accelerator() -> bool:
     return not torch.cuda.is_available()
 
 
+def resident_on_cpu(ds_config: dict, total_params: int) -> dict:
+    """``ds_config`` as the device side of a CPU run holds it in host RAM: ZeRO's reduce bucket (DeepSpeed's default
+    5e8 elements: 2 GB in fp32) is a ``torch.empty`` that only the gradients written into it make resident, and at
+    most the model's parameter count are; so the bucket counts at min(reduce_bucket_size, parameters). On a GPU the
+    whole bucket is allocated device memory (the planner's figure, unchanged)."""
+    zero = dict(ds_config.get("zero_optimization") or {})
+    bucket = ms._int(zero, "reduce_bucket_size", int(5e8), "zero_optimization.")
+    zero["reduce_bucket_size"] = max(1, min(bucket, int(total_params)))
+    return dict(ds_config, zero_optimization=zero)
+
+
 def host_need(ds_config: dict, spec, model, world: int, budget: Tuple[int, str], local: int,
               device_is_host: Optional[bool] = None) -> HostNeed:
     """The planner's host bytes per rank for this run (by part); ``budget``: (the node's host bytes, where the
@@ -79,7 +90,11 @@ def host_need(ds_config: dict, spec, model, world: int, budget: Tuple[int, str],
     mc = getattr(model, "config", None)
     micro = _micro_batch(ds_config)
     inputs = host_plan.layer_input_bytes(mc, ds_config, lc, seq, micro) if seq is not None and ac.enabled else 0
-    device = states.device_total + states.step_transient_device
+    if device_is_host:  # what a CPU run makes resident of the device side (see resident_on_cpu)
+        on_cpu = ms.compute(resident_on_cpu(ds_config, total), ms.ParamInfo(total=int(total), largest_module=0), world)
+        device = on_cpu.device_total + on_cpu.step_transient_device
+    else:
+        device = states.device_total + states.step_transient_device
     if ac.enabled and inputs:
         device += (spec.model.layers - (spec.offloaded_layers if offloading else 0)) * inputs
     extra = {DEVICE_AS_HOST: device} if device_is_host and device else {}

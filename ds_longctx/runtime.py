@@ -193,6 +193,11 @@ def _on_signal(signum, frame):
 _stop_saved: Optional[str] = None
 
 
+def stop_was_saved() -> bool:
+    """A graceful stop's save is done: this rank's end from now on is a normal one (exit 0)."""
+    return _stop_saved is not None
+
+
 def stop_saved(what: str) -> None:
     """The training loop saved after a graceful stop (``what``: the tag): a SIGTERM or SIGINT from now on ends
     this rank with exit 0 (its work is saved)."""

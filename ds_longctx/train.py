@@ -164,7 +164,8 @@ def parse_args(argv=None):
                     "--steps and --new-stage; the RoPE (--rope-theta/--rope-scaling) is the same in every stage (to "
                     "change it with the length, run the stages as separate --new-stage commands)")
     ck.add_argument("--save-hf", help="at the end, write the model as a Hugging Face directory (safetensors, config, "
-                    "tokenizer, generation config)")
+                    "generation config, and the run's tokenizer where it has one: --tokenizer or --model's; the "
+                    "built-in copy task has none)")
     p.add_argument("--eval-samples", type=int, default=8, help="held-out samples for the task accuracy")
     p.add_argument("--allow-beyond-max-position", action="store_true", help="train with --seq-len above the "
                    "model's max_position_embeddings on purpose (context extension); refused otherwise")
@@ -389,7 +390,9 @@ def hub_load(flag, name, load):
         if flag == "--tokenizer":
             local = "--tokenizer <local tokenizer directory> (or a --model directory that holds one)"
         else:
-            local = ("--model-config path/to/config.json (random init, e.g. ds_configs/models/llama3-8b.json) or "
+            # the shipped preset where this install has it (a wheel's lies inside the package, not at ds_configs/)
+            example = os.path.join(shipped_configs_dir() or "ds_configs", "models", "llama3-8b.json")
+            local = (f"--model-config path/to/config.json (random init, e.g. {example}) or "
                      "--model <local model directory>")
         raise ConfigError(flag, f"{name!r} is not a local directory and could not be loaded from the Hugging Face "
                             f"hub: the hub is unreachable{' (HF_HUB_OFFLINE is set)' if offline else ''}, the repo "
@@ -879,7 +882,19 @@ def _report_stop(text: str) -> None:
             info(f"could not write the stop report {path}: {e}")
 
 
+# DeepSpeed's ZeRO-3 calls torch.distributed's deprecated names; torch then warns (FutureWarning, once per process)
+# about DeepSpeed's code, which a user of train.py can neither see nor change: filtered where we launch only
+DEEPSPEED_DEPRECATIONS = r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"
+
+
+def quiet_deepspeed_warnings() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=DEEPSPEED_DEPRECATIONS, category=FutureWarning)
+
+
 def main(argv=None):
+    quiet_deepspeed_warnings()
     args = parse_args(argv)
     if args.stages:
         return run_stages(args)

@@ -63,6 +63,7 @@ STEP_MULTIPLE = 3.0    # "auto": this many predicted steps (a rank may wait a wh
 INTERVALS_BEFORE = 8   # silence threshold = T - 8 intervals - ENDING_S: scan (3) + grace (2) + observation lag (2) + 1
 ENDING_S = 2.0         # ... and the launcher's own time to notice the exit and end the rest
 ENDED = 1 << 40        # added to a rank's counter when it ends normally
+LAST_OUT_S = 2.0       # rank 0 (its process serves the store) waits at most this long for the others' end marks
 PG_MARGIN_INTERVALS = 3
 
 
@@ -244,20 +245,44 @@ class Watchdog:
         # an error exit or a signal (runtime's cleanups) only stops the beat: no store call there, where it would
         # delay the removal of the NVMe files while the launcher is ending the process. A normal end (shutdown(0)
         # runs the atexit handlers after its barrier; interpreter exit) marks the rank ended.
-        runtime.on_exit(self.stop)
+        runtime.on_exit(self._on_exit)
         atexit.register(self.mark_ended)
 
     def stop(self) -> None:
         self.stopped.set()
 
+    def _on_exit(self) -> None:
+        # a rank that ends through a signal or its launcher's exit after a graceful stop's save ends normally (exit
+        # 0): its mark spares rank 0 the wait for it (LAST_OUT_S)
+        if runtime.stop_was_saved():
+            self.mark_ended()
+        else:
+            self.stop()
+
     def mark_ended(self) -> None:
         """This rank ends normally: its counter says so, so that a rank still finishing is not told it went silent
-        (one store call, awaited 0.25 s at most)."""
+        (one store call, awaited 0.25 s at most), after the beat in flight, if any: no store call of this rank
+        follows. Rank 0's process serves the store, and it leaves last: it waits (at most ``LAST_OUT_S``) until
+        every other rank has marked its end. Before, rank 0 often left the final barrier first and exited while
+        another rank's mark (or beat) was still on the wire: that rank's client printed a C++ ``TCPStore.cpp
+        recvValue failed ... Connection reset by peer`` trace with its ``frame #`` lines on a successful run."""
         if self.ended:
             return
         self.ended = True
         self.stopped.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(min(self.interval, 2.0) + 0.5)  # its beat in flight ends (a store call awaits <= interval)
         self.store.call(lambda s: s.add(self._k(f"n{self.rank}"), ENDED), 0.25)
+        if self.rank != 0:
+            return
+        others = [r for r in range(self.world) if r != self.rank]
+        deadline = time.monotonic() + LAST_OUT_S
+        while others and time.monotonic() < deadline:
+            ok, counts = self.store.call(lambda s: [s.add(self._k(f"n{r}"), 0) for r in others], 0.5)
+            if ok:
+                others = [r for r, n in zip(others, counts) if n < ENDED]
+            if others:
+                time.sleep(0.02)
 
     def _where(self) -> str:
         text, key = main_thread_where()

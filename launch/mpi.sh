@@ -24,9 +24,15 @@ fi
 # MASTER_PORT, when set, is the rendezvous port of this job (ds_longctx honours it under MPI)
 PORTARGS=()
 [[ -n "${MASTER_PORT:-}" ]] && PORTARGS=(-x MASTER_PORT)
+# LD_LIBRARY_PATH only when set (mpirun warns about a -x of an unset variable)
+[[ -n "${LD_LIBRARY_PATH:-}" ]] && PORTARGS+=(-x LD_LIBRARY_PATH)
 ROOTARGS=()
 [[ $(id -u) == 0 ]] && ROOTARGS=(--allow-run-as-root)
-exec mpirun "${ROOTARGS[@]}" --oversubscribe -np "$NP" "${HOSTARGS[@]}" \
-  -x PYTORCH_CUDA_ALLOC_CONF -x PATH -x LD_LIBRARY_PATH -x OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
+# mpirun through ds_longctx/preemptible.py (run by path: no torch import): mpirun kills its ranks on SIGTERM/SIGINT
+# (no save); the wrapper sends a SIGTERM, SIGUSR1 or Ctrl-C on as SIGUSR1, which mpirun forwards to every rank: the
+# step finishes, the job saves (with --save) and every process exits 0; a second SIGTERM ends it now
+exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/preemptible.py \
+  mpirun "${ROOTARGS[@]}" --oversubscribe -np "$NP" "${HOSTARGS[@]}" \
+  -x PYTORCH_CUDA_ALLOC_CONF -x PATH -x OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
   -x TORCH_EXTENSIONS_DIR "${PORTARGS[@]}" \
   python train.py "$@"

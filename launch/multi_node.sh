@@ -15,5 +15,8 @@ launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.e
 # refuse a hostfile whose slots do not tile the SP groups before any rank starts
 launch_tool check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
 MASTER_ADDR=${MASTER_ADDR:-$(awk '!/^#/ && NF {print $1; exit}' "$HOSTFILE")}
-exec deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
+# the deepspeed runner through ds_longctx/preemptible.py (see launch/single_node.sh); on several hosts it hands a
+# SIGTERM, SIGUSR1 or Ctrl-C to the runner as SIGTERM (DeepSpeed's pdsh path stops launch.py on every node)
+exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/preemptible.py \
+  --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
   train.py "$@"

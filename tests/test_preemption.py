@@ -25,7 +25,7 @@ import time
 import pytest
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, TRAIN, _env, read_metrics, run_train
+from launch_utils import ROOT, TINY_CPU, TRAIN, _env, mpirun_command, read_metrics, run_train
 from test_faults import small_tmpfs  # noqa: F401  (fixture)
 
 from ds_longctx import checkpoint
@@ -64,6 +64,14 @@ def _start(log_path, argv, wrapper=False):
                          start_new_session=True)
     p.log_path = log_path
     return p
+
+
+def _ended_nonzero(out):
+    """A rank ended before or without its save ("ending this rank (exit 143)"); a rank that learns of its launcher's
+    exit after the graceful stop's save ends with 0 and says so (timing: the store's host waits for the others)."""
+    import re
+
+    return re.search(r"ending this rank[^\n]*\(exit (?!0\))", out) is not None
 
 
 def _steps(metrics):
@@ -140,7 +148,7 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
         for r in (0, 1):
             assert f"[rank {r}] ds_longctx: received {sig}: finishing this step, saving a checkpoint" in out, out[-3000:]
         assert f"stopped after step {last} on {sig}: saved; continue with --resume {ck}" in out, out[-3000:]
-        assert "ending this rank" not in out and "Traceback" not in out, out[-3000:]
+        assert not _ended_nonzero(out) and "Traceback" not in out, out[-3000:]
         assert checkpoint.find_resume_tag(str(ck))[0] == f"step{last}", (name, os.listdir(ck))
     # (job c: launch.py's own SIGTERM reaches a rank either merged with the group's, absorbed as the launcher's copy,
     # or after the save; the runner's death is a stop request too: no path ends a rank before the save)
@@ -162,7 +170,7 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
     assert b_code == 0, b_out[-3000:]  # the wrapper's code: the runner's, launch.py's, every rank's
     assert "ds-longctx launch: received SIGTERM: asking the ranks to finish this step, save a checkpoint" in b_out
     assert b_out.count("exits successfully") == 2, b_out[-3000:]  # launch.py: both ranks exited 0
-    assert f"stopped after step {last} on SIGUSR1: saved" in b_out and "ending this rank" not in b_out, b_out[-3000:]
+    assert f"stopped after step {last} on SIGUSR1: saved" in b_out and not _ended_nonzero(b_out), b_out[-3000:]
     assert checkpoint.find_resume_tag(str(a_ck))[0] == f"step{last}"
     # the metrics of two jobs (stopped, resumed and stopped; appended to one file): each step once, equal to the
     # uninterrupted run's (the same layout: the same arithmetic)
@@ -229,3 +237,214 @@ def full_step(full):
     m = re.search(r"could not write step (\d+)'s line", full[1])
     assert m, full[1][-3000:]
     return int(m.group(1))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# mpirun (pip's Open MPI 5: PRRTE's prterun) and the launch/*.sh scripts
+# --------------------------------------------------------------------------------------------------------------
+
+# a rank that says which signals reach it (standard library only: a launch takes ~1 s) and treats the first one as
+# a graceful stop: it records it, 'saves' for 3 s (mpirun's SIGKILL follows its SIGTERM within about a second) and
+# exits 0
+_MPI_RANK = r"""
+import os, signal, sys, time
+rank, out = os.environ.get("OMPI_COMM_WORLD_RANK", "?"), sys.argv[1]
+def say(what):
+    with open(f"{out}.{rank}", "a") as fh:
+        fh.write(what + "\n")
+def on(s, f):
+    say(signal.Signals(s).name)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    signal.signal(s, on)
+say("ready")
+t0 = time.monotonic()
+while time.monotonic() - t0 < 60:
+    time.sleep(0.05)
+    if open(f"{out}.{rank}").read().split()[1:]:
+        time.sleep(3)
+        say("saved")
+        os._exit(0)
+os._exit(3)
+"""
+
+
+def _mpi_case(tmp_path, name, wrapped, signals, target):
+    """One mpirun job of two stub ranks; ``signals`` sent 0.3 s apart to the launcher's pid or its process group
+    once both ranks are ready. Returns (exit code, {rank: lines}, seconds from the first signal to the exit)."""
+    script = tmp_path / "mpi_rank.py"
+    script.write_text(_MPI_RANK)
+    out = str(tmp_path / name)
+    mpirun = mpirun_command(2, [str(script), out])
+    cmd = [sys.executable, PREEMPTIBLE, *mpirun] if wrapped else mpirun
+    p = subprocess.Popen(cmd, cwd=ROOT, env=dict(_env(), MASTER_PORT="1"), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{out}.{r}") for r in (0, 1)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-2000:]
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        for i, sig in enumerate(signals):
+            if i:
+                time.sleep(0.3)
+            (os.killpg if target == "group" else os.kill)(p.pid, sig)
+        log = p.communicate(timeout=60)[0].decode(errors="replace")
+        took = time.monotonic() - t0
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    lines = {}
+    for r in (0, 1):
+        with open(f"{out}.{r}") as f:
+            lines[r] = f.read().split()[1:]
+    return p.returncode, lines, took, log
+
+
+def test_mpirun_signals_through_the_wrapper(tmp_path):
+    """Open MPI's mpirun forwards SIGUSR1 to its ranks but kills them on SIGTERM/SIGINT (no handler of theirs runs,
+    rc 1) and puts each rank in a process group of its own: the wrapper (ds-longctx launch mpirun ..., what
+    launch/mpi.sh runs) turns the first SIGTERM, SIGINT or SIGUSR1, sent to its pid or its process group, into one
+    SIGUSR1 per rank, and every process exits 0; a second SIGTERM ends the job at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = {"plain-term": (False, [signal.SIGTERM], "pid"), "plain-usr1": (False, [signal.SIGUSR1], "group"),
+             "twice": (True, [signal.SIGTERM, signal.SIGTERM], "group")}
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for target in ("pid", "group"):
+            cases[f"{sig.name}-{target}"] = (True, [sig], target)
+    with ThreadPoolExecutor(len(cases)) as pool:  # stub ranks sleep: side by side
+        got = dict(zip(cases, pool.map(lambda kv: _mpi_case(tmp_path, kv[0], *kv[1]), cases.items())))
+    saved = {0: ["SIGUSR1", "saved"], 1: ["SIGUSR1", "saved"]}
+    # plain mpirun: what the wrapper is for (SIGTERM: killed before the save; SIGUSR1 forwarded)
+    code, lines, _, log = got.pop("plain-term")
+    assert code != 0 and lines == {0: ["SIGTERM"], 1: ["SIGTERM"]}, (code, lines, log)
+    code, lines, _, log = got.pop("plain-usr1")
+    assert code == 0 and lines == saved, (code, lines, log)
+    # a second SIGTERM: mpirun's own SIGTERM, the job ends now, before the 3 s save
+    code, lines, took, log = got.pop("twice")
+    assert code != 0 and "saved" not in lines[0] + lines[1], (code, took, lines, log)
+    assert "received SIGTERM again: ending the job now" in log, log
+    for name, (code, lines, _, log) in got.items():
+        assert code == 0 and lines == saved, (name, code, lines, log)
+        assert f"received {name.split('-')[0]}: asking the ranks to finish this step" in log, (name, log)
+
+
+class _Job:
+    """train.py on two ranks through one of the project's launch paths, in a session of its own:
+    ``mpi`` launch/mpi.sh (mpirun through the wrapper), ``multi`` launch/multi_node.sh with a one-host hostfile (the
+    deepspeed runner through the wrapper), ``slurm`` launch/slurm.sbatch's srun line (`python train.py "$@"` per
+    task with the environment srun and the script set; SLURM signals the step's processes: each rank)."""
+
+    def __init__(self, tmp_path, name, how, argv):
+        port = str(free_port())
+        self.name, self.how, self.log = name, how, tmp_path / f"{name}.log"
+        env = dict(_env(), MASTER_PORT=port, NP="2")
+        common = ["--deepspeed_config", TINY_CPU, "--no-progress", *argv]
+        out = open(self.log, "w")
+        if how == "slurm":
+            self.procs = []
+            for r in range(2):
+                renv = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+                renv.update(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r), SLURM_NTASKS_PER_NODE="2",
+                            SLURM_JOB_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1")
+                self.procs.append(subprocess.Popen([sys.executable, TRAIN, *common], cwd=ROOT, env=renv, stdout=out,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+            return
+        if how == "multi":
+            hostfile = tmp_path / f"{name}.hostfile"
+            hostfile.write_text("localhost slots=2\n")
+            # the runner checks `ssh localhost hostname` for any hostfile (no sshd here): a stand-in that answers it
+            # (one host: the runner starts launch.py itself, no pdsh)
+            bin_dir = tmp_path / "bin"
+            bin_dir.mkdir(exist_ok=True)
+            (bin_dir / "ssh").write_text("#!/bin/sh\nexec hostname\n")
+            (bin_dir / "ssh").chmod(0o755)
+            env.update(HOSTFILE=str(hostfile), MASTER_ADDR="127.0.0.1", PATH=f"{bin_dir}:{env['PATH']}")
+        script = {"mpi": "launch/mpi.sh", "multi": "launch/multi_node.sh"}[how]
+        self.procs = [subprocess.Popen(["bash", os.path.join(ROOT, script), *common], cwd=ROOT, env=env, stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True)]
+
+    def signal_after(self, metrics, n, sig, target, timeout=400):
+        """``sig`` to the launcher's pid or its process group (slurm: to every rank) once ``metrics`` holds ``n``
+        steps; returns the exit codes and the output once every process ended."""
+        deadline = time.monotonic() + timeout
+        try:
+            while _steps(metrics) < n:
+                assert all(p.poll() is None for p in self.procs) and time.monotonic() < deadline, self.output()
+                time.sleep(0.1)
+            for p in self.procs:
+                (os.killpg if target == "group" else os.kill)(p.pid, sig)
+            codes = [p.wait(timeout=300) for p in self.procs]
+            for p in self.procs:  # no process of the job left behind
+                while True:
+                    try:
+                        os.killpg(p.pid, 0)
+                    except ProcessLookupError:
+                        break
+                    assert time.monotonic() < deadline + 120, self.output()
+                    time.sleep(0.1)
+        finally:
+            for p in self.procs:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return codes, self.output()
+
+    def output(self):
+        return open(self.log).read()[-4000:]
+
+
+def test_preemption_under_mpi_sh_slurm_srun_and_multi_node_sh(tmp_path):
+    """Each launch path the project ships, preempted as its scheduler does, then resumed: every process exits 0, the
+    stopped step is saved and `latest` names it, and the stopped-and-resumed job's steps equal an uninterrupted
+    run's (bit-equal: one layout). Two rounds of three jobs side by side:
+    round 1: the uninterrupted reference; launch/mpi.sh, SIGTERM to its process group; the srun line, SIGUSR1 to
+    every rank (`--signal=USR1@900`);
+    round 2: both resumed (--resume auto): launch/mpi.sh, SIGINT to its pid; the srun line, SIGINT to every rank
+    (srun forwards Ctrl-C); launch/multi_node.sh (one-host hostfile), SIGUSR1 to its pid.
+    (the deepspeed runner and ds-longctx launch: test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch;
+    mpirun's signal delivery for every signal x target and a second SIGTERM: test_mpirun_signals_through_the_wrapper)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    common = ["--seq-len", "64", "--eval-samples", "0", "--log-every", "0", "--steps", "40"]
+    ref_m = tmp_path / "ref.jsonl"
+
+    def job(name, how, n, sig, target, resume=False):
+        ck, m = tmp_path / f"ck_{name.split('.')[0]}", tmp_path / f"{name.split('.')[0]}.jsonl"
+        j = _Job(tmp_path, name, how, [*common, "--save", str(ck), "--metrics", str(m),
+                                       *(["--resume", "auto"] if resume else [])])
+        start = read_metrics(m)[-1]["step"] if resume else 0
+        codes, out = j.signal_after(m, start + n, sig, target)
+        return name, sig, codes, out, ck, read_metrics(m), checkpoint.find_resume_tag(str(ck))[0]
+
+    with ThreadPoolExecutor(3) as pool:
+        ref = pool.submit(run_train, *common[:-1], "12", "--metrics", str(ref_m), launcher="slurm-env", timeout=400)
+        first = [pool.submit(job, "mpi", "mpi", 2, signal.SIGTERM, "group"),
+                 pool.submit(job, "slurm", "slurm", 2, signal.SIGUSR1, "pid")]
+        first = [f.result() for f in first]
+        ref.result()
+    with ThreadPoolExecutor(3) as pool:
+        second = [pool.submit(job, "mpi.2", "mpi", 2, signal.SIGINT, "pid", True),
+                  pool.submit(job, "slurm.2", "slurm", 2, signal.SIGINT, "pid", True),
+                  pool.submit(job, "multi", "multi", 2, signal.SIGUSR1, "pid")]
+        second = [f.result() for f in second]
+    reference = {r["step"]: r["loss"] for r in read_metrics(ref_m)}
+    assert sorted(reference) == list(range(1, 13)), reference
+    ranks_saw = {"mpi": "SIGUSR1", "multi": "SIGUSR1"}  # the wrapper's request (mpirun's, the runner group's copy)
+    for name, sig, codes, out, ck, records, tag in first + second:
+        steps = [r["step"] for r in records]
+        last = steps[-1]
+        assert codes == [0] * len(codes), (name, codes, out)
+        saw = ranks_saw.get(name.split(".")[0], sig.name)
+        for r in (0, 1):
+            assert f"[rank {r}] ds_longctx: received {saw}: finishing this step, saving a checkpoint" in out, (name, out)
+        assert f"stopped after step {last} on {saw}: saved" in out, (name, out)
+        assert not _ended_nonzero(out) and "Traceback" not in out, (name, out)
+        assert tag == f"step{last}", (name, tag, last)
+        if name.endswith(".2") or name == "multi":  # the stopped (and resumed) job's steps, each once
+            got = [(r["step"], r["loss"]) for r in records]
+            assert steps == list(range(1, last + 1)) and last <= 12, (name, got)
+            assert all(loss == reference[s] for s, loss in got), (name, got, reference)

@@ -208,3 +208,132 @@ def test_a_newcomers_hour(tmp_path, capfd):
     assert "torch_dtype" not in capfd.readouterr().err  # transformers logs "`torch_dtype` is deprecated!" once
     saved = json.load(open(tmp_path / "hf" / "config.json"))
     assert saved.get("dtype", saved.get("torch_dtype")) == "bfloat16", saved
+
+
+def test_plot_labels_end_inside_their_panels(tmp_path, monkeypatch):
+    """Item 11: the planner plot's labels after the bars (step time and MFU, the max context) crossed the panel's
+    frame into the next panel; each panel's range now grows until they fit."""
+    pytest.importorskip("matplotlib")
+    from types import SimpleNamespace as NS
+
+    import matplotlib.pyplot as plt
+
+    from ds_longctx.planner import cli
+
+    g = 2**30
+
+    def row(label, peak, fits, mx=None, secs=12.0, binding="device"):
+        bd = {"model_states": 10 * g, "attention": peak * 0.3, "mlp": peak * 0.2, "loss": peak * 0.1,
+              "other": peak * 0.4 - 10 * g}
+        return (label, NS(device_budget_bytes=80 * g, reserve_bytes=3 * g, world_size=8, binding=binding,
+                          breakdown=bd, peak_device_bytes=peak, activation_peak_bytes=peak - 10 * g, fits=fits,
+                          sequence_length=2**20, time={"seconds": secs, "mfu": 0.41, "target": "dgx-h100"}), mx)
+
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    fixed = [row("baseline (no ds_longctx)", 900 * g, False, secs=300), row("ulysses + tiled mlp", 70 * g, True),
+             row("untied + offload nvme, heads_per_chunk 1", 40 * g, True, secs=3000)]
+    at_max = [row("baseline", 60 * g, True, mx=123456, secs=1.5),
+              row("ulysses + tiled mlp + checkpoint", 75 * g, True, mx=8_000_000, secs=900),
+              row("untied + offload nvme", 74 * g, True, mx=15_000_000, secs=4000, binding="host")]
+    crossing = []
+    for rows, show_max in ((fixed, False), (at_max, True)):
+        cli.plot(rows, str(tmp_path / f"p{show_max}.png"), show_max)
+        fig = figs[-1]
+        r = fig.canvas.get_renderer()
+        for ax in fig.axes:
+            frame = ax.get_window_extent(r)
+            for t in ax.texts:
+                b = t.get_window_extent(r)
+                if t.get_text() and (b.x0 < frame.x0 - 1 or b.x1 > frame.x1 + 1 or b.y1 > frame.y1 + 1):
+                    crossing.append((show_max, t.get_text()))
+    assert not crossing, crossing  # before: 5 (both step-time panels, the 15M max context)
+
+
+def test_model_config_hint_names_a_path_this_install_has(monkeypatch):
+    """Item 11: the hub refusal's --model-config example named ds_configs/models/llama3-8b.json, which a wheel does
+    not have (its presets lie inside the package)."""
+    from ds_longctx import train
+    from ds_longctx.errors import ConfigError
+
+    def fail():
+        raise OSError("no such repo")
+
+    with pytest.raises(ConfigError) as e:
+        train.hub_load("--model", "no/such-model", fail)
+    example = os.path.join(train.shipped_configs_dir(), "models", "llama3-8b.json")
+    assert f"e.g. {example})" in str(e.value) and os.path.isfile(example), str(e.value)
+    monkeypatch.setattr(train, "shipped_configs_dir", lambda: "/site-packages/ds_longctx/ds_configs")  # a wheel's
+    with pytest.raises(ConfigError, match=r"e\.g\. /site-packages/ds_longctx/ds_configs/models/llama3-8b\.json\)"):
+        train.hub_load("--model", "no/such-model", fail)
+
+
+def test_export_line_says_whether_a_tokenizer_was_written():
+    """Item 11: README listed a tokenizer in --save-hf's directory; the demo (the built-in copy task) has none, and
+    the export's line now says so instead of implying one."""
+    from ds_longctx.checkpoint import exported_line
+
+    assert "config, generation config, tokenizer;" in exported_line("out", object(), 1.0)
+    line = exported_line("out", None, 1.0)
+    assert "no tokenizer: the run has none" in line and "--tokenizer names one" in line, line
+
+
+def test_launch_noise_where_we_launch():
+    """Item 11: every CPU launch printed DeepSpeed's "Setting accelerator to CPU" three times (runner, launch.py, a
+    rank: ds-longctx launch and launch/*.sh now choose DeepSpeed's CPU fallback once, saying so, where no accelerator
+    device exists) and torch's two FutureWarnings about DeepSpeed's deprecated calls (train.py filters those two)."""
+    import warnings
+
+    from ds_longctx import preemptible, train
+
+    assert preemptible.accelerator_env({}, nodes=[]) == {"DS_ACCELERATOR": "cpu"}
+    assert preemptible.accelerator_env({}, nodes=["/dev/nvidia0"]) == {}
+    assert preemptible.accelerator_env({"DS_ACCELERATOR": "cuda"}, nodes=[]) == {}  # the user's choice stays
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train.quiet_deepspeed_warnings()
+        for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.",
+                          FutureWarning)
+        warnings.warn("`torch.distributed.other` is deprecated.", FutureWarning)  # anything else still shows
+        warnings.warn("`torch.distributed.all_gather_into_tensor` is deprecated.", UserWarning)
+    assert [str(w.message)[:40] for w in seen] == ["`torch.distributed.other` is deprecated.",
+                                                   "`torch.distributed.all_gather_into_tenso"], seen
+
+
+def test_wrapper_modes(tmp_path):
+    """ds-longctx launch: an MPI launcher is wrapped as itself (its first stop signal sent on to mpirun's pid as
+    SIGUSR1); a deepspeed hostfile of several hosts (pdsh) hands the stop to the runner (SIGTERM); one host: the
+    runner's process group (tests/test_preemption.py launches each)."""
+    from ds_longctx import preemptible
+
+    assert preemptible._is_mpi(["mpirun", "-np", "2"]) and preemptible._is_mpi(["/opt/bin/mpiexec"])
+    assert not preemptible._is_mpi(["--num_gpus", "2", "train.py"])
+    two, one = tmp_path / "two", tmp_path / "one"
+    two.write_text("# nodes\nnode-a slots=8\n\nnode-b slots=8  # second\n")
+    one.write_text("localhost slots=2\n")
+    assert preemptible._hostfile_hosts(["--hostfile", str(two), "train.py", "--hostfile", "x"]) == ["node-a", "node-b"]
+    assert preemptible._hostfile_hosts([f"--hostfile={one}", "train.py"]) == ["localhost"]
+    assert preemptible._hostfile_hosts(["--hostfile", str(tmp_path / "none"), "train.py"]) == []
+
+
+def test_cpu_device_side_counts_what_a_cpu_run_makes_resident():
+    """Item 9 as measured by the fault rerun: the host check of the tiny CPU demo counted 3.73 GiB per rank of
+    "device side" (ZeRO-3's 5e8-element reduce bucket and its transient copy, 2 GB each in fp32) for a model of
+    0.13M parameters whose ranks peak near 0.4 GiB: a torch.empty bucket on the host is resident only where gradients
+    are written, at most the parameter count. A CPU box with less than 7.5 GiB free would have refused the demo."""
+    from ds_longctx.hostmem import resident_on_cpu
+    from ds_longctx.planner import model_states as ms
+
+    cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))
+    p = ms.ParamInfo(total=130_000, largest_module=0)
+
+    def device(c):
+        s = ms.compute(c, p, 2)
+        return s.device_total + s.step_transient_device
+
+    assert device(cfg) > 3.7 * 2**30  # the GPU figure: the whole bucket is device memory there
+    assert device(resident_on_cpu(cfg, 130_000)) < 4 * 2**20
+    small = dict(cfg, zero_optimization=dict(cfg["zero_optimization"], reduce_bucket_size=1000))
+    assert resident_on_cpu(small, 10**6)["zero_optimization"]["reduce_bucket_size"] == 1000  # under the model: kept
+    assert cfg["zero_optimization"] == {"stage": 3}  # not changed in place

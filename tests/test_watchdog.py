@@ -130,3 +130,43 @@ def test_auto_timeout_posted_by_rank_0_is_adopted_by_every_rank():
     assert not any(hasattr(d, "verdict") for d in dogs)
     for d in dogs:
         d.stop()
+
+
+def test_rank_0_whose_process_serves_the_store_leaves_last(monkeypatch):
+    """Issue 38 item 11: at a successful exit rank 0 left the final barrier and exited while another rank's end mark
+    was still on the wire to rank 0's store: that rank printed a C++ `TCPStore.cpp recvValue failed ... Connection
+    reset by peer` trace (1 run in 8). Rank 0 now marks its end last: it waits for every other rank's mark; the
+    others do not wait; a rank that never marks holds rank 0 at most LAST_OUT_S."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    a, b = (_Recorded(2, _roster(2), r, store_maker=(lambda: store, "hash store")) for r in (0, 1))
+    a.start()
+    b.start()
+    late = threading.Timer(0.8, b.mark_ended)  # rank 1 leaves the barrier 0.8 s after rank 0
+    t0 = time.monotonic()
+    late.start()
+    a.mark_ended()
+    took = time.monotonic() - t0
+    late.join()
+    assert 0.75 <= took < 5, took  # before: rank 0 returned at once (and its process exited)
+    assert store.add(a._k("n1"), 0) >= wd.ENDED and store.add(a._k("n0"), 0) >= wd.ENDED
+    assert not a.thread.is_alive() and not b.thread.is_alive()  # no beat left in flight
+    t0 = time.monotonic()
+    c = _Recorded(2, _roster(2), 1, store_maker=(lambda: dist.HashStore(), "hash store"))
+    c.mark_ended()
+    assert time.monotonic() - t0 < 0.5  # any other rank: no wait
+    monkeypatch.setattr(wd, "LAST_OUT_S", 0.3)
+    d = _Recorded(2, _roster(2), 0, store_maker=(lambda: dist.HashStore(), "hash store"))
+    t0 = time.monotonic()
+    d.mark_ended()
+    assert 0.3 <= time.monotonic() - t0 < 2  # rank 1 never marked: bounded
+    # a rank ended by a signal or its launcher's exit after a graceful stop's save ends normally: it marks its end
+    from ds_longctx import runtime
+
+    for saved in (None, "step 3"):
+        monkeypatch.setattr(runtime, "_stop_saved", saved)
+        s3 = dist.HashStore()
+        e = _Recorded(2, _roster(2), 1, store_maker=(lambda: s3, "hash store"))
+        e._on_exit()
+        assert (s3.add(e._k("n1"), 0) >= wd.ENDED) == bool(saved) and e.stopped.is_set()

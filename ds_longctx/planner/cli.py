@@ -246,8 +246,42 @@ def plot(rows, path: str, show_max: bool):
         tx.set_yticks(ys)
         tx.set_yticklabels(labels, fontsize=9)
     fig.tight_layout(rect=(0, 0.07, 1, 1))  # the bottom strip holds the legend, below every tick label
+    _texts_inside(fig)
     fig.savefig(path, dpi=120, bbox_inches="tight")  # every label inside the image
     plt.close(fig)
+
+
+def _texts_inside(fig, rounds: int = 4) -> None:
+    """Widen each panel's x range until every label written after a bar ends inside the panel's frame (a label's
+    width is known only once drawn: at a fixed headroom, a long one such as "1 h 07 min, MFU 41.0%" crossed the
+    frame into the next panel). Only the upper x limit grows; the scale (linear or log) is kept."""
+    import numpy as np
+
+    for _ in range(rounds):
+        renderer = fig.canvas.get_renderer()
+        grew = False
+        for ax in fig.axes:
+            frame = ax.get_window_extent(renderer)
+            scale = ax.xaxis.get_transform()
+            lo, hi = ax.get_xlim()
+            t_lo, t_hi = scale.transform(np.array([lo, hi], dtype=float))
+            need = t_hi
+            for t in ax.texts:
+                if not t.get_visible() or not t.get_text() or t.get_transform() is not ax.transData:
+                    continue
+                box = t.get_window_extent(renderer)
+                if box.x1 <= frame.x1 - 2:
+                    continue
+                frac = (box.x0 - frame.x0) / frame.width  # where the label starts, as a share of the panel
+                room = frame.width - box.width - 4
+                if room <= 0 or frac <= 0:
+                    continue
+                need = max(need, t_lo + frac * (t_hi - t_lo) * frame.width / room)
+            if need > t_hi:
+                ax.set_xlim(lo, float(scale.inverted().transform(np.array([need]))[0]))
+                grew = True
+        if not grew:
+            return
 
 
 def _time_panel(tx, ys, rows, where: str):
