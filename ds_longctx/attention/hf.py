@@ -448,6 +448,8 @@ def _check_mask(mask, s_local, window=None, chunk=None):
     reject padding/packed masks."""
     if mask is None or is_no_mask(mask):  # ds_longctx's forward read the batch's documents (documents.no_mask)
         return
+    if isinstance(mask, torch.Tensor) and _is_fake(mask):
+        return  # the planner's simulated step (fake tensors, no values): HF built it from one contiguous sample
     block_mask = type(mask).__name__ == "BlockMask" and callable(getattr(mask, "mask_mod", None))
     if not isinstance(mask, torch.Tensor) and not block_mask:
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
@@ -476,6 +478,12 @@ def _check_mask(mask, s_local, window=None, chunk=None):
     _LAST_MASK[:] = [weakref.ref(mask), key, ok]
     if not ok:
         raise ValueError(_BAD_MASK)
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _block_mask_is(mask, s_local: int, window=None, chunk=None) -> bool:

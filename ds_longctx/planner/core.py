@@ -115,7 +115,7 @@ def param_info(model_config) -> ms.ParamInfo:
     import torch
 
     def count(n):
-        model = build_model(with_layers(model_config, n), torch.bfloat16, "meta", FakeTensorMode())
+        model = build_model(with_layers(model_config, n), torch.bfloat16, "meta", FakeTensorMode(allow_non_fake_inputs=True))
         total = sum(p.numel() for p in model.parameters())
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
         small = sum(p.numel() for p in model.parameters() if p.numel() <= 100000)
@@ -187,9 +187,18 @@ def _mixed_layer_types(model_config) -> Optional[list]:
 
 
 def _all_of(model_config, kind: str):
+    """The model with every layer of ``kind``, each with the attention shape of the model's first layer of that kind:
+    where the config gives shapes per layer (transformers' heterogeneous configs: Gemma 4's global layers have their
+    own head_dim and key/value heads), that layer's overrides on every layer (else its global layers grew with the
+    sliding layers' head_dim)."""
     cfg = copy.deepcopy(model_config)
     tc = text_config(cfg)
+    first = [str(t) for t in tc.layer_types].index(kind)
     tc.layer_types = [kind] * len(tc.layer_types)
+    spec = tc.__dict__.get("_heterogeneity_spec")
+    if spec is not None:
+        like = dict(spec.per_layer_overrides.get(first, {}))
+        tc.per_layer_config = {i: dict(like) for i in range(tc.num_hidden_layers)} if like else None
     return cfg
 
 
