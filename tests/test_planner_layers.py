@@ -110,3 +110,22 @@ def test_gemma4_plan_extrapolates_each_kind_with_its_own_shape():
     for k in ff:
         assert fe[k] == pytest.approx(ff[k], rel=1e-6), k
     assert ext.breakdown["attention"] == full.breakdown["attention"]
+
+
+def test_deepseek_dense_then_moe_layers_counted_per_kind():
+    """DeepSeek-V3's first ``first_k_dense_replace`` layers have a dense MLP, the rest MoE: the planner's parameter
+    count (from 1- and 2-layer builds, all dense before: the experts were missing) equals a full-depth fake build's,
+    and its simulated steps extrapolate per kind (planner.core._layer_kinds)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ds_longctx.planner.core import _layer_kinds, param_info
+    from ds_longctx.planner.simulate import build_model
+
+    cfg = _deepseek_v3()
+    cfg.num_hidden_layers, cfg.first_k_dense_replace = 8, 3
+    assert _layer_kinds(cfg) == ["layer/dense"] * 3 + ["layer/moe"] * 5
+    model = build_model(cfg, torch.bfloat16, "meta", FakeTensorMode(allow_non_fake_inputs=True))
+    info = param_info(cfg)
+    assert info.total == sum(p.numel() for p in model.parameters())
+    assert info.largest_module == max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
