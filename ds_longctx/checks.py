@@ -18,7 +18,7 @@ from .config import (FUSE_KEY, KERNEL_KEY, KERNEL_NAMES, SECTION, LongContextCon
 from .errors import ConfigError, naming
 from .models import FUSED_ARCHITECTURES, attention_shape, facts_for, text_config
 from .models.hybrid import check_mixer_heads, runs_layer_type
-from .models.windows import is_bidirectional, restricted_layers
+from .models.windows import has_sdpa_path, is_bidirectional, restricted_layers
 
 _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
                      "transformers' own attention runs it exactly")
@@ -139,7 +139,10 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
     key = f"{SECTION}.attention.implementation"
     name = getattr(text_config(model_config), "model_type", None) or type(model_config).__name__
     attn_impl = getattr(model_config, "_attn_implementation", None)
-    if attn_impl == "flex_attention" and impl == "untied_ulysses":
+    # a model with no SDPA path (GPT-OSS's attention sinks) is loaded with flex_attention: its BlockMask is checked
+    # to be the shard's causal / window pattern at the function level (attention/hf._check_mask), the attention
+    # (sinks included) runs in untied's kernel; where SDPA exists it is the same attention without the BlockMask
+    if attn_impl == "flex_attention" and impl == "untied_ulysses" and has_sdpa_path(model_config):
         raise ConfigError("model.config._attn_implementation",
                           f"'flex_attention' under {impl!r}: its BlockMask is built for the local sequence shard, "
                           "and without it flex_attention is not causal",

@@ -409,7 +409,13 @@ def _reusing_sp_groups(sp: int):
 
 class _ResolvedConfig:
     """A model config whose ``num_key_value_heads`` and ``head_dim`` are read through every spelling
-    (models.attention_shape); every other attribute is the config's own."""
+    (models.attention_shape); every other attribute is the config's own.
+
+    Per-layer shapes (Gemma 4's global layers) give the largest over the layers, multi-head latent attention its
+    config's ``head_dim``: what DeepSpeed's one wrapper is built with. Never silently wrong: a model ds_longctx runs
+    never calls that wrapper (its install routes the model's attention: one Ulysses wrapper per layer shape, MLA's
+    values padded, attention/ulysses.py); a model DeepSpeed's wrapper runs itself meets DeepSpeed's own shape
+    assertion (query / key / value against the shapes it was built with) at the first layer of another shape."""
 
     def __init__(self, config):
         object.__setattr__(self, "_config", config)

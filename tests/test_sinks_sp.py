@@ -1,7 +1,9 @@
-"""Issue 37, item 4: attention sinks (GPT-OSS's per-head ``sinks``, transformers' ``s_aux``) under 'ulysses' from the
-kernel's LSE (out * sigmoid(lse - sink), and its backward through the kernel's own backward given the corrected
-LSE: attention/ulysses._SinkAttention), on sliding and full layers, equal to transformers' eager attention in one
-process, plain and packed. The untied path still refuses sinks, naming 'ulysses'."""
+"""Issue 37, item 4: attention sinks (GPT-OSS's per-head ``sinks``, transformers' ``s_aux``) on every SP path from
+the kernel's LSE (out * sigmoid(lse - sink), and its backward through the kernel's own backward given the corrected
+LSE): 'ulysses' (attention/ulysses._SinkAttention) and untied per head chunk (attention/untied._sink_corrected,
+at the attention-function level: GPT-OSS has no fused path), on sliding and full layers, equal to transformers'
+eager attention in one process, plain and packed. GPT-OSS has no SDPA path: it runs flex_attention, whose
+BlockMask untied checks to be the shard's causal / window mask."""
 import math
 
 import pytest
@@ -14,7 +16,13 @@ from sink_cases import batch, reference, sp_step
 ULYSSES = {"attention": {"implementation": "ulysses"},
            "activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
            "tiled_loss": {"enabled": True, "shards": 2}}
-CASES = {2: ["plain", "packed"], 4: ["packed"]}
+UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1},
+          "activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+          "tiled_loss": {"enabled": True, "shards": 2}}
+PATHS = {"ulysses": ULYSSES, "untied": UNTIED}
+# (path, batch kind) per SP degree; SP=4 with 2 kv heads: untied replicates each kv head over 2 ranks
+CASES = {2: [("ulysses", "plain"), ("ulysses", "packed"), ("untied", "plain"), ("untied", "packed")],
+         4: [("ulysses", "packed"), ("untied", "packed")]}
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -47,8 +55,8 @@ def test_sink_attention_equals_the_eager_formula(window):
     assert float(want[3].abs().max()) > 1e-3  # the sinks get a gradient (the test can fail)
 
 
-def _worker(rank, world, kinds):
-    return {kind: sp_step(ULYSSES, batch(kind), world) for kind in kinds}
+def _worker(rank, world, cases):
+    return {case: sp_step(PATHS[case[0]], batch(case[1]), world) for case in cases}
 
 
 @pytest.fixture(scope="module")
@@ -58,36 +66,91 @@ def sp_results():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("sp", sorted(CASES))
-def test_sinks_under_ulysses_equal_eager_one_process(sp, sp_results):
+def test_sinks_under_sp_equal_eager_one_process(sp, sp_results):
     results = result_or_raise(sp_results[sp])
-    for kind in CASES[sp]:
-        ref_loss, ref_deltas, params = reference(batch(kind))
-        assert abs(reference(batch(kind), sinks_zero=True)[0] - ref_loss) > 1e-3  # the sinks move the loss
+    refs = {}
+    for path, kind in CASES[sp]:
+        if kind not in refs:
+            refs[kind] = reference(batch(kind))
+            assert abs(reference(batch(kind), sinks_zero=True)[0] - refs[kind][0]) > 1e-3  # the sinks move the loss
+        ref_loss, ref_deltas, params = refs[kind]
         sinks = [n for n in ref_deltas if n.endswith("sinks")]
         assert sinks and all(float(ref_deltas[n].abs().max()) > 0 for n in sinks)
         for rank, r in enumerate(results):
-            loss, deltas = r[kind]
+            loss, deltas = r[(path, kind)]
             err, where = max_delta_error(ref_deltas, deltas, params)
-            print(sp, rank, kind, ref_loss, loss, err, where)
-            assert math.isclose(loss, ref_loss, rel_tol=1e-5), (kind, loss, ref_loss)
-            assert err < 1e-5, (kind, err, where)
+            print(sp, rank, path, kind, ref_loss, loss, err, where)
+            assert math.isclose(loss, ref_loss, rel_tol=1e-5), (path, kind, loss, ref_loss)
+            assert err < 1e-5, (path, kind, err, where)
 
 
-def test_sinks_under_untied_are_refused_naming_ulysses():
-    """Untied has no sink correction in its stage loop: GPT-OSS (flex_attention or eager on CPU; flash on a GPU) is
-    refused before any collective, naming 'ulysses' (which applies the sinks, above) as the fix, never run without
-    its sinks."""
+def test_untied_sinks_per_stage_equal_the_eager_formula():
+    """SP=1, fp64, GQA, causal, a sliding window and packed documents, one head per stage: untied's per-stage sink
+    correction (attention/untied.stage_sinks) equals the eager formula in output and in the gradients of q, k, v and
+    the sinks; without the sinks it differs (the test can fail)."""
+    from ds_longctx.attention.documents import Documents
+    from ds_longctx.attention.kernels import KernelChoice
+    from ds_longctx.attention.untied import Schedule, untied_attention_qkv
+
+    torch.manual_seed(0)
+    b, h, hk, S, d, window = 1, 4, 2, 12, 8, 5
+    q = torch.randn(b, S, h, d, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, S, hk, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    s = torch.randn(h, dtype=torch.float64, requires_grad=True)
+    docs = Documents(torch.tensor([[0, 7, 12]]))
+    backend = KernelChoice("auto").for_layer(q.device, window, None, "test")
+    out, _ = untied_attention_qkv(q, k, v, Schedule(h, hk, 1, 1), backend=backend, scale=d ** -0.5, docs=docs,
+                                  sinks=s)
+    kk, vv = (t.transpose(1, 2).repeat_interleave(2, 1) for t in (k, v))
+    scores = q.transpose(1, 2) @ kk.transpose(-1, -2) * d ** -0.5
+    i = torch.arange(S)
+    doc = (i >= 7).long()
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window) & (doc[None, :] == doc[:, None])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.cat([scores, s.view(1, -1, 1, 1).expand(b, h, S, 1)], -1).softmax(-1)[..., :-1]
+    ref = (p @ vv).transpose(1, 2)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)  # the stage LSE buffer is fp32
+    g = torch.randn_like(ref)
+    got, want = torch.autograd.grad((out * g).sum(), (q, k, v, s)), torch.autograd.grad((ref * g).sum(), (q, k, v, s))
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+    assert float(want[3].abs().max()) > 1e-3
+    plain, _ = untied_attention_qkv(q, k, v, Schedule(h, hk, 1, 1), backend=backend, scale=d ** -0.5, docs=docs)
+    assert float((plain - ref).detach().abs().max()) > 1e-3
+
+
+def test_flex_attention_under_untied_only_without_an_sdpa_path():
+    """GPT-OSS (no SDPA path in transformers) passes untied's check with flex_attention; Llama (SDPA exists) is
+    still refused, the fix naming sdpa; eager is refused at SP > 1 either way."""
     from ds_longctx.checks import check_against
     from ds_longctx.config import parse
-    from ds_longctx.models.windows import sinks_error
     from eco_cases import config_error
     from sink_cases import gpt_oss_config
+    from transformers import LlamaConfig
 
     lc = parse({"sequence_parallel_size": 2, "long_context": {"attention": {"implementation": "untied_ulysses"}}})
-    for impl in ("flex_attention", "eager"):
-        cfg = gpt_oss_config()
-        cfg._attn_implementation = impl
-        e = config_error(check_against, lc, cfg, 2)
-        assert e is not None and "'ulysses'" in e.split("Fix:")[1], (impl, e)
-    e = str(sinks_error(0, "untied_ulysses"))  # the function level's refusal (a flash core on a GPU)
-    assert "attention sinks" in e and "implementation 'ulysses'" in e, e
+    cfg = gpt_oss_config()
+    cfg._attn_implementation = "flex_attention"
+    assert config_error(check_against, lc, cfg, 2) is None
+    cfg._attn_implementation = "eager"
+    assert "eager" in config_error(check_against, lc, cfg, 2)
+    llama = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=48)
+    llama._attn_implementation = "flex_attention"
+    e = config_error(check_against, lc, llama, 2)
+    assert e is not None and "flex_attention" in e and "sdpa" in e.split("Fix:")[1], e
+
+
+def test_block_mask_check_sees_the_pattern():
+    """untied's check of a flex BlockMask (attention/hf._check_mask): HF's causal and sliding masks of the shard pass,
+    a wrong window or a bidirectional mask is refused (every (query, key) pair is evaluated)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from ds_longctx.attention.hf import _block_mask_is
+
+    s = 16
+    causal = create_block_mask(lambda b, h, q, kv: kv <= q, 1, None, s, s, device="cpu")
+    sliding = create_block_mask(lambda b, h, q, kv: (kv <= q) & (kv > q - 4), 1, None, s, s, device="cpu")
+    full = create_block_mask(lambda b, h, q, kv: kv >= 0, 1, None, s, s, device="cpu")
+    assert _block_mask_is(causal, s) and _block_mask_is(sliding, s, window=4)
+    assert not _block_mask_is(sliding, s) and not _block_mask_is(sliding, s, window=5)
+    assert not _block_mask_is(full, s) and not _block_mask_is(causal, 8)

@@ -37,7 +37,7 @@ from ..errors import ConfigError, naming
 from ..models import (AttentionFacts, AttentionShape, attention_shape, facts_for, is_llama_style_rmsnorm, rms_norm,
                       rope_bshd, text_config)
 from ..models.adapters import effective_linear, fused_adapter_problem
-from ..models.windows import LayerAttention, layer_attention, not_runnable, sinks_error
+from ..models.windows import LayerAttention, layer_attention, not_runnable
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG, chunk_documents, is_no_mask
@@ -366,8 +366,6 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     """HF layout in: query [b, H, s, d], key/value [b, G, s, d]; out [b, s, H, d], weights None."""
     if dropout:
         raise ValueError(_dropout_message(dropout))
-    if kwargs.get("s_aux") is not None:
-        raise sinks_error(getattr(module, "layer_idx", None), "untied_ulysses")
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise ValueError("untied attention is causal-only; this attention module is bidirectional")
     s = query.shape[2]
@@ -401,8 +399,11 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
         # the install's schedule is for the config's head counts; a module attending over others gets its own
         sched = Schedule(q.shape[2], k.shape[2], state.sp, state.heads_per_chunk)
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
+        # attention sinks (s_aux, GPT-OSS): a per-head logit in the softmax denominator, applied per stage from the
+        # kernel's LSE (untied.stage_sinks)
         out, _ = untied_attention_qkv(q, k, v, sched, group=state.group, backend=backend, causal=True,
-                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs)
+                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
+                                      sinks=kwargs.get("s_aux"))
     return (out[..., :v_dim] if v_dim != out.shape[-1] else out), None
 
 
@@ -447,14 +448,20 @@ def _check_mask(mask, s_local, window=None, chunk=None):
     reject padding/packed masks."""
     if mask is None or is_no_mask(mask):  # ds_longctx's forward read the batch's documents (documents.no_mask)
         return
-    if not isinstance(mask, torch.Tensor):  # e.g. flex BlockMask
+    if isinstance(mask, torch.Tensor) and _is_fake(mask):
+        return  # the planner's simulated step (fake tensors, no values): HF built it from one contiguous sample
+    block_mask = type(mask).__name__ == "BlockMask" and callable(getattr(mask, "mask_mod", None))
+    if not isinstance(mask, torch.Tensor) and not block_mask:
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
     ref, version, verdict = _LAST_MASK
-    if ref is not None and ref() is mask and version == (mask._version, window, chunk):  # one mask is shared by layers
+    key = (getattr(mask, "_version", None), window, chunk)
+    if ref is not None and ref() is mask and version == key:  # one mask is shared by layers
         if not verdict:
             raise ValueError(_BAD_MASK)
         return
-    if mask.dim() == 2:  # flash-attention style padding mask [b, s]: must be all ones
+    if block_mask:  # flex_attention (a model with no SDPA path: GPT-OSS): HF's BlockMask of the local shard
+        ok = _block_mask_is(mask, s_local, window, chunk)
+    elif mask.dim() == 2:  # flash-attention style padding mask [b, s]: must be all ones
         ok = bool(mask.bool().all())
     elif mask.dim() == 4:
         allowed = mask if mask.dtype == torch.bool else (mask == 0)
@@ -468,9 +475,39 @@ def _check_mask(mask, s_local, window=None, chunk=None):
         ok = bool((allowed == causal).all())
     else:
         ok = False
-    _LAST_MASK[:] = [weakref.ref(mask), (mask._version, window, chunk), ok]
+    _LAST_MASK[:] = [weakref.ref(mask), key, ok]
     if not ok:
         raise ValueError(_BAD_MASK)
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+def _block_mask_is(mask, s_local: int, window=None, chunk=None) -> bool:
+    """Whether a flex_attention BlockMask allows exactly the causal (``window``, ``chunk``) pattern of an
+    ``s_local``-token shard for every sample: its mask_mod evaluated on every (query, key) pair, in row tiles (the
+    s^2 evaluations transformers' create_block_mask made building it; memory one tile)."""
+    if tuple(mask.seq_lengths) != (s_local, s_local):
+        return False
+    mm, dev = mask.mask_mod, mask.kv_num_blocks.device
+    kv = torch.arange(s_local, device=dev)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    tile = max(1, (1 << 22) // s_local)
+    for b in range(mask.kv_num_blocks.shape[0]):
+        for q0 in range(0, s_local, tile):
+            qi = torch.arange(q0, min(q0 + tile, s_local), device=dev)[:, None]
+            want = kv[None, :] <= qi
+            if window:
+                want &= kv[None, :] > qi - window
+            if chunk:
+                want &= (qi // chunk) == (kv[None, :] // chunk)
+            got = mm(zero + b, zero, qi, kv[None, :])
+            if not bool((torch.as_tensor(got, device=dev).bool().expand_as(want) == want).all()):
+                return False
+    return True
 
 
 _BAD_MASK = ("ds_longctx's attention got an attention mask that is not plain causal (padding, packed sequences, or "

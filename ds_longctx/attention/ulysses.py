@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..errors import ConfigError
-from ..models import text_config
+from ..models import latent_dims as _latent_dims, text_config
 from ..models.windows import LayerAttention, layer_attention, not_runnable
 from . import registry
 from .documents import DOCS_KWARG, chunk_documents, document_core, is_no_mask
@@ -141,19 +141,6 @@ def pattern_core(core, impl: str, layers: List, kernel, group=None) -> callable:
             return _PatternAttention.apply(query, key, value, backend, scale), None
 
     return attention
-
-
-def _latent_dims(tc, head_dim: int):
-    """(query/key head dim, value head dim) of the heads the attention function gets: multi-head latent attention
-    (DeepSeek-V2/V3, GLM-4-MoE-Lite, ...) has qk_nope_head_dim + qk_rope_head_dim and v_head_dim after its
-    up-projections; every other model one ``head_dim`` for both."""
-    v = getattr(tc, "v_head_dim", None)
-    if not (getattr(tc, "kv_lora_rank", None) or (isinstance(v, int) and v != head_dim)):
-        return head_dim, head_dim
-    qk = getattr(tc, "qk_head_dim", None)
-    if not isinstance(qk, int):
-        qk = int(getattr(tc, "qk_nope_head_dim", 0) or 0) + int(getattr(tc, "qk_rope_head_dim", 0) or 0)
-    return int(qk), int(v if isinstance(v, int) else head_dim)
 
 
 def _shard_positions(query, group) -> torch.Tensor:

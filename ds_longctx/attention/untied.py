@@ -465,7 +465,26 @@ def _out_blocks(out, sched, off):
     return _blocks(out, sched.sp, sched.q_local, off, sched.heads_per_chunk)
 
 
-def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale, b, s, d, dtype, device):
+def _sink_corrected(o_h, lse, sinks):
+    """A stage's kernel output o_h [b, S, u, d] and LSE [b, u, S] with a per-head sink logit (``sinks`` [u], this
+    rank's heads of the stage) added to the softmax denominator: lse' = logaddexp(lse, sink), out' = out *
+    exp(lse - lse') = out * sigmoid(lse - sink). The kernel's own backward given (out', lse') is then the gradient
+    of the softmax with the sink (attention/ulysses._SinkAttention, the same formula on the tied path)."""
+    lse_sink = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    o_h = (o_h.to(lse.dtype) * torch.exp(lse - lse_sink).transpose(1, 2).unsqueeze(-1)).to(o_h.dtype)
+    return o_h, lse_sink
+
+
+def _sink_grad(do_h, o_h, lse_sink, sinks):
+    """d loss / d sinks [u] of one stage: -sum over rows of P_sink * rowsum(dout * out'), P_sink = exp(sink - lse')."""
+    delta = (do_h.to(lse_sink.dtype) * o_h.to(lse_sink.dtype)).sum(-1).transpose(1, 2)  # [b, u, S]
+    p_sink = torch.exp(sinks.to(lse_sink.dtype).view(1, -1, 1) - lse_sink)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale, b, s, d, dtype, device,
+                    sinks=None):
+    """``sinks``: None, or [stages, u] this rank's heads' sink logits per stage (:func:`stage_sinks`)."""
     u, C = sched.heads_per_chunk, sched.sp
     out = torch.empty(b, s, sched.heads, d, dtype=dtype, device=device)
     lse_all = torch.empty(sched.stages, b, u, s * C, dtype=torch.float32, device=device)
@@ -482,6 +501,8 @@ def _staged_forward(src, sched: Schedule, group, backend: Backend, causal, scale
             ks, vs, _ = _kv_for_stage(sched, t, k_h, v_h)
             o_h, lse = backend.forward(q_h, ks, vs, causal, scale)
             del q_h, ks, vs
+            if sinks is not None:
+                o_h, lse = _sink_corrected(o_h, lse, sinks[stage])
             lse_all[stage].copy_(lse)
             del lse
             o5 = _head_to_seq(o_h, group, C)
@@ -506,9 +527,10 @@ def _stage_kv_grad(sched, t, kind, dks, k_h, dtype):
 
 
 def _stage_grads(src, sched, group, backend, causal, scale, out, lse_all, j, t, stage, k_h, v_h, kv_handle,
-                 do_h, dk_acc, dv_acc):
+                 do_h, dk_acc, dv_acc, sinks=None, dsinks=None):
     """Kernel backward of stage (j, t) given its head-sharded dout; q's gradient goes to the source now,
-    k/v's either now (per_stage_kv) or into the chunk's fp32 accumulators."""
+    k/v's either now (per_stage_kv) or into the chunk's fp32 accumulators; with ``sinks`` the stage's sink
+    gradient into ``dsinks`` [stages, u]."""
     device, C = out.device, sched.sp
     off = sched.q_offset(j, t)
     q, q_handle = src.q(off, grad=True)
@@ -516,6 +538,8 @@ def _stage_grads(src, sched, group, backend, causal, scale, out, lse_all, j, t, 
     del q
     o_h = _seq_to_head(_out_blocks(out, sched, off), group)
     ks, vs, kind = _kv_for_stage(sched, t, k_h, v_h)
+    if sinks is not None:  # out and the saved LSE are the sink-corrected ones (_sink_corrected)
+        dsinks[stage] = _sink_grad(do_h, o_h, lse_all[stage], sinks[stage]).to(dsinks.dtype)
     dq_h, dks, dvs = backend.backward(do_h, q_h, ks, vs, o_h, lse_all[stage], causal, scale)
     del q_h, o_h, do_h, ks, vs
     if dk_acc is None:
@@ -541,9 +565,10 @@ def _stage_grads(src, sched, group, backend, causal, scale, out, lse_all, j, t, 
 
 
 def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scale, out, dout, lse_all,
-                     dout_for_stage=None):
+                     dout_for_stage=None, sinks=None, dsinks=None):
     """dout: [b, s, H, d] output gradient, or None with ``dout_for_stage(off)`` giving each stage's head
-    blocks [b, s, C, u, d] (formed per stage, so the whole dout never exists)."""
+    blocks [b, s, C, u, d] (formed per stage, so the whole dout never exists). ``sinks`` [stages, u]: the
+    forward's (:func:`_staged_forward`); their gradient is written into ``dsinks`` of that shape."""
     device, C = out.device, sched.sp
     if dout is not None:
         dout = dout.contiguous()
@@ -564,7 +589,7 @@ def _staged_backward(src, sched: Schedule, group, backend: Backend, causal, scal
             do_h = _seq_to_head(blocks, group)
             del blocks
             _stage_grads(src, sched, group, backend, causal, scale, out, lse_all, j, t, stage, k_h, v_h, kv_handle,
-                         do_h, dk_acc, dv_acc)
+                         do_h, dk_acc, dv_acc, sinks, dsinks)
             del do_h
             stage += 1
         del k_h, v_h
@@ -592,18 +617,21 @@ class StageSpec:
 
 
 class UntiedQKVAttention(torch.autograd.Function):
-    """q [b, s, H, d], k/v [b, s, G, d] sequence-sharded -> out [b, s, H, d] (+ lse, non-differentiable)."""
+    """q [b, s, H, d], k/v [b, s, G, d] sequence-sharded -> out [b, s, H, d] (+ lse, non-differentiable).
+    ``sinks``: None, or [stages, u] this rank's per-stage sink logits (:func:`stage_sinks`; the LSE returned is then
+    the sink-corrected one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: StageSpec):
+    def forward(ctx, q, k, v, spec: StageSpec, sinks=None):
         b, s, H, d = q.shape
         sched = spec.schedule
         _check_shapes(q, k, v)
+        sk = sinks.detach() if sinks is not None else None
         # keep_attention_output: the recompute of a checkpointed layer takes out/lse from its first forward
         out, lse_all = kept_or_computed(lambda: _staged_forward(
             _QKVSource(q, k, v, sched), sched, spec.group, spec.backend, spec.causal, spec.scale, b, s, d, q.dtype,
-            q.device))
-        ctx.save_for_backward(q, k, v, out, lse_all)
+            q.device, sk))
+        ctx.save_for_backward(q, k, v, out, lse_all, sinks)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse_all)
         ctx.set_materialize_grads(False)  # no zero dLSE ([stages, b, u, S] fp32) at backward
@@ -612,12 +640,16 @@ class UntiedQKVAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:
-            return (None,) * 4
-        q, k, v, out, lse_all = ctx.saved_tensors
+            return (None,) * 5
+        q, k, v, out, lse_all, sinks = ctx.saved_tensors
         sp = ctx.spec
+        dsinks = None
+        if sinks is not None:
+            sinks = sinks.detach()
+            dsinks = torch.zeros(sinks.shape, dtype=lse_all.dtype, device=sinks.device)
         dq, dk, dv = _staged_backward(_QKVSource(q, k, v, sp.schedule), sp.schedule, sp.group, sp.backend, sp.causal,
-                                      sp.scale, out, dout, lse_all)
-        return dq, dk, dv, None
+                                      sp.scale, out, dout, lse_all, sinks=sinks, dsinks=dsinks)
+        return dq, dk, dv, None, (dsinks.to(sinks.dtype) if dsinks is not None else None)
 
 
 class UntiedFusedAttention(torch.autograd.Function):
@@ -668,19 +700,37 @@ def _check_weights(x, wq, wk, wv, heads, kv_heads, d):
                              f"(heads={n}, head_dim={d}, hidden={D}); under ZeRO-3 the weights must be gathered")
 
 
+def stage_sinks(sinks: torch.Tensor, schedule: Schedule, group=None) -> torch.Tensor:
+    """[stages, u]: the sink logits (``sinks`` [H], one per query head, GPT-OSS's ``sinks``) of the query heads this
+    rank computes at each stage (:meth:`Schedule.lse_heads`); an index of ``sinks``, so autograd sums each
+    stage's gradient back into its head (other ranks' heads get theirs on their rank, summed by the data-parallel
+    gradient reduction as under 'ulysses')."""
+    rank = dist.get_rank(group) if group is not None else 0
+    idx = schedule.index(("sinks", rank), schedule.lse_heads(rank), sinks.device)
+    return sinks[idx]
+
+
 def untied_attention_qkv(q, k, v, schedule: Schedule, group=None, backend: Backend = None, causal: bool = True,
-                         scale: Optional[float] = None, docs=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                         scale: Optional[float] = None, docs=None,
+                         sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention on sequence-sharded q [b, s, H, d], k/v [b, s, G, d] over the SP ``group``.
 
     ``schedule``: the :class:`Schedule` of these head counts (H, G) over ``group``'s SP degree with its heads per
     chunk, built (and so validated) once by the caller (the install builds it at install). Returns (out
     [b, s, H, d], lse [stages, b, heads_per_chunk, S]); ``Schedule.lse_heads(rank)`` names the query head of each
     LSE row. ``docs`` (``documents.Documents`` of the gathered sequence): attention is causal within each
-    document. ``backend``: a kernels.Backend (default: 'auto' for the tensors' device).
+    document. ``backend``: a kernels.Backend (default: 'auto' for the tensors' device). ``sinks`` [H]: a per-head
+    sink logit in every softmax denominator (GPT-OSS's attention sinks, transformers' ``s_aux``), applied per stage
+    from the kernel's LSE; it gets its gradient (the returned LSE is then the corrected one).
     """
     backend = with_documents(backend if backend is not None else get_backend("auto", q.device), docs)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return UntiedQKVAttention.apply(q, k, v, StageSpec(schedule, group, backend, causal, scale))
+    if sinks is not None:
+        if tuple(sinks.shape) != (schedule.heads,):
+            raise ValueError(f"untied attention: sinks {tuple(sinks.shape)}, expected one per query head "
+                             f"({schedule.heads},)")
+        sinks = stage_sinks(sinks, schedule, group)
+    return UntiedQKVAttention.apply(q, k, v, StageSpec(schedule, group, backend, causal, scale), sinks)
 
 
 def untied_attention_fused(x, cos, sin, wq, wk, wv, *, schedule: Schedule, spec: ProjectionSpec, bq=None, bk=None,

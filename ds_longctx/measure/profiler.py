@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..memory.checkpointing import around_checkpointed_runs
-from ..models import attention_shape, text_config
+from ..models import attention_dims, attention_shape, text_config
 from .allocator import check_step
 from .flops import WorkCounter, by_category
 
@@ -68,10 +68,18 @@ def count_params(model) -> Dict[str, int]:
     return {"total": total, "embedding": emb}
 
 
-def attention_width(tc) -> int:
-    """Query heads x head_dim: the width of QK^T and PV (equals hidden_size only when head_dim does)."""
-    shape = attention_shape(tc)
-    return shape.heads * shape.head_dim
+def attention_width(tc) -> float:
+    """Query heads x head_dim: the width of QK^T and PV (equals hidden_size only when head_dim does), per layer from
+    its own heads and head dims (models.attention_dims) and averaged over the quadratic-attention layers (so
+    :func:`attention_layers` x this is their sum: Gemma 4's global layers have their own head_dim); with latent
+    attention's query/key and value head dims, heads x their mean (QK^T is heads x qk wide, PV heads x v)."""
+    dims = attention_dims(tc)
+    types = getattr(tc, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == len(dims):
+        dims = [d for d, t in zip(dims, types) if str(t) not in _NO_QUADRATIC] or dims
+    widths = [d.heads * (d.qk_dim + d.v_dim) / 2 for d in dims]
+    w = sum(widths) / len(widths)
+    return int(w) if w == int(w) else w
 
 
 # layer kinds without softmax attention over the sequence (transformers' layer_types): no S^2 term in the MFU formula

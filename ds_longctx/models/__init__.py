@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from ._common import (Architecture, AttentionFacts, AttentionShape, attention_shape, is_llama_style_rmsnorm,
+from ._common import (Architecture, AttentionFacts, AttentionShape, LayerDims, attention_dims, attention_shape,
+                      is_llama_style_rmsnorm, latent_dims,
                       mlp_form_names, pointwise_mlp_form, layer_role, rms_norm, rope_bshd,
                       rotate_half, text_config)
 from .gemma import GEMMA2, GEMMA3
@@ -46,6 +47,6 @@ def supported_names() -> str:
     return ", ".join(ARCHITECTURES)
 
 
-__all__ = ["mlp_facts", "Architecture", "ARCHITECTURES", "AttentionFacts", "AttentionShape", "attention_shape", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
+__all__ = ["LayerDims", "attention_dims", "latent_dims", "mlp_facts", "Architecture", "ARCHITECTURES", "AttentionFacts", "AttentionShape", "attention_shape", "FUSED_ARCHITECTURES", "facts_for", "mlp_class_names",
            "supported_names", "layer_role", "mlp_form_names", "pointwise_mlp_form", "is_llama_style_rmsnorm", "rms_norm", "rope_bshd", "rotate_half",
            "text_config"]

@@ -67,6 +67,44 @@ def attention_shape(model_config) -> AttentionShape:
                           head_dim=max(s.head_dim for s in layers), layers=layers)
 
 
+def latent_dims(tc, head_dim: int) -> Tuple[int, int]:
+    """(query/key head dim, value head dim) of the heads the attention function gets: multi-head latent attention
+    (DeepSeek-V2/V3, GLM-4-MoE-Lite, ...) has qk_nope_head_dim + qk_rope_head_dim and v_head_dim after its
+    up-projections (its config's ``head_dim`` is the rope part alone); every other model one ``head_dim`` for both."""
+    v = getattr(tc, "v_head_dim", None)
+    if not (getattr(tc, "kv_lora_rank", None) or (isinstance(v, int) and v != head_dim)):
+        return head_dim, head_dim
+    qk = getattr(tc, "qk_head_dim", None)
+    if not isinstance(qk, int):
+        qk = int(getattr(tc, "qk_nope_head_dim", 0) or 0) + int(getattr(tc, "qk_rope_head_dim", 0) or 0)
+    return int(qk), int(v if isinstance(v, int) else head_dim)
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """One decoder layer's attention as its attention function gets it: query heads, key/value heads, query/key head
+    dim and value head dim (they differ under multi-head latent attention)."""
+    heads: int
+    kv_heads: int
+    qk_dim: int
+    v_dim: int
+
+
+def attention_dims(model_config) -> Tuple[LayerDims, ...]:
+    """:class:`LayerDims` of every decoder layer, in layer order: per layer where the config gives shapes per layer
+    (Gemma 4's sliding vs global layers), with latent attention's separate q/k and v head dims (:func:`latent_dims`).
+    What the planner's arithmetic sizes per layer instead of by the largest shape."""
+    tc = text_config(model_config)
+    shape = attention_shape(model_config)
+    n = int(getattr(tc, "num_hidden_layers", 0) or 0) or max(1, len(shape.layers))
+    out = []
+    for i in range(n):
+        s = shape.of_layer(i)
+        qk, v = latent_dims(tc, s.head_dim)
+        out.append(LayerDims(s.heads, s.kv_heads, qk, v))
+    return tuple(out)
+
+
 def _attention_shape(tc, name: str) -> AttentionShape:
     heads = getattr(tc, "num_attention_heads", None)
     if not isinstance(heads, int) or heads < 1:

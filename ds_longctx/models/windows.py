@@ -149,13 +149,22 @@ def not_runnable(idx, facts, global_len: int, impl: str) -> ConfigError:
                        "transformers' own attention runs it exactly")
 
 
-def sinks_error(idx, impl: str) -> ConfigError:
-    """The refusal of attention sinks (``s_aux``) on an SP path whose kernel would drop them."""
-    return ConfigError("model.config._attn_implementation", f"layer {idx} has attention sinks (s_aux, GPT-OSS style), "
-                       f"which {impl!r} does not apply with this attention implementation (the SP kernels would "
-                       "silently drop them)", "use long_context.attention.implementation 'ulysses', which applies "
-                       "them from the kernel's LSE (load the model with attn_implementation='flex_attention', or "
-                       "flash_attention_2 on a GPU); or train with implementation 'none' at sequence_parallel_size 1")
+def has_sdpa_path(model_config) -> bool:
+    """Whether transformers has an SDPA attention path for the model: its causal LM class (transformers' auto
+    mapping for the config's model_type) does not set ``_supports_sdpa = False``. Without one (GPT-OSS: attention
+    sinks; Gemma 2: soft-capping) 'flex_attention' is what the model is loaded with. True when the class is not
+    found (the question is then not ours to answer)."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    mt = getattr(model_config, "model_type", None)
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(mt) if isinstance(mt, str) else None
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{mt}.modeling_{mt}"), name) if name else None
+    except (ImportError, AttributeError):
+        cls = None
+    return cls is None or getattr(cls, "_supports_sdpa", True) is not False
 
 
 def is_bidirectional(model_config) -> bool:
@@ -165,4 +174,4 @@ def is_bidirectional(model_config) -> bool:
 
 
 __all__ = ["LayerAttention", "RestrictedLayers", "layer_attention", "restricted_layers", "is_bidirectional",
-           "not_runnable", "sinks_error"]
+           "not_runnable", "has_sdpa_path"]

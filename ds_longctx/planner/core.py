@@ -108,25 +108,49 @@ class PlanResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def param_info(model_config) -> ms.ParamInfo:
-    """Parameter counts from fake 1- and 2-layer builds (no allocation), extended to full depth."""
+def _count_params(model_config, n: int) -> tuple:
+    """(total, largest module's own, persistent (<= 1e5 elements), largest decoder-layer child) of an ``n``-layer
+    fake build (no allocation)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import torch
 
+    model = build_model(with_layers(model_config, n), torch.bfloat16, "meta", FakeTensorMode(allow_non_fake_inputs=True))
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    small = sum(p.numel() for p in model.parameters() if p.numel() <= 100000)
+    block = max((sum(p.numel() for p in child.parameters()) for layer in model.get_decoder().layers
+                 for child in layer.children()), default=0)
+    return total, largest, small, block
+
+
+def param_info(model_config) -> ms.ParamInfo:
+    """Parameter counts from fake 1- and 2-layer builds (no allocation), extended to full depth (per layer kind)."""
+
     def count(n):
-        model = build_model(with_layers(model_config, n), torch.bfloat16, "meta", FakeTensorMode())
-        total = sum(p.numel() for p in model.parameters())
-        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-        small = sum(p.numel() for p in model.parameters() if p.numel() <= 100000)
-        block = max((sum(p.numel() for p in child.parameters()) for layer in model.get_decoder().layers
-                     for child in layer.children()), default=0)
-        return total, largest, small, block
+        return _count_params(model_config, n)
 
     L = text_config(model_config).num_hidden_layers
-    t1, big, s1, block = count(1)
-    t2, _, s2, _ = count(2)
-    return ms.ParamInfo(total=t1 + (L - 1) * (t2 - t1), largest_module=big, persistent=s1 + (L - 1) * (s2 - s1),
+    kinds = _layer_kinds(model_config)
+    if kinds is None:
+        t1, big, s1, block = count(1)
+        t2, _, s2, _ = count(2)
+        return ms.ParamInfo(total=t1 + (L - 1) * (t2 - t1), largest_module=big, persistent=s1 + (L - 1) * (s2 - s1),
+                            largest_layer_block=block)
+    # layers of several kinds (DeepSeek-V3's first 3 dense MLP layers, then MoE): one layer's parameters per kind,
+    # times the kind's count (from 1 and 2 layers as the model starts, its dense layers alone, the experts were missing)
+    total = persistent = big = block = 0
+    base = None
+    for kind in sorted(set(kinds)):
+        mc = _all_of(model_config, kind)
+        t1, b1, s1, k1 = _count_params(mc, 1)
+        t2, _, s2, _ = _count_params(mc, 2)
+        if base is None:
+            base = (t1 - (t2 - t1), s1 - (s2 - s1))
+        n = kinds.count(kind)
+        total, persistent = total + n * (t2 - t1), persistent + n * (s2 - s1)
+        big, block = max(big, b1), max(block, k1)
+    return ms.ParamInfo(total=base[0] + total, largest_module=big, persistent=base[1] + persistent,
                         largest_layer_block=block)
 
 
@@ -186,10 +210,43 @@ def _mixed_layer_types(model_config) -> Optional[list]:
     return [str(t) for t in types] if isinstance(types, (list, tuple)) and len(set(map(str, types))) > 1 else None
 
 
+def _dense_prefix(tc) -> Optional[int]:
+    """DeepSeek-style MoE stacks' leading dense-MLP layers (``first_k_dense_replace``), when some but not all layers."""
+    k = getattr(tc, "first_k_dense_replace", None)
+    L = getattr(tc, "num_hidden_layers", 0)
+    return k if isinstance(k, int) and 0 < k < L and getattr(tc, "n_routed_experts", None) else None
+
+
+def _layer_kinds(model_config) -> Optional[List[str]]:
+    """Each layer's kind when the model has more than one: its ``layer_types`` entry, with "/dense" or "/moe" where a
+    DeepSeek-style stack starts with dense-MLP layers (:func:`_dense_prefix`); None for one kind."""
+    tc = text_config(model_config)
+    L = tc.num_hidden_layers
+    types = _mixed_layer_types(model_config) or ["layer"] * L
+    k = _dense_prefix(tc)
+    kinds = [f"{t}/{'dense' if k is not None and i < k else 'moe'}" if k is not None else t
+             for i, t in enumerate(types)]
+    return kinds if len(set(kinds)) > 1 else None
+
+
 def _all_of(model_config, kind: str):
+    """The model with every layer of ``kind`` (:func:`_layer_kinds`), each with the attention shape of the model's
+    first layer of that kind: where the config gives shapes per layer (transformers' heterogeneous configs: Gemma 4's
+    global layers have their own head_dim and key/value heads), that layer's overrides on every layer (else its global
+    layers grew with the sliding layers' head_dim); a DeepSeek-style stack's MLP kind on every layer."""
     cfg = copy.deepcopy(model_config)
     tc = text_config(cfg)
-    tc.layer_types = [kind] * len(tc.layer_types)
+    kinds = _layer_kinds(model_config) or [kind] * tc.num_hidden_layers
+    first = kinds.index(kind)
+    kind, _, mlp = kind.partition("/")
+    if mlp:
+        tc.first_k_dense_replace = tc.num_hidden_layers + 1 if mlp == "dense" else 0
+    if kind != "layer" and isinstance(getattr(tc, "layer_types", None), (list, tuple)):
+        tc.layer_types = [kind] * len(tc.layer_types)
+    spec = tc.__dict__.get("_heterogeneity_spec")
+    if spec is not None:
+        like = dict(spec.per_layer_overrides.get(first, {}))
+        tc.per_layer_config = {i: dict(like) for i in range(tc.num_hidden_layers)} if like else None
     return cfg
 
 
@@ -199,7 +256,7 @@ def _affine(model_config, ds_config, lc_at, world, seq, device, bs, lo, hi, L) -
     ``hi`` layers of that kind alone, times the kind's count among the rest (two shallow prefixes of Qwen3.5 hold
     only Gated DeltaNet layers: extrapolated from them, its 8 attention layers were missing)."""
     a = simulate_step(model_config, ds_config, lc_at(lo), world, seq, lo, device=device, batch_size=bs)
-    types = _mixed_layer_types(model_config)
+    types = _layer_kinds(model_config)
     if types is None:
         b = simulate_step(model_config, ds_config, lc_at(hi), world, seq, hi, device=device, batch_size=bs)
         growth, secs = [(L - lo, a, b)], a.seconds + b.seconds

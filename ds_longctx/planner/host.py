@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from ..errors import ConfigError
 from ..memory.nvme import CHUNK_BYTES
-from ..models import attention_shape, text_config
+from ..models import attention_dims, text_config
 from .model_states import _DTYPE_BYTES, model_dtype
 from .units import fmt_bytes
 
@@ -63,22 +63,33 @@ def layer_input_bytes(model_config, ds_config: dict, lc, seq_len: int, micro_bat
     return micro_batch * (seq_len // lc.sequence_parallel_size) * hidden * _DTYPE_BYTES[model_dtype(ds_config)]
 
 
-def kept_attention_bytes(model_config, lc, seq_len: int, micro_batch: int, dtype_bytes: int) -> int:
-    """keep_attention_output (memory/keep.py): what one keeping layer keeps besides its input, where the input goes:
+def kept_attention_bytes(model_config, lc, seq_len: int, micro_batch: int, dtype_bytes: int,
+                         first: Optional[int] = None) -> int:
+    """keep_attention_output (memory/keep.py): what a keeping layer keeps besides its input, where the input goes:
     the attention output [micro_batch, seq / SP, heads x head_dim] in the model dtype and the fp32 LSE
-    [micro_batch, heads / SP, seq] (for the run: times the spec's ``kept_attention_layers``)."""
-    shape = attention_shape(model_config)
-    heads, head_dim = shape.heads, shape.head_dim
+    [micro_batch, heads / SP, seq], per layer from its own heads and head dims (models.attention_dims: Gemma 4's
+    global layers have their own; latent attention's output is its values zero-padded to the query/key head dim in
+    untied's stage buffers). ``first``: the sum over the first ``first`` layers (the layers that keep); None: the
+    largest layer's (one slot that any layer's fits)."""
     sp = lc.sequence_parallel_size
-    return micro_batch * (seq_len // sp) * heads * head_dim * dtype_bytes + micro_batch * (heads // sp) * seq_len * 4
+
+    def one(d) -> int:
+        return (micro_batch * (seq_len // sp) * d.heads * max(d.qk_dim, d.v_dim) * dtype_bytes
+                + micro_batch * (d.heads // sp) * seq_len * 4)
+
+    dims = attention_dims(model_config)
+    if first is None:
+        return max(one(d) for d in set(dims))
+    return sum(one(d) for d in dims[:first])
 
 
 def offloaded_bytes_per_layer(model_config, ds_config: dict, spec, seq_len: int, micro_batch: int) -> int:
     """What one checkpointed layer sends to its offload target: its input, plus its attention output and LSE
     for the spec's ``kept_attention_layers`` (their share, averaged over the layers)."""
     L, n, lc = spec.model.layers, spec.kept_attention_layers, spec.config
-    kept = kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)]) if n else 0
-    return layer_input_bytes(model_config, ds_config, lc, seq_len, micro_batch) + kept * n // max(1, L)
+    kept = kept_attention_bytes(model_config, lc, seq_len, micro_batch, _DTYPE_BYTES[model_dtype(ds_config)],
+                                first=n) if n else 0
+    return layer_input_bytes(model_config, ds_config, lc, seq_len, micro_batch) + kept // max(1, L)
 
 
 @dataclass

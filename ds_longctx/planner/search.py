@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import logging
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -76,7 +77,9 @@ def ladder(ds_config: dict, model_config, world_size: int) -> List[Tuple[str, di
 
 
 def _local_heads(model_config, sp: int) -> int:
-    return attention_shape(model_config).heads // max(1, sp)
+    """The query heads per rank every layer's heads_per_chunk must divide: the greatest common divisor of each layer
+    shape's (Gemma 4: sliding and global layers may differ)."""
+    return math.gcd(*(s.heads // max(1, sp) for s in attention_shape(model_config).distinct()))
 
 
 def _shard_candidates(local_seq: int, hidden: int) -> List[int]:
