@@ -239,6 +239,28 @@ def check_sp_wiring(ds_config: dict, mpu, from_accelerate: bool) -> None:
                           "or pass DeepSpeed's mpu, or set sequence_parallel_size to 1")
 
 
+# Families exact through ds_longctx.initialize (train.py, custom loops) whose run through Accelerate's route (HF
+# Trainer / TRL) at SP > 1 is not equal to one process yet: refused there rather than trained wrong. Gemma 4: the
+# losses agree, the embed_tokens gradient does not (tests/test_trainer_families.py, 2026-11-28)
+TRAINER_OPEN = {"gemma4_text": "Gemma 4's embed_tokens gradient differs from one process through the Trainer at SP > 1 "
+                               "(its losses agree)"}
+
+
+def check_trainer_family(model, ds_config: dict) -> None:
+    """Refuse, before any collective (every rank decides alike from the model's config), a model family of
+    :data:`TRAINER_OPEN` on Accelerate's route at SP > 1."""
+    sp = ds_config.get("sequence_parallel_size", 1)
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(sp, int) or sp <= 1:
+        return
+    kind = getattr(text_config(config), "model_type", None)
+    if kind in TRAINER_OPEN:
+        raise ConfigError("sequence_parallel_size", f"is {sp} for a {kind!r} model through the HF Trainer / TRL / "
+                          f"Accelerate, which ds_longctx does not run exactly yet: {TRAINER_OPEN[kind]}",
+                          "train it with ds_longctx.initialize (train.py or your own loop: exact at any SP), or "
+                          "with sequence_parallel_size 1 through the Trainer")
+
+
 def check_accelerate_layout(ds_config: dict, mpu) -> None:
     """Accelerate derives train_batch_size from ParallelismConfig.data_parallel_size (accelerate's
     _prepare_deepspeed), which counts only the dp sizes the user declared: SP=2 on 4 ranks without
@@ -286,6 +308,7 @@ def _routed_initialize(*args, **kwargs):
         return original(*args, **kwargs)
     if from_accelerate:
         check_accelerate_layout(ds_config, bound.get("mpu"))
+        check_trainer_family(bound.get("model"), ds_config)
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         out = initialize(*args, **kwargs)

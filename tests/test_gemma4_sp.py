@@ -17,7 +17,7 @@ import math
 import pytest
 
 from dist_utils import result_or_raise, runs_per_degree
-from gemma4_cases import batch, reference, sp_step, tensor_errors
+from gemma4_cases import batch, build_gemma4, reference, sp_step, tensor_errors
 
 CFG = dict(k_eq_v=True, kv_shared=2)
 STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
@@ -59,6 +59,21 @@ def test_sp_degree_checked_against_every_layer_shape():
     with pytest.raises(ConfigError, match="heads_per_chunk"):
         bad = {**LC["untied"], "attention": {**LC["untied"]["attention"], "heads_per_chunk": 3}}
         build_spec(parse({"sequence_parallel_size": 2, "long_context": bad}), cfg)
+
+
+def test_the_trainer_route_refuses_gemma4_at_sp_above_1():
+    """Gemma 4 through Accelerate's route (HF Trainer / TRL) at SP > 1 is not exact yet (tests/test_trainer_families.py
+    says how): refused by name, the text model and the multimodal one alike; SP=1 and another family pass."""
+    from ds_longctx.errors import ConfigError
+    from ds_longctx.integration import check_trainer_family
+    from tiny_models import build, tiny_config
+
+    for multimodal in (False, True):
+        model = build_gemma4(multimodal=multimodal)
+        with pytest.raises(ConfigError, match="'gemma4_text' model through the HF Trainer.*ds_longctx.initialize"):
+            check_trainer_family(model, {"sequence_parallel_size": 2})
+        check_trainer_family(model, {"sequence_parallel_size": 1})
+    check_trainer_family(build(tiny_config(), seed=0), {"sequence_parallel_size": 2})
 
 
 def test_the_features_change_the_one_process_loss():
