@@ -3,7 +3,8 @@
 gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and
 SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
 (documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
-'untied_ulysses'. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
+'untied_ulysses'; the MoE hybrids (qwen3_5_moe, qwen3_next, lfm2_moe, granitemoehybrid) under the whole memory stack
+(offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss). Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
@@ -16,13 +17,14 @@ SEQ, VOCAB = 16, 64
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid", "kimi_linear",
-            "minimax")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "falcon_h1",
+            "granitemoehybrid", "kimi_linear", "minimax")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
-# the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
+# the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP (the MoE
+# blocks of qwen3_5_moe, qwen3_next, lfm2_moe and granitemoehybrid as a whole, in row tiles: models/moe.py), tiled loss
 STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
-         "tiled_loss": {"enabled": True, "shards": 2}}
+         "tiled_mlp": {"enabled": True, "shards": 2}, "tiled_loss": {"enabled": True, "shards": 2}}
 
 
 def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
@@ -36,6 +38,9 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
               linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if name == "qwen3_5":
         return tf.Qwen3_5TextConfig(**kw, head_dim=8)
+    if name == "qwen3_5_moe":  # Gated DeltaNet and full attention, both with the MoE block (a shared expert)
+        return tf.Qwen3_5MoeTextConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=24, shared_expert_intermediate_size=24)
     if name == "qwen3_next":
         return tf.Qwen3NextConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                   shared_expert_intermediate_size=24)
@@ -64,6 +69,11 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
         return tf.MiniMaxConfig(**kw, head_dim=8, block_size=4, num_local_experts=4, num_experts_per_tok=2,
                                 output_router_logits=False, initializer_range=0.2)
+    if name == "lfm2_moe":  # lfm2's layers, every MLP the MoE block (no first dense layers)
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.Lfm2MoeConfig(**dict(kw, layer_types=["conv", "full_attention"]), conv_bias=True, conv_L_cache=3,
+                                initializer_range=0.5, num_dense_layers=0, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=24)
     if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
         # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
@@ -134,6 +144,9 @@ def _worker(rank, world, cases):
                                           sample_order=[0, 1], lr=TRAINER_LR,
                                           output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}")
         state.reset()  # the engines below start as in a fresh process (Accelerate's SP groups and attention gone)
+    from ds_longctx.memory import get_memory_handle, tiling
+
+    real_tiles = tiling.TiledRowsFunction.apply
     for name, impl, packed in cases:
         lc = {"ulysses": ULYSSES, "untied": UNTIED, "untied+stack": {**UNTIED, **STACK}}[impl]
         model = build_hybrid(name)
@@ -141,25 +154,39 @@ def _worker(rank, world, cases):
                                            config=ds_config(3, world, lc))
         assert engine.module._ds_longctx_patch.mixers is not None
         before = full_params(engine.module)
-        loss = engine(**shard_batch(batch(packed), sp_rank(sp_group()), world)).loss
-        engine.backward(loss)
+        tiles = []  # (block class, tiles) of every tiled MLP call: forward, and its recompute under checkpointing
+        tiling.TiledRowsFunction.apply = lambda *a: tiles.append((type(a[2]).__name__, a[3])) or real_tiles(*a)
+        try:
+            loss = engine(**shard_batch(batch(packed), sp_rank(sp_group()), world)).loss
+            engine.backward(loss)
+        finally:
+            tiling.TiledRowsFunction.apply = real_tiles
         engine.step()
         after = full_params(engine.module)
+        memory = get_memory_handle(engine)  # None without the memory stack
+        tiled = sorted({type(m).__name__ for m in (memory.tiled_mlps if memory is not None else [])})
         engine.module._ds_longctx_patch.remove()
-        out[name, impl, packed] = (loss.item(), {n: after[n] - before[n] for n in after})
+        out[name, impl, packed] = (loss.item(), {n: after[n] - before[n] for n in after}, tiled, sorted(set(tiles)))
     return out
 
 
 SP_CASES = {  # one spawn per degree, side by side: every family under both paths, plain and packed
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
-        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
-        ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
+        ("qwen3_5_moe", "untied+stack", False), ("qwen3_5_moe", "untied+stack", True),
+        ("qwen3_next", "untied+stack", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
+        ("lfm2_moe", "untied+stack", True), ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
         ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True), ("kimi_linear", "untied", True),
         ("minimax", "ulysses", True)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
         ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
-        ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False)],
+        ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False),
+        ("qwen3_5_moe", "ulysses", True), ("lfm2_moe", "untied", False)],
 }  # kimi_linear under untied: its MLA layers at the attention-function level
+# under the memory stack, the MLPs tiled (2 row tiles of the shard's 16 rows in every forward and recompute): the
+# MoE blocks as a whole (models/moe.py), granite's shared MLP beside its MoE block by its forward (models/_common.py)
+TILED = {"qwen3_5": ["Qwen3_5MLP"], "qwen3_5_moe": ["Qwen3_5MoeSparseMoeBlock"],
+         "qwen3_next": ["Qwen3NextSparseMoeBlock"], "lfm2_moe": ["Lfm2MoeSparseMoeBlock"],
+         "granitemoehybrid": ["GraniteMoeHybridMLP", "GraniteMoeHybridMoE"]}
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +211,9 @@ def test_gated_deltanet_sp_equals_one_process(sp, sp_results, references):
         ref_loss, ref_deltas = references[name, packed]
         assert min(float(d.abs().max()) for d in ref_deltas.values()) > 0  # every parameter moves: the test can fail
         for rank_out in results:
-            loss, deltas = rank_out[case]
+            loss, deltas, tiled, tiles = rank_out[case]
+            want = TILED[name] if "stack" in case[1] else []
+            assert tiled == want and tiles == [(t, 2) for t in want], (case, tiled, tiles)
             assert math.isclose(loss, ref_loss, rel_tol=1e-6), (case, loss, ref_loss)
             for n, ref in ref_deltas.items():
                 torch.testing.assert_close(deltas[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
