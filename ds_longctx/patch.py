@@ -215,7 +215,9 @@ def _install_router_aux_loss(model, spec: LongContextSpec, handle: PatchHandle) 
         if tap.tile_probs is not None:  # router calls without autograd outside a tiled Function (eval)
             tap.probs.append(tap.tile_probs)
             tap.tile_probs = None
-        out.loss = out.loss + facts.coef * _sp_aux_loss(tap, out.loss.device, group, sp, grad_scale)
+        aux = _sp_aux_loss(tap, out.loss.device, group, sp, grad_scale)
+        out.loss = out.loss + facts.coef * aux
+        out.aux_loss = aux  # as HF's output carries it (TRL logs it); its value is the whole sequence's
         return out
 
     model.forward = types.MethodType(forward, model)

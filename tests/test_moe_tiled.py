@@ -214,6 +214,39 @@ def test_router_aux_loss_one_process_through_tiles(name):
             torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("checkpointing", ["transformers", "ds_longctx"])
+def test_router_aux_loss_under_checkpointing_without_tiles(checkpointing):
+    """The router tap inside a checkpointed layer whose MLP is not tiled (HF's gradient checkpointing: TRL's default;
+    or ours with tiled_mlp off): the recompute in backward saves what the forward saved (torch.utils.checkpoint
+    counts them; before, backward stopped with a CheckpointError), and loss, aux_loss and gradients are HF's."""
+    from ds_longctx.config import parse
+    from tiny_models import patch
+
+    b = batch("plain")
+    ref = build_moe("minimax_m2", **AUX)
+    ref.gradient_checkpointing_enable()
+    ref_out = ref(**b, use_cache=False)
+    ref_out.loss.backward()
+    model = build_moe("minimax_m2", **AUX)
+    lc = {"attention": {"implementation": "none"}}
+    if checkpointing == "ds_longctx":
+        lc["activation_checkpointing"] = {"enabled": True}
+    else:
+        model.gradient_checkpointing_enable()
+    handle = patch(model, parse({"long_context": lc}))
+    try:
+        out = model(**b, use_cache=False)
+        out.loss.backward()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, rtol=1e-6, atol=1e-6)  # carried, as HF's (TRL logs it)
+    grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        if grads[n].grad is not None:
+            torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_router_aux_loss_with_another_balancing_function_is_refused(monkeypatch):
     """A load-balancing function other than Mixtral's (the one reproduced per shard): ConfigError naming the key."""
     import transformers.models.granitemoe.modeling_granitemoe as gm
