@@ -199,10 +199,10 @@ TILED = {"qwen3_5": ["Qwen3_5MLP"], "qwen3_5_moe": ["Qwen3_5MoeSparseMoeBlock"],
 # TRL SFTTrainer with packing (padding-free rows of the 5/10/16-token samples, at most 16 tokens: documents cross
 # the SP=2 shard edge), 2 steps of SGD, at SP=2 (ulysses) against TRL's one-process run
 TRL_FAMILIES = ("qwen3_5", "falcon_h1", "lfm2", "kimi_linear", "minimax")
-# router_aux_loss_coef 0: TRL would turn minimax's router auxiliary loss on, and under SP the 15-token row's padding
-# token (the SP loader pads it to 16 with an ignored document) enters the load-balancing sums, which one process
-# does not count (measured: the router weight's delta off by 1.3e-4 relative; the losses equal): not fixed yet
-TRL_RUN = dict(steps=2, seq_len=SEQ, samples=8, lr=0.05, router_aux_loss_coef=0.0)
+# minimax: TRL turns its router auxiliary loss on (the model's coefficient); the 15-token row is padded to 16 by the
+# SP loader with an ignored document, which the load-balancing sums must not count (shard_batch's doc_real_tokens:
+# without it the router weight's delta was off by 1.3e-4 relative, the losses equal)
+TRL_RUN = dict(steps=2, seq_len=SEQ, samples=8, lr=0.05)
 
 
 def per_document(model):

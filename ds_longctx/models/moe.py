@@ -215,7 +215,8 @@ class RouterTap:
     (with its graph) to ``probs``; a call inside a tiled MLP forward (no autograd) adds to ``tile_probs`` instead,
     detached: the tiled Function returns that sum as an output and, in its backward, recomputes each tile with
     ``backward_grad`` set, when the hook backpropagates the tile's sum with that gradient (memory.tiling).
-    ``weights``: the flat row weights (the 2-D attention mask of the shard) or None. ``rows_at``: the first row of the
+    ``weights``: the flat row weights (the 2-D attention mask of the shard) or None, kept after the loss forward
+    for its backward's recomputes (a tile's, a checkpointed layer's: the same weighted sums). ``rows_at``: the first row of the
     call in the flat [batch * seq] rows (a tile's offset)."""
 
     def __init__(self, facts: AuxLossFacts):
