@@ -6,7 +6,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .batch import BATCH_KEY, LENS_KEY, document_structure, mask_padding_targets
+from .batch import BATCH_KEY, LENS_KEY, REAL_KEY, document_structure, mask_padding_targets
 from .errors import BatchError, ConfigError
 from .loss import IGNORE_INDEX, shift_labels_of
 
@@ -61,6 +61,8 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
     out["position_ids"] = pos[:, sl].clone(memory_format=torch.contiguous_format).to(input_ids.device)
     out["shift_labels"] = shift[:, sl].clone(memory_format=torch.contiguous_format)
     out[BATCH_KEY] = cu
+    if any(n < seq for n in n_real):  # the padded tail is a document; the router's auxiliary loss must not count it
+        out[REAL_KEY] = torch.tensor(n_real, dtype=torch.long)
     for k, v in batch.items():  # pass through anything else (e.g. per-sample metadata)
         if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", LENS_KEY):
             out[k] = v

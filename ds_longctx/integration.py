@@ -511,14 +511,15 @@ def _sp_compute_loss(accelerator, model, inputs, return_outputs, pc, *args, **kw
     outputs = model(**inputs)
     loss = outputs.loss
     if fused:
-        outputs = _trl_metrics_output(loss, inputs)
+        outputs = _trl_metrics_output(loss, inputs, getattr(outputs, "aux_loss", None))
     return (loss, outputs) if return_outputs else loss
 
 
-def _trl_metrics_output(loss, inputs):
-    """What TRL's SFTTrainer reads after the loss (label_mask, entropy, is_top1). ds_longctx computes
-    the loss without per-token log-probabilities, so entropy and token accuracy are NaN (not computed)
-    rather than invented; the loss and training are unaffected."""
+def _trl_metrics_output(loss, inputs, aux_loss=None):
+    """What TRL's SFTTrainer reads after the loss (label_mask, entropy, is_top1, aux_loss: the router auxiliary
+    loss an MoE model's output carries, logged by TRL). ds_longctx computes the loss without per-token
+    log-probabilities, so entropy and token accuracy are NaN (not computed) rather than invented; the loss and
+    training are unaffected."""
     import types
 
     import torch
@@ -527,4 +528,4 @@ def _trl_metrics_output(loss, inputs):
     mask = labels != IGNORE_INDEX
     nan = torch.full(mask.shape, float("nan"), device=mask.device)
     return types.SimpleNamespace(loss=loss, label_mask=mask, entropy=nan, is_top1=nan, log_probs=None,
-                                 aux_loss=None)
+                                 aux_loss=aux_loss)

@@ -19,6 +19,7 @@ from .attention import registry
 from .attention.hf import install_untied
 from .attention.mixers import install_mixers
 from .attention.ulysses import install_ulysses
+from .batch import REAL_KEY
 from .compat import causal_lm_output, fused_lm_head_output
 from .errors import BatchError, ConfigError
 from .loss import causal_lm_loss_sum, shift_labels_of
@@ -205,17 +206,26 @@ def _install_router_aux_loss(model, spec: LongContextSpec, handle: PatchHandle) 
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2):
             raise BatchError("batch.attention_mask", "is not a 2-D padding mask, and the router auxiliary loss weights "
                               "its sums by one", "feed 2-D padding masks (or none) with output_router_logits")
+        real = kwargs.get(REAL_KEY)
+        if mask is None and real is not None:  # shard_batch dropped the caller's padding mask: this shard's part of it
+            rows = next(t for t in (kwargs.get("input_ids"), kwargs.get("shift_labels"), kwargs.get("labels"))
+                        if t is not None)
+            start = (dist.get_rank(group) if group is not None and sp > 1 else 0) * rows.shape[1]
+            mask = (torch.arange(start, start + rows.shape[1]) < real.reshape(-1, 1).cpu()).long()
         tap.reset()
         tap.weights = None if mask is None else mask.reshape(-1)
         tap.active = True
         try:  # HF's own recorder off: it would keep every router call's logits (tiles and probe included)
             out = inner(**kwargs, output_router_logits=False)
-        finally:
-            tap.active, tap.weights = False, None
+        finally:  # the weights stay until the next loss forward: the backward's recomputes (a tile's, a
+            # checkpointed layer's) build the same weighted sums as this forward
+            tap.active = False
         if tap.tile_probs is not None:  # router calls without autograd outside a tiled Function (eval)
             tap.probs.append(tap.tile_probs)
             tap.tile_probs = None
-        out.loss = out.loss + facts.coef * _sp_aux_loss(tap, out.loss.device, group, sp, grad_scale)
+        aux = _sp_aux_loss(tap, out.loss.device, group, sp, grad_scale)
+        out.loss = out.loss + facts.coef * aux
+        out.aux_loss = aux  # as HF's output carries it (TRL logs it); its value is the whole sequence's
         return out
 
     model.forward = types.MethodType(forward, model)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .attention.documents import DOCS_KWARG, Documents, no_mask
-from .batch import (BATCH_KEY, LENS_KEY, custom_mask_error, document_structure, mask_padding_targets,
+from .batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, document_structure, mask_padding_targets,
                     token_input)
 from .comm import all_gather_ints, control_plane, sp_rank
 from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
@@ -263,6 +263,7 @@ def install_document_forward(model, spec) -> None:
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, shift_labels=None,
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
+        kwargs.pop(REAL_KEY, None)  # read by the router auxiliary loss's wrapper (patch.py), where there is one
         doc_lens = kwargs.pop(LENS_KEY, None)
         docs = None
         global_len = None

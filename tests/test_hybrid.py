@@ -3,7 +3,8 @@
 gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and
 SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
 (documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
-'untied_ulysses'. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
+'untied_ulysses'; the MoE hybrids (qwen3_5_moe, qwen3_next, lfm2_moe, granitemoehybrid) under the whole memory stack
+(offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss). Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
@@ -16,13 +17,14 @@ SEQ, VOCAB = 16, 64
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
-FAMILIES = ("qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "falcon_h1", "granitemoehybrid", "kimi_linear",
-            "minimax")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "falcon_h1",
+            "granitemoehybrid", "kimi_linear", "minimax")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
-# the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP, tiled loss
+# the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP (the MoE
+# blocks of qwen3_5_moe, qwen3_next, lfm2_moe and granitemoehybrid as a whole, in row tiles: models/moe.py), tiled loss
 STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
-         "tiled_loss": {"enabled": True, "shards": 2}}
+         "tiled_mlp": {"enabled": True, "shards": 2}, "tiled_loss": {"enabled": True, "shards": 2}}
 
 
 def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
@@ -36,6 +38,9 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
               linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if name == "qwen3_5":
         return tf.Qwen3_5TextConfig(**kw, head_dim=8)
+    if name == "qwen3_5_moe":  # Gated DeltaNet and full attention, both with the MoE block (a shared expert)
+        return tf.Qwen3_5MoeTextConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                       moe_intermediate_size=24, shared_expert_intermediate_size=24)
     if name == "qwen3_next":
         return tf.Qwen3NextConfig(**kw, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                                   shared_expert_intermediate_size=24)
@@ -64,6 +69,11 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
         return tf.MiniMaxConfig(**kw, head_dim=8, block_size=4, num_local_experts=4, num_experts_per_tok=2,
                                 output_router_logits=False, initializer_range=0.2)
+    if name == "lfm2_moe":  # lfm2's layers, every MLP the MoE block (no first dense layers)
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
+        return tf.Lfm2MoeConfig(**dict(kw, layer_types=["conv", "full_attention"]), conv_bias=True, conv_L_cache=3,
+                                initializer_range=0.5, num_dense_layers=0, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=24)
     if name == "lfm2":  # a gated short conv (channels are heads) and full attention; a larger init, so that the
         # conv's cubic product B * conv(x) * C changes the loss visibly (test_references_see_documents...)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
@@ -133,7 +143,17 @@ def _worker(rank, world, cases):
         out["trainer"] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ, samples=2,
                                           sample_order=[0, 1], lr=TRAINER_LR,
                                           output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}")
-        state.reset()  # the engines below start as in a fresh process (Accelerate's SP groups and attention gone)
+        state.reset()  # the next run starts as in a fresh process (Accelerate's SP groups and attention gone)
+        import trl_sft
+
+        for name in TRL_FAMILIES:  # TRL SFTTrainer, packed padding-free rows through ds_longctx's SP loader
+            trl_sft.tiny_model = lambda seed=0, name=name: build_hybrid(name, seed)
+            out["trl", name] = trl_sft.train(sp=2, record_params=True, output_dir=f"/tmp/ds_longctx_test_hybrid_trl{rank}",
+                                             **TRL_RUN)
+            state.reset()
+    from ds_longctx.memory import get_memory_handle, tiling
+
+    real_tiles = tiling.TiledRowsFunction.apply
     for name, impl, packed in cases:
         lc = {"ulysses": ULYSSES, "untied": UNTIED, "untied+stack": {**UNTIED, **STACK}}[impl]
         model = build_hybrid(name)
@@ -141,32 +161,97 @@ def _worker(rank, world, cases):
                                            config=ds_config(3, world, lc))
         assert engine.module._ds_longctx_patch.mixers is not None
         before = full_params(engine.module)
-        loss = engine(**shard_batch(batch(packed), sp_rank(sp_group()), world)).loss
-        engine.backward(loss)
+        tiles = []  # (block class, tiles) of every tiled MLP call: forward, and its recompute under checkpointing
+        tiling.TiledRowsFunction.apply = lambda *a: tiles.append((type(a[2]).__name__, a[3])) or real_tiles(*a)
+        try:
+            loss = engine(**shard_batch(batch(packed), sp_rank(sp_group()), world)).loss
+            engine.backward(loss)
+        finally:
+            tiling.TiledRowsFunction.apply = real_tiles
         engine.step()
         after = full_params(engine.module)
+        memory = get_memory_handle(engine)  # None without the memory stack
+        tiled = sorted({type(m).__name__ for m in (memory.tiled_mlps if memory is not None else [])})
         engine.module._ds_longctx_patch.remove()
-        out[name, impl, packed] = (loss.item(), {n: after[n] - before[n] for n in after})
+        out[name, impl, packed] = (loss.item(), {n: after[n] - before[n] for n in after}, tiled, sorted(set(tiles)))
     return out
 
 
 SP_CASES = {  # one spawn per degree, side by side: every family under both paths, plain and packed
     2: [("qwen3_5", "ulysses", False), ("qwen3_5", "ulysses", True), ("qwen3_5", "untied+stack", True),
-        ("qwen3_next", "untied", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
-        ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
+        ("qwen3_5_moe", "untied+stack", False), ("qwen3_5_moe", "untied+stack", True),
+        ("qwen3_next", "untied+stack", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
+        ("lfm2_moe", "untied+stack", True), ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
         ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True), ("kimi_linear", "untied", True),
         ("minimax", "ulysses", True)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
         ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
-        ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False)],
+        ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False),
+        ("qwen3_5_moe", "ulysses", True), ("lfm2_moe", "untied", False)],
 }  # kimi_linear under untied: its MLA layers at the attention-function level
+# under the memory stack, the MLPs tiled (2 row tiles of the shard's 16 rows in every forward and recompute): the
+# MoE blocks as a whole (models/moe.py), granite's shared MLP beside its MoE block by its forward (models/_common.py)
+TILED = {"qwen3_5": ["Qwen3_5MLP"], "qwen3_5_moe": ["Qwen3_5MoeSparseMoeBlock"],
+         "qwen3_next": ["Qwen3NextSparseMoeBlock"], "lfm2_moe": ["Lfm2MoeSparseMoeBlock"],
+         "granitemoehybrid": ["GraniteMoeHybridMLP", "GraniteMoeHybridMoE"]}
+
+
+# TRL SFTTrainer with packing (padding-free rows of the 5/10/16-token samples, at most 16 tokens: documents cross
+# the SP=2 shard edge), 2 steps of SGD, at SP=2 (ulysses) against TRL's one-process run
+TRL_FAMILIES = ("qwen3_5", "falcon_h1", "lfm2", "kimi_linear", "minimax")
+# minimax: TRL turns its router auxiliary loss on (the model's coefficient); the 15-token row is padded to 16 by the
+# SP loader with an ignored document, which the load-balancing sums must not count (shard_batch's doc_real_tokens:
+# without it the router weight's delta was off by 1.3e-4 relative, the losses equal)
+TRL_RUN = dict(steps=2, seq_len=SEQ, samples=8, lr=0.05)
+
+
+def per_document(model):
+    """``model`` whose decoder runs every document of a packed row (position_ids restarting at 0) alone and
+    concatenates the hidden states: what a packed row means, in HF's own code (transformers' torch references of
+    these layers carry the state across documents). lm_head and the loss stay HF's."""
+    decoder = model.model
+    real = decoder.forward
+
+    def forward(input_ids=None, position_ids=None, **kwargs):
+        starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [input_ids.shape[1]]
+        assert position_ids.shape[0] == 1 and starts[0] == 0, position_ids
+        model.documents.append(tuple(b - a for a, b in zip(starts, starts[1:])))
+        outs = [real(input_ids=input_ids[:, a:b], position_ids=position_ids[:, a:b], use_cache=False,
+                     **{k: v for k, v in kwargs.items() if k == "output_router_logits"})
+                for a, b in zip(starts, starts[1:]) if b > a]
+        outs[0].last_hidden_state = torch.cat([o.last_hidden_state for o in outs], dim=1)
+        if getattr(outs[0], "router_logits", None) is not None:  # MoE (TRL asks for the router auxiliary loss):
+            # every document's router logits, as the whole row's [tokens, experts] per layer
+            outs[0].router_logits = tuple(torch.cat(layer, dim=0) for layer in zip(*[o.router_logits for o in outs]))
+        return outs[0]
+
+    decoder.forward, model.documents = forward, []  # documents: the lengths, per forward
+    return model
+
+
+def _trl_reference(rank, world):
+    """One process, no ds_longctx: TRL's run of every TRL family, its documents alone (per_document)."""
+    import trl_sft
+    from eco_cases import ProcessState
+
+    state, out = ProcessState(), {}
+    for name in TRL_FAMILIES:
+        models = []
+        trl_sft.tiny_model = lambda seed=0, name=name: models.append(per_document(build_hybrid(name, seed))) or \
+            models[-1]
+        out[name] = trl_sft.train(sp=1, use_ds_longctx=False, record_params=True,
+                                  output_dir="/tmp/ds_longctx_test_hybrid_trl_ref", **TRL_RUN)
+        out[name]["documents"] = models[0].documents
+        state.reset()
+    return out
 
 
 @pytest.fixture(scope="module")
 def sp_results():
     sps = sorted(SP_CASES)
-    runs = run_distributed_side_by_side(*[(_worker, sp, SP_CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    runs = run_distributed_side_by_side(*[(_worker, sp, SP_CASES[sp]) for sp in sps], (_trl_reference, 1),
+                                        return_exceptions=True)
+    return dict(zip(sps + ["trl_reference"], runs))
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +269,9 @@ def test_gated_deltanet_sp_equals_one_process(sp, sp_results, references):
         ref_loss, ref_deltas = references[name, packed]
         assert min(float(d.abs().max()) for d in ref_deltas.values()) > 0  # every parameter moves: the test can fail
         for rank_out in results:
-            loss, deltas = rank_out[case]
+            loss, deltas, tiled, tiles = rank_out[case]
+            want = TILED[name] if "stack" in case[1] else []
+            assert tiled == want and tiles == [(t, 2) for t in want], (case, tiled, tiles)
             assert math.isclose(loss, ref_loss, rel_tol=1e-6), (case, loss, ref_loss)
             for n, ref in ref_deltas.items():
                 torch.testing.assert_close(deltas[n], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
@@ -354,3 +441,26 @@ def test_kimi_linear_runs_under_both_paths_and_fused_is_refused():
                                                                            "fuse_projections": True}}})
     e = config_error(check_against, lc, hybrid_config("kimi_linear"), world_size=2)
     assert e.startswith("long_context.attention.fuse_projections: architecture 'kimi_linear' has no fused"), e
+
+@pytest.mark.distributed
+def test_trl_sft_packed_trains_hybrid_families_at_sp2(sp_results):
+    """TRL SFTTrainer + enable() with packing at SP=2 trains like TRL's one-process run with each document alone:
+    per-step losses and parameter deltas, for each family of TRL_FAMILIES (one spawn)."""
+    from eco_cases import delta_errors, deltas
+
+    refs = result_or_raise(sp_results["trl_reference"])[0]
+    failures = []
+    for name in TRL_FAMILIES:
+        ref = refs[name]
+        assert len(ref["losses"]) == TRL_RUN["steps"] and all(d.abs().max() > 0 for d in deltas(ref).values()), name
+        assert ref["documents"][0] == (10, 5), ref["documents"]  # step 1's row: two documents, the first crossing 8
+        for rank_out in result_or_raise(sp_results[2]):
+            got = rank_out["trl", name]
+            assert got["inputs"] != [] and len(got["losses"]) == len(ref["losses"]), (name, got["losses"])
+            if not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got["losses"], ref["losses"])):
+                failures.append((name, got["losses"], ref["losses"]))
+            errs, _ = delta_errors(ref, got)
+            worst = max(errs, key=errs.get)
+            if errs[worst] > 1e-5:
+                failures.append((name, worst, errs[worst]))
+    assert not failures, failures

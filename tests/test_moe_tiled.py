@@ -7,7 +7,7 @@ import torch
 
 from arch_cases import isclose, max_delta_error
 from dist_utils import result_or_raise, run_distributed_side_by_side
-from moe_cases import AUX, batch, build_moe, reference, sp_step
+from moe_cases import AUX, SEQ, batch, build_moe, reference, sp_step
 
 # PhiMoE is not here: its sparse mixer samples experts in training (refused below, tiled in eval)
 FAMILIES = ("glm4_moe", "deepseek_v3", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "granitemoe",
@@ -209,6 +209,78 @@ def test_router_aux_loss_one_process_through_tiles(name):
     grads, without = dict(ref.named_parameters()), dict(plain.named_parameters())
     router = [n for n in grads if "gate.weight" in n and "proj" not in n and "shared" not in n]
     assert router and all(not torch.allclose(grads[n].grad, without[n].grad) for n in router), router
+    for n, p in model.named_parameters():
+        if grads[n].grad is not None:
+            torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("checkpointing", ["transformers", "ds_longctx"])
+def test_router_aux_loss_under_checkpointing_without_tiles(checkpointing):
+    """The router tap inside a checkpointed layer whose MLP is not tiled (HF's gradient checkpointing: TRL's default;
+    or ours with tiled_mlp off): the recompute in backward saves what the forward saved (torch.utils.checkpoint
+    counts them; before, backward stopped with a CheckpointError), and loss, aux_loss and gradients are HF's."""
+    from ds_longctx.config import parse
+    from tiny_models import patch
+
+    b = batch("plain")
+    ref = build_moe("minimax_m2", **AUX)
+    ref.gradient_checkpointing_enable()
+    ref_out = ref(**b, use_cache=False)
+    ref_out.loss.backward()
+    model = build_moe("minimax_m2", **AUX)
+    lc = {"attention": {"implementation": "none"}}
+    if checkpointing == "ds_longctx":
+        lc["activation_checkpointing"] = {"enabled": True}
+    else:
+        model.gradient_checkpointing_enable()
+    handle = patch(model, parse({"long_context": lc}))
+    try:
+        out = model(**b, use_cache=False)
+        out.loss.backward()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, rtol=1e-6, atol=1e-6)  # carried, as HF's (TRL logs it)
+    grads = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        if grads[n].grad is not None:
+            torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_router_aux_loss_leaves_out_the_padding_shard_batch_drops(stack):
+    """A right-padded sample through shard_batch (its attention_mask becomes an ignored tail document): the router
+    auxiliary loss weights the padding out as HF does with the mask (shard_batch's doc_real_tokens); counting the
+    padded rows (the batch without it) gives another loss, so the test can fail. ``stack``: MoE blocks in 3 row
+    tiles inside checkpointed layers: the backward's tile recomputes weight their sums as the forward did."""
+    from ds_longctx.batch import REAL_KEY
+    from ds_longctx.config import parse
+    from ds_longctx.data import shard_batch
+    from tiny_models import patch
+
+    b = batch("plain")
+    mask = torch.ones_like(b["input_ids"])
+    mask[:, -3:] = 0
+    b["labels"][:, -3:] = -100  # no targets on the padding (shard_batch ignores them itself)
+    ref = build_moe("minimax_m2", **AUX)
+    ref_loss = ref(**b, attention_mask=mask, use_cache=False).loss
+    ref_loss.backward()
+    model = build_moe("minimax_m2", **AUX)
+    lc = {"attention": {"implementation": "none"}}
+    if stack:
+        lc.update(activation_checkpointing={"enabled": True}, tiled_mlp={"enabled": True, "shards": 3})
+    handle = patch(model, parse({"long_context": lc}))
+    try:
+        sharded = shard_batch(dict(b, attention_mask=mask), 0, 1)
+        assert sharded[REAL_KEY].tolist() == [SEQ - 3]
+        counted = model(**{k: v for k, v in sharded.items() if k != REAL_KEY}).loss.item()
+        loss = model(**sharded).loss
+        loss.backward()
+    finally:
+        handle.remove()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert abs(counted - ref_loss.item()) > 1e-4, (counted, ref_loss.item())
+    grads = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         if grads[n].grad is not None:
             torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)

@@ -16,6 +16,8 @@ order differs), ``refused`` (a ds_longctx ConfigError: one clear message naming 
 transformers itself cannot build or run are counted apart (``skipped``, with the reason).
 
     python tools/arch_sweep.py [--only llama,gemma2] [--out bench/results/arch_sweep.json] [--time-limit 600]
+    python tools/arch_sweep.py --sp 2 --attention ulysses --only qwen3_5,lfm2 --merge \
+        --out bench/results/arch_sweep_sp2_ulysses.json     # rerun these types, the file's other rows kept
 """
 from __future__ import annotations
 
@@ -244,6 +246,8 @@ def main(argv=None):
                     help="'none': transformers' attention; 'untied': ds_longctx's own (untied, fuse_projections 'auto'); "
                     "'ulysses': DeepSpeed's Ulysses (needs --sp 2 or more)")
     ap.add_argument("--sp", type=int, default=1, help="sequence-parallel degree: that many processes (gloo)")
+    ap.add_argument("--merge", action="store_true", help="with --only: replace those types' rows in the existing "
+                    "--out file (the others kept, the summary recounted, the run listed under 'updates')")
     a = ap.parse_args(argv)
     if a.sp > 1 and not torch.distributed.is_initialized():
         return _spawn(a, argv)
@@ -301,6 +305,12 @@ def main(argv=None):
 
     if _GROUP[0] is not None and torch.distributed.get_rank() != 0:
         return results
+    record, ran = None, dict(results)
+    if a.merge and a.out and os.path.exists(a.out):  # this run's types replace theirs; every other row is kept
+        with open(a.out) as f:
+            record = json.load(f)
+        results = dict(record["results"], **results)
+        types = sorted(results)
     summary = {"transformers": transformers.__version__, "torch": torch.__version__, "types": len(types),
                "attention": a.attention, "sequence_parallel_size": a.sp,
                "full_stack": count("full_stack"), "final (after applying each refusal's memory-feature fix)":
@@ -308,12 +318,20 @@ def main(argv=None):
     print(json.dumps(summary, indent=1))
     if a.out:
         os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        command = "python " + " ".join(sys.argv)
+        if record is not None:
+            summary["seconds"] = record["summary"].get("seconds")  # the full run's; this update's is under updates
+            record.setdefault("updates", []).append({"command": command, "date": time.strftime("%Y-%m-%d"),
+                                                     "types": sorted(ran), "seconds": round(time.time() - start, 1)})
+            record.update(summary=summary, results=results)
+        else:
+            record = {"what": f"tools/arch_sweep.py: every transformers causal-LM type through ds_longctx at "
+                              f"SP={a.sp} (attention {a.attention}, full memory stack) vs HF's own loss and "
+                              "gradients (one process)", "command": command,
+                      "machine": "2-core x86_64 CPU VM", "date": time.strftime("%Y-%m-%d"),
+                      "summary": summary, "results": results}
         with open(a.out, "w") as f:
-            json.dump({"what": f"tools/arch_sweep.py: every transformers causal-LM type through ds_longctx at "
-                               f"SP={a.sp} (attention {a.attention}, full memory stack) vs HF's own loss and "
-                               "gradients (one process)", "command": "python " + " ".join(sys.argv),
-                       "machine": "2-core x86_64 CPU VM", "date": time.strftime("%Y-%m-%d"),
-                       "summary": summary, "results": results}, f, indent=1, default=str)
+            json.dump(record, f, indent=1, default=str)
     return results
 
 

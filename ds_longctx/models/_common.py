@@ -243,6 +243,8 @@ _MLP_FORMS = (
     MlpForm("phi", "PhiMLP", ("fc1", "fc2"), "activation_fn"),                        # fc2(act(fc1(x)))
     MlpForm("seed_oss", "SeedOssMLP", ("gate_proj", "up_proj", "down_proj"), "act_fn", "residual_dropout"),
     MlpForm("starcoder2", "Starcoder2MLP", ("c_fc", "c_proj"), "act", "residual_dropout"),
+    # out(act(x1) * x2), x1|x2 = in(x): Granite-4's shared MLP beside its MoE block (granitemoehybrid's too)
+    MlpForm("granitemoeshared", "GraniteMoeSharedMLP", ("input_linear", "output_linear"), "activation"),
 )
 
 

@@ -215,7 +215,8 @@ class RouterTap:
     (with its graph) to ``probs``; a call inside a tiled MLP forward (no autograd) adds to ``tile_probs`` instead,
     detached: the tiled Function returns that sum as an output and, in its backward, recomputes each tile with
     ``backward_grad`` set, when the hook backpropagates the tile's sum with that gradient (memory.tiling).
-    ``weights``: the flat row weights (the 2-D attention mask of the shard) or None. ``rows_at``: the first row of the
+    ``weights``: the flat row weights (the 2-D attention mask of the shard) or None, kept after the loss forward
+    for its backward's recomputes (a tile's, a checkpointed layer's: the same weighted sums). ``rows_at``: the first row of the
     call in the flat [batch * seq] rows (a tile's offset)."""
 
     def __init__(self, facts: AuxLossFacts):
@@ -226,6 +227,7 @@ class RouterTap:
         self.rows_at = 0
         self.backward_grad = None
         self.pending = []
+        self.took = {}  # router module -> whether its last forward call built sums with autograd (see hook)
         self.reset()
 
     def reset(self):
@@ -260,10 +262,20 @@ class RouterTap:
             logits = output[self.facts.index].reshape(-1, self.facts.num_experts)
             self.pending.append((self._sums(logits)[1], self.backward_grad))
             return
+        if torch._C._current_graph_task_id() != -1:
+            # inside backward: a checkpointed layer's recompute (HF's gradient checkpointing, TRL's default, or
+            # ours without tiled MLP). It must save the tensors its forward saved (torch.utils.checkpoint compares
+            # their count), so the sums are built again where the forward built them with autograd, and dropped:
+            # the forward's are the ones in the loss
+            if self.took.get(module) and torch.is_grad_enabled():
+                self._sums(output[self.facts.index].reshape(-1, self.facts.num_experts))
+            return
+        self.took[module] = False
         if not self.active:
             return
         logits = output[self.facts.index].reshape(-1, self.facts.num_experts)
         counts, probs, rows = self._sums(logits)
+        self.took[module] = bool(torch.is_grad_enabled() and probs.requires_grad)
         self.counts += counts
         self.rows += rows
         if torch.is_grad_enabled() and probs.requires_grad:

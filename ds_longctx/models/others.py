@@ -8,7 +8,7 @@ token (top-k of the token's own router logits, no capacity limit), so tiling the
 shared expert and its sigmoid gate are per token too. Qwen3-MoE and OLMoE: the same routing (their router and
 experts are Mixtral's code, no shared expert, no jitter). Their blocks unpack [batch, seq, hidden].
 Every other MLP running one of the reference forwards of ``_common._MLP_FORMS`` verbatim (LlamaMLP's, Phi3MLP's,
-NemotronMLP's, PhiMLP's, SeedOssMLP's, Starcoder2MLP's) is recognised by its source (models.pointwise_mlp_form),
+NemotronMLP's, PhiMLP's, SeedOssMLP's, Starcoder2MLP's, GraniteMoeSharedMLP's) is recognised by its source (models.pointwise_mlp_form),
 without an entry here."""
 from ._common import Architecture
 
