@@ -104,19 +104,23 @@ def run(cmd, log):
     return time.time() - t0
 
 
-def cells(path):
+def by_length(path):
+    """Per document length: exact match, token accuracy and answer log-likelihood, means over depths and samples."""
     with open(path) as f:
-        rep = json.load(f)
-    return {str(c["length"]): round(sum(x["accuracy"] for x in rep["cells"] if x["length"] == c["length"])
-                                    / sum(1 for x in rep["cells"] if x["length"] == c["length"]), 3)
-            for c in rep["cells"]}
+        rows = json.load(f)["results"]
+    out = {}
+    for n in sorted({r["length"] for r in rows}):
+        mine = [r for r in rows if r["length"] == n]
+        out[str(n)] = {k: round(sum(float(r[k]) for r in mine) / len(mine), 3)
+                       for k in ("exact_match", "token_accuracy", "logprob")}
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/extend_demo", help="work directory (default /tmp/extend_demo)")
-    p.add_argument("--steps1", type=int, default=300, help="stage 1 steps at 256 tokens (default 300)")
-    p.add_argument("--steps2", type=int, default=100, help="stage 2 steps at 1024 tokens (default 100)")
+    p.add_argument("--steps1", type=int, default=1500, help="stage 1 steps at 256 tokens (default 1500)")
+    p.add_argument("--steps2", type=int, default=150, help="stage 2 steps at 1024 tokens (default 150)")
     p.add_argument("--micro-batch", type=int, default=8, help="samples per step (default 8)")
     p.add_argument("--scaling", default="linear:4", help="stage 2's --rope-scaling (default linear:4)")
     p.add_argument("--samples", type=int, default=4, help="needle documents per cell (default 4)")
@@ -165,12 +169,12 @@ def main(argv=None):
     times = {name: round(run(cmd, o(f"{name}.log"))) for name, cmd in steps}
     summary = {"seconds": times, "steps1": a.steps1, "steps2": a.steps2, "scaling": a.scaling,
                "micro_batch": a.micro_batch, "samples_per_cell": a.samples,
-               "accuracy_by_length": {n: cells(o(f"{n}.json")) for n in ("needle_before", "needle_before_scaled",
-                                                                          "needle_after")},
+               "by_length": {n: by_length(o(f"{n}.json")) for n in ("needle_before", "needle_before_scaled",
+                                                                   "needle_after")},
                "commands": {name: " ".join(cmd) for name, cmd in steps}}
     with open(o("summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps(summary["accuracy_by_length"], indent=1))
+    print(json.dumps(summary["by_length"], indent=1))
     if a.results:
         dst = os.path.join(HERE, "results")
         for n in ("needle_before", "needle_before_scaled", "needle_after"):
