@@ -677,6 +677,23 @@ for _point in ("before_file1", "after_file1", "before_file2", "after_file2", "af
 
 
 # ---- issue 29: a run of days (preemption, a full disk during a save, one run per save directory) -----------------
+
+def _stop_verdict(rc, out, wall, orphans, metrics, ck, wrong, said) -> dict:
+    """A preemption case's outcome: hang / orphan / raw trace / wrong (``wrong(rc, out)``, or the last trained step not
+    saved as ``latest``, or no "stopped after step N" line) / clear; ``said``: the clear line's words after the step."""
+    last = json.loads(open(metrics).read().splitlines()[-1])["step"]
+    latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else None
+    res = dict(rc=rc, exit_s=wall, last_step=last, latest=latest)
+    if rc is None or orphans:
+        res.update(outcome="hang" if rc is None else "orphan", detail=f"orphans {orphans}", tail=out[-2000:])
+    elif any(m in out for m in RAW_MARKS):
+        res.update(outcome="raw", detail=next(m for m in RAW_MARKS if m in out), tail=out[-2000:])
+    elif wrong(rc, out) or latest != f"step{last}" or f"stopped after step {last} on" not in out:
+        res.update(outcome="wrong", detail=f"exit {rc}, latest {latest}, last step {last}", tail=out[-2000:])
+    else:
+        res.update(outcome="clear", detail=f"saved step {last} {said} {wall} s after the signal".replace(" ,", ","))
+    return res
+
 def _preempt_case(name, sig, ranks, note):
     """Training with --save, ``sig`` sent to ``ranks`` ('all': as SLURM's --signal does): every rank finishes the
     same step, saves it, exits 0; 'latest' names that step, nothing left running."""
@@ -692,19 +709,8 @@ def _preempt_case(name, sig, ranks, note):
         t0 = time.monotonic()
         rc, out = finish(p, TIMEOUT_S)
         wall = round(time.monotonic() - t0, 1)
-        orphans = orphans_after(d)
-        last = json.loads(open(metrics).read().splitlines()[-1])["step"]
-        latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else None
-        res = dict(rc=rc, exit_s=wall, last_step=last, latest=latest)
-        if rc is None or orphans:
-            res.update(outcome="hang" if rc is None else "orphan", detail=f"orphans {orphans}", tail=out[-2000:])
-        elif any(m in out for m in RAW_MARKS):
-            res.update(outcome="raw", detail=next(m for m in RAW_MARKS if m in out), tail=out[-2000:])
-        elif rc != 0 or latest != f"step{last}" or f"stopped after step {last} on" not in out:
-            res.update(outcome="wrong", detail=f"exit {rc}, latest {latest}, last step {last}", tail=out[-2000:])
-        else:
-            res.update(outcome="clear", detail=f"saved step {last} and exited 0 {wall} s after the signal")
-        return res
+        return _stop_verdict(rc, out, wall, orphans_after(d), metrics, ck, lambda rc, out: rc != 0,
+                             "and exited 0")
     CASES.append(Case(name, "long_runs", fn, note))
 
 
@@ -900,20 +906,8 @@ def preempt38_case(name, sig, target, wrapped=True, launchers=("deepspeed", "mpi
         while time.monotonic() - t0 < 60 and case_pids(d):  # the ranks of a runner that died of the signal
             time.sleep(0.1)
         wall = round(time.monotonic() - t0, 1)
-        orphans = orphans_after(d)
-        last = json.loads(open(metrics).read().splitlines()[-1])["step"]
-        latest = open(os.path.join(ck, "latest")).read().strip() if os.path.exists(os.path.join(ck, "latest")) else None
-        res = dict(rc=rc, exit_s=wall, last_step=last, latest=latest)
-        if rc is None or orphans:
-            res.update(outcome="hang" if rc is None else "orphan", detail=f"orphans {orphans}", tail=out[-2000:])
-        elif any(m in out for m in RAW_MARKS):
-            res.update(outcome="raw", detail=next(m for m in RAW_MARKS if m in out), tail=out[-2000:])
-        elif (wrapped and rc != 0) or latest != f"step{last}" or f"stopped after step {last} on" not in out \
-                or "ending this rank" in out:
-            res.update(outcome="wrong", detail=f"exit {rc}, latest {latest}, last step {last}", tail=out[-2000:])
-        else:
-            res.update(outcome="clear", detail=f"saved step {last}, launcher exit {rc}, {wall} s after the signal")
-        return res
+        return _stop_verdict(rc, out, wall, orphans_after(d), metrics, ck,
+                             lambda rc, out: (wrapped and rc != 0) or "ending this rank" in out, f", launcher exit {rc},")
     CASES.append(Case(name, "issue38", fn, note, launchers))
 
 
