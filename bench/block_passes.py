@@ -116,6 +116,9 @@ def compare(s, shape, hpc=1, rounds=3, dtype=torch.float32, device="cpu"):
                          "memory_bound_bytes": sum(v for k, v in cat["bytes"].items() if k.startswith("other")),
                          "ops": int(sum(cat["calls"].values())), "times_s": []}
         row["grads_bit_equal"] = all(torch.equal(grads["shared"][k], grads["per_gemm"][k]) for k in grads["shared"])
+        g1, g2 = grads["shared"], grads["per_gemm"]
+        row["grads_max_rel_l2"] = max(float((g1[k].float() - g2[k].float()).norm() /
+                                            g2[k].float().norm().clamp_min(1e-30)) for k in g1)
         del grads
         for _ in range(rounds):  # alternated: load hits both alike
             for name, cls in variants.items():

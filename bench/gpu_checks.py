@@ -518,6 +518,10 @@ def part_keep(dev, dtype, args):
         rows["keep"]["loss_equal"] = rows["keep"]["loss"] == rows["recompute"]["loss"]
         rows["keep"]["grads_equal"] = all(torch.equal(pa.grad, pb.grad) for pa, pb in zip(a.parameters(),
                                                                                            b.parameters()))
+        # on CUDA they were not bit-equal (H200, 2026-11-28): how far apart, relative L2 per tensor, the largest
+        rows["keep"]["grads_max_rel_l2"] = max(float((pa.grad.float() - pb.grad.float()).norm() /
+                                                     pa.grad.float().norm().clamp_min(1e-30))
+                                               for pa, pb in zip(a.parameters(), b.parameters()))
         for _ in range(args.steps):  # alternated: noise hits both alike
             for name, m in models.items():
                 rows[name]["times"].append(clock(lambda: step(m))[0])
