@@ -1,5 +1,6 @@
 """Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid), Mamba2 mixers
-(Falcon-H1, Granite-4 hybrid), Kimi Delta Attention (Kimi-Linear, with its MLA layers under 'ulysses') and LFM2's
+(Falcon-H1, Granite-4 hybrid, Bamba, Nemotron-H), MiniMax's lightning attention (also with a sliding window on its
+attention layer), Kimi Delta Attention (Kimi-Linear, with its MLA layers under 'ulysses') and LFM2's
 gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and
 SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
 (documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
@@ -14,11 +15,12 @@ from dist_utils import result_or_raise, run_distributed_side_by_side
 from eco_cases import config_error
 
 SEQ, VOCAB = 16, 64
+WINDOW = 3  # minimax_window's sliding window (tokens)
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "falcon_h1",
-            "granitemoehybrid", "kimi_linear", "minimax")
+            "granitemoehybrid", "kimi_linear", "minimax", "minimax_window", "bamba", "nemotron_h")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 # the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP (the MoE
@@ -46,12 +48,21 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
                                   shared_expert_intermediate_size=24)
     if name == "olmo_hybrid":
         return tf.OlmoHybridConfig(**kw)
-    if name in ("falcon_h1", "granitemoehybrid"):  # Mamba2 mixers: 8 heads of 8 channels, a 4-token scan chunk
+    if name == "nemotron_h":  # a Mamba2 layer (8 heads, 8 B/C groups: whole groups on every rank), attention
+        # (no rope), an MLP layer; its own names for the Mamba2 sizes
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_") and k not in ("layer_types",
+                                                                                      "num_hidden_layers")}
+        return tf.NemotronHConfig(**kw, head_dim=8, layers_block_type=["linear_attention", "full_attention", "mlp"],
+                                  mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=8, conv_kernel=4,
+                                  chunk_size=4, use_conv_bias=True, initializer_range=0.2)
+    if name in ("falcon_h1", "granitemoehybrid", "bamba"):  # Mamba2 mixers: 8 heads of 8 channels, a 4-token scan chunk
         # (documents and shards cross chunks); falcon_h1: one B/C group (every rank gets it), every layer attention
         # and Mamba2 side by side; granite: 4 groups of 2 heads (two per rank at SP=2, one at SP=4), MoE
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_") and k != "layer_types"}
         mamba = dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                      mamba_chunk_size=4, mamba_conv_bias=True, initializer_range=0.2)
+        if name == "bamba":  # granite's mixer, 2 B/C groups (one per rank at SP=2, one per two ranks at SP=4)
+            return tf.BambaConfig(**kw, **mamba, mamba_n_groups=2, attn_layer_indices=[1])
         if name == "falcon_h1":
             return tf.FalconH1Config(**kw, **mamba, head_dim=8, mamba_d_ssm=64, mamba_n_groups=1,
                                      mamba_rms_norm=True, mamba_norm_before_gate=False, ssm_in_multiplier=1.5,
@@ -69,6 +80,11 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
         return tf.MiniMaxConfig(**kw, head_dim=8, block_size=4, num_local_experts=4, num_experts_per_tok=2,
                                 output_router_logits=False, initializer_range=0.2)
+    if name == "minimax_window":  # minimax with a 3-token sliding window on its full-attention layer (transformers
+        # applies config.sliding_window there: models/windows.py); the window cuts every document here
+        cfg = hybrid_config("minimax", key_heads, value_heads)
+        cfg.sliding_window = WINDOW
+        return cfg
     if name == "lfm2_moe":  # lfm2's layers, every MLP the MoE block (no first dense layers)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
         return tf.Lfm2MoeConfig(**dict(kw, layer_types=["conv", "full_attention"]), conv_bias=True, conv_L_cache=3,
@@ -183,17 +199,20 @@ SP_CASES = {  # one spawn per degree, side by side: every family under both path
         ("qwen3_next", "untied+stack", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
         ("lfm2_moe", "untied+stack", True), ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
         ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True), ("kimi_linear", "untied", True),
-        ("minimax", "ulysses", True)],
+        ("minimax", "ulysses", True), ("minimax_window", "ulysses", False), ("minimax_window", "ulysses", True),
+        ("minimax_window", "untied", False), ("minimax_window", "untied", True), ("bamba", "untied+stack", True),
+        ("bamba", "ulysses", False), ("nemotron_h", "ulysses", True), ("nemotron_h", "untied", False)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
         ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
         ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False),
-        ("qwen3_5_moe", "ulysses", True), ("lfm2_moe", "untied", False)],
+        ("qwen3_5_moe", "ulysses", True), ("lfm2_moe", "untied", False), ("bamba", "ulysses", True),
+        ("bamba", "untied", False), ("nemotron_h", "untied", True), ("nemotron_h", "ulysses", False)],
 }  # kimi_linear under untied: its MLA layers at the attention-function level
 # under the memory stack, the MLPs tiled (2 row tiles of the shard's 16 rows in every forward and recompute): the
 # MoE blocks as a whole (models/moe.py), granite's shared MLP beside its MoE block by its forward (models/_common.py)
 TILED = {"qwen3_5": ["Qwen3_5MLP"], "qwen3_5_moe": ["Qwen3_5MoeSparseMoeBlock"],
          "qwen3_next": ["Qwen3NextSparseMoeBlock"], "lfm2_moe": ["Lfm2MoeSparseMoeBlock"],
-         "granitemoehybrid": ["GraniteMoeHybridMLP", "GraniteMoeHybridMoE"]}
+         "granitemoehybrid": ["GraniteMoeHybridMLP", "GraniteMoeHybridMoE"], "bamba": ["BambaMLP"]}
 
 
 # TRL SFTTrainer with packing (padding-free rows of the 5/10/16-token samples, at most 16 tokens: documents cross
@@ -285,6 +304,8 @@ def test_references_see_documents_and_whole_sequence(references):
         packed, plain = references[name, True], references[name, False]
         cut = reference(name, batch(True), [[5, 3, 4, 4], [8, 7, 1]])  # row 0 also restarted at the SP=2 edge 8
         assert abs(packed[0] - plain[0]) > 1e-4 and abs(packed[0] - cut[0]) > 1e-5, (name, packed[0], plain[0], cut[0])
+    for p in (False, True):  # minimax's sliding window on its attention layer changes the one-process result
+        assert abs(references["minimax_window", p][0] - references["minimax", p][0]) > 1e-3, p
 
 
 TRAINER_STEPS, TRAINER_LR = 2, 0.05
