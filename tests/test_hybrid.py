@@ -155,11 +155,12 @@ def _worker(rank, world, cases):
         from eco_cases import ProcessState  # (puts examples/ on sys.path)
 
         state = ProcessState()
-        hf_trainer.tiny_model = lambda seed=0: build_hybrid("qwen3_5", seed)  # the example's trainer, this model
-        out["trainer"] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ, samples=2,
-                                          sample_order=[0, 1], lr=TRAINER_LR,
-                                          output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}")
-        state.reset()  # the next run starts as in a fresh process (Accelerate's SP groups and attention gone)
+        for name, run in TRAINER_RUNS.items():  # the example's trainer, these models
+            hf_trainer.tiny_model = lambda seed=0, name=name: build_hybrid(name, seed)
+            out["trainer", name] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ,
+                                                    samples=2, sample_order=[0, 1], lr=TRAINER_LR,
+                                                    output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}", **run)
+            state.reset()  # the next run starts as in a fresh process (Accelerate's SP groups and attention gone)
         import trl_sft
 
         for name in TRL_FAMILIES:  # TRL SFTTrainer, packed padding-free rows through ds_longctx's SP loader
@@ -309,14 +310,19 @@ def test_references_see_documents_and_whole_sequence(references):
 
 
 TRAINER_STEPS, TRAINER_LR = 2, 0.05
+# the HF Trainer + enable() at SP=2 (plain samples): per family the example's path (default: untied with the memory
+# stack; the MLPs of falcon_h1 and lfm2, and kimi_linear's MoE, are not tiled: their stack is off)
+TRAINER_RUNS = {"qwen3_5": {}, "falcon_h1": dict(memory_stack=False), "minimax": {},
+                "lfm2": dict(attention="ulysses", memory_stack=False),
+                "kimi_linear": dict(attention="ulysses", memory_stack=False)}
 
 
-def trainer_reference():
+def trainer_reference(name="qwen3_5"):
     """One process, no Trainer: SGD(lr) on the example's samples in order (the Trainer's steps at SP=1)."""
     import eco_cases  # noqa: F401  (puts examples/ on sys.path)
     from _common import RandomTokens
 
-    model = build_hybrid("qwen3_5")
+    model = build_hybrid(name)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     data, losses = RandomTokens(2, SEQ, VOCAB, seed=0), []
     for i in range(TRAINER_STEPS):
@@ -331,10 +337,12 @@ def trainer_reference():
 
 
 @pytest.mark.distributed
-def test_hf_trainer_with_enable_trains_qwen3_5_at_sp2(sp_results):
-    losses, deltas = trainer_reference()
+@pytest.mark.parametrize("name", sorted(TRAINER_RUNS))
+def test_hf_trainer_with_enable_trains_hybrids_at_sp2(name, sp_results):
+    losses, deltas = trainer_reference(name)
+    assert min(float(d.abs().max()) for d in deltas.values()) > 0, name  # every parameter moves
     for rank_out in result_or_raise(sp_results[2]):
-        got = rank_out["trainer"]
+        got = rank_out["trainer", name]
         assert len(got["losses"]) == TRAINER_STEPS
         for a, b in zip(got["losses"], losses):
             assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], losses)
@@ -448,6 +456,12 @@ def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
     assert "use a sequence_parallel_size of 1, 2, 3, 6, 12" in e, e
     e = config_error(check, 4, 6, 2)  # the heads do not divide
     assert "have 6 heads in 2 B/C groups" in e and "use a sequence_parallel_size of 1, 2, 6" in e, e  # not 3 (2 groups)
+    cfg = hybrid_config("nemotron_h")  # its own config names (mamba_num_heads, n_groups)
+    cfg.mamba_num_heads, cfg.n_groups = 12, 6
+    lc = parse({"sequence_parallel_size": 4, "long_context": {"attention": {"implementation": "untied_ulysses"}}})
+    e = config_error(check_against, lc, cfg, world_size=4)
+    assert "nemotron_h model's linear_attention layers (NemotronHMamba2Mixer) have 12 heads in 6 B/C groups" in e, e
+    assert "use a sequence_parallel_size of 1, 2, 3, 6, 12" in e, e
 
 
 def test_kimi_linear_runs_under_both_paths_and_fused_is_refused():
