@@ -5,7 +5,8 @@ gated short convolutions split by heads (attention/mixers.py) train exactly like
 SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
 (documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
 'untied_ulysses'; the MoE hybrids (qwen3_5_moe, qwen3_next, lfm2_moe, granitemoehybrid) under the whole memory stack
-(offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss). Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
+(offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss); through the HF Trainer + enable() at SP=2
+(qwen3_5, falcon_h1, minimax, lfm2, kimi_linear) and TRL with packing. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
