@@ -1,10 +1,12 @@
 """Issue 36: hybrid models under SP. Gated DeltaNet layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid), Mamba2 mixers
-(Falcon-H1, Granite-4 hybrid), Kimi Delta Attention (Kimi-Linear, with its MLA layers under 'ulysses') and LFM2's
+(Falcon-H1, Granite-4 hybrid, Bamba, Nemotron-H), MiniMax's lightning attention (also with a sliding window on its
+attention layer), Kimi Delta Attention (Kimi-Linear, with its MLA layers under 'ulysses') and LFM2's
 gated short convolutions split by heads (attention/mixers.py) train exactly like one process: per-step loss and
 SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP=4, plain and packed samples
 (documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
 'untied_ulysses'; the MoE hybrids (qwen3_5_moe, qwen3_next, lfm2_moe, granitemoehybrid) under the whole memory stack
-(offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss). Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
+(offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss); through the HF Trainer + enable() at SP=2
+(qwen3_5, falcon_h1, minimax, lfm2, kimi_linear) and TRL with packing. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
@@ -14,11 +16,12 @@ from dist_utils import result_or_raise, run_distributed_side_by_side
 from eco_cases import config_error
 
 SEQ, VOCAB = 16, 64
+WINDOW = 3  # minimax_window's sliding window (tokens)
 # row 0: boundaries at 5 and 12 (inside shards: at SP=2 the 7-token document crosses the edge at 8, at SP=4 the
 # edges 8 and 12), row 1: a boundary exactly on the SP=2 edge, a one-token document
 DOC_LENS = [[5, 7, 4], [8, 7, 1]]
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "falcon_h1",
-            "granitemoehybrid", "kimi_linear", "minimax")
+            "granitemoehybrid", "kimi_linear", "minimax", "minimax_window", "bamba", "nemotron_h")
 UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1, "fuse_projections": False}}
 ULYSSES = {"attention": {"implementation": "ulysses"}}
 # the memory stack under untied: offloaded checkpointing (documents reach the recompute), tiled MLP (the MoE
@@ -46,12 +49,21 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
                                   shared_expert_intermediate_size=24)
     if name == "olmo_hybrid":
         return tf.OlmoHybridConfig(**kw)
-    if name in ("falcon_h1", "granitemoehybrid"):  # Mamba2 mixers: 8 heads of 8 channels, a 4-token scan chunk
+    if name == "nemotron_h":  # a Mamba2 layer (8 heads, 8 B/C groups: whole groups on every rank), attention
+        # (no rope), an MLP layer; its own names for the Mamba2 sizes
+        kw = {k: v for k, v in kw.items() if not k.startswith("linear_") and k not in ("layer_types",
+                                                                                      "num_hidden_layers")}
+        return tf.NemotronHConfig(**kw, head_dim=8, layers_block_type=["linear_attention", "full_attention", "mlp"],
+                                  mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=8, conv_kernel=4,
+                                  chunk_size=4, use_conv_bias=True, initializer_range=0.2)
+    if name in ("falcon_h1", "granitemoehybrid", "bamba"):  # Mamba2 mixers: 8 heads of 8 channels, a 4-token scan chunk
         # (documents and shards cross chunks); falcon_h1: one B/C group (every rank gets it), every layer attention
         # and Mamba2 side by side; granite: 4 groups of 2 heads (two per rank at SP=2, one at SP=4), MoE
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_") and k != "layer_types"}
         mamba = dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                      mamba_chunk_size=4, mamba_conv_bias=True, initializer_range=0.2)
+        if name == "bamba":  # granite's mixer, 2 B/C groups (one per rank at SP=2, one per two ranks at SP=4)
+            return tf.BambaConfig(**kw, **mamba, mamba_n_groups=2, attn_layer_indices=[1])
         if name == "falcon_h1":
             return tf.FalconH1Config(**kw, **mamba, head_dim=8, mamba_d_ssm=64, mamba_n_groups=1,
                                      mamba_rms_norm=True, mamba_norm_before_gate=False, ssm_in_multiplier=1.5,
@@ -69,6 +81,11 @@ def hybrid_config(name: str, key_heads: int = 4, value_heads: int = 8):
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
         return tf.MiniMaxConfig(**kw, head_dim=8, block_size=4, num_local_experts=4, num_experts_per_tok=2,
                                 output_router_logits=False, initializer_range=0.2)
+    if name == "minimax_window":  # minimax with a 3-token sliding window on its full-attention layer (transformers
+        # applies config.sliding_window there: models/windows.py); the window cuts every document here
+        cfg = hybrid_config("minimax", key_heads, value_heads)
+        cfg.sliding_window = WINDOW
+        return cfg
     if name == "lfm2_moe":  # lfm2's layers, every MLP the MoE block (no first dense layers)
         kw = {k: v for k, v in kw.items() if not k.startswith("linear_")}
         return tf.Lfm2MoeConfig(**dict(kw, layer_types=["conv", "full_attention"]), conv_bias=True, conv_L_cache=3,
@@ -139,11 +156,12 @@ def _worker(rank, world, cases):
         from eco_cases import ProcessState  # (puts examples/ on sys.path)
 
         state = ProcessState()
-        hf_trainer.tiny_model = lambda seed=0: build_hybrid("qwen3_5", seed)  # the example's trainer, this model
-        out["trainer"] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ, samples=2,
-                                          sample_order=[0, 1], lr=TRAINER_LR,
-                                          output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}")
-        state.reset()  # the next run starts as in a fresh process (Accelerate's SP groups and attention gone)
+        for name, run in TRAINER_RUNS.items():  # the example's trainer, these models
+            hf_trainer.tiny_model = lambda seed=0, name=name: build_hybrid(name, seed)
+            out["trainer", name] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ,
+                                                    samples=2, sample_order=[0, 1], lr=TRAINER_LR,
+                                                    output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}", **run)
+            state.reset()  # the next run starts as in a fresh process (Accelerate's SP groups and attention gone)
         import trl_sft
 
         for name in TRL_FAMILIES:  # TRL SFTTrainer, packed padding-free rows through ds_longctx's SP loader
@@ -183,17 +201,20 @@ SP_CASES = {  # one spawn per degree, side by side: every family under both path
         ("qwen3_next", "untied+stack", True), ("olmo_hybrid", "ulysses", True), ("lfm2", "ulysses", True),
         ("lfm2_moe", "untied+stack", True), ("falcon_h1", "ulysses", True), ("granitemoehybrid", "untied+stack", True),
         ("granitemoehybrid", "ulysses", False), ("kimi_linear", "ulysses", True), ("kimi_linear", "untied", True),
-        ("minimax", "ulysses", True)],
+        ("minimax", "ulysses", True), ("minimax_window", "ulysses", False), ("minimax_window", "ulysses", True),
+        ("minimax_window", "untied", False), ("minimax_window", "untied", True), ("bamba", "untied+stack", True),
+        ("bamba", "ulysses", False), ("nemotron_h", "ulysses", True), ("nemotron_h", "untied", False)],
     4: [("qwen3_next", "ulysses", False), ("olmo_hybrid", "untied", True), ("lfm2", "untied", False),
         ("falcon_h1", "untied", True), ("granitemoehybrid", "ulysses", True), ("falcon_h1", "ulysses", False),
         ("kimi_linear", "ulysses", False), ("minimax", "untied", True), ("minimax", "ulysses", False),
-        ("qwen3_5_moe", "ulysses", True), ("lfm2_moe", "untied", False)],
+        ("qwen3_5_moe", "ulysses", True), ("lfm2_moe", "untied", False), ("bamba", "ulysses", True),
+        ("bamba", "untied", False), ("nemotron_h", "untied", True), ("nemotron_h", "ulysses", False)],
 }  # kimi_linear under untied: its MLA layers at the attention-function level
 # under the memory stack, the MLPs tiled (2 row tiles of the shard's 16 rows in every forward and recompute): the
 # MoE blocks as a whole (models/moe.py), granite's shared MLP beside its MoE block by its forward (models/_common.py)
 TILED = {"qwen3_5": ["Qwen3_5MLP"], "qwen3_5_moe": ["Qwen3_5MoeSparseMoeBlock"],
          "qwen3_next": ["Qwen3NextSparseMoeBlock"], "lfm2_moe": ["Lfm2MoeSparseMoeBlock"],
-         "granitemoehybrid": ["GraniteMoeHybridMLP", "GraniteMoeHybridMoE"]}
+         "granitemoehybrid": ["GraniteMoeHybridMLP", "GraniteMoeHybridMoE"], "bamba": ["BambaMLP"]}
 
 
 # TRL SFTTrainer with packing (padding-free rows of the 5/10/16-token samples, at most 16 tokens: documents cross
@@ -285,17 +306,24 @@ def test_references_see_documents_and_whole_sequence(references):
         packed, plain = references[name, True], references[name, False]
         cut = reference(name, batch(True), [[5, 3, 4, 4], [8, 7, 1]])  # row 0 also restarted at the SP=2 edge 8
         assert abs(packed[0] - plain[0]) > 1e-4 and abs(packed[0] - cut[0]) > 1e-5, (name, packed[0], plain[0], cut[0])
+    for p in (False, True):  # minimax's sliding window on its attention layer changes the one-process result
+        assert abs(references["minimax_window", p][0] - references["minimax", p][0]) > 1e-3, p
 
 
 TRAINER_STEPS, TRAINER_LR = 2, 0.05
+# the HF Trainer + enable() at SP=2 (plain samples): per family the example's path (default: untied with the memory
+# stack; the MLPs of falcon_h1 and lfm2, and kimi_linear's MoE, are not tiled: their stack is off)
+TRAINER_RUNS = {"qwen3_5": {}, "falcon_h1": dict(memory_stack=False), "minimax": {},
+                "lfm2": dict(attention="ulysses", memory_stack=False),
+                "kimi_linear": dict(attention="ulysses", memory_stack=False)}
 
 
-def trainer_reference():
+def trainer_reference(name="qwen3_5"):
     """One process, no Trainer: SGD(lr) on the example's samples in order (the Trainer's steps at SP=1)."""
     import eco_cases  # noqa: F401  (puts examples/ on sys.path)
     from _common import RandomTokens
 
-    model = build_hybrid("qwen3_5")
+    model = build_hybrid(name)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     data, losses = RandomTokens(2, SEQ, VOCAB, seed=0), []
     for i in range(TRAINER_STEPS):
@@ -310,10 +338,12 @@ def trainer_reference():
 
 
 @pytest.mark.distributed
-def test_hf_trainer_with_enable_trains_qwen3_5_at_sp2(sp_results):
-    losses, deltas = trainer_reference()
+@pytest.mark.parametrize("name", sorted(TRAINER_RUNS))
+def test_hf_trainer_with_enable_trains_hybrids_at_sp2(name, sp_results):
+    losses, deltas = trainer_reference(name)
+    assert min(float(d.abs().max()) for d in deltas.values()) > 0, name  # every parameter moves
     for rank_out in result_or_raise(sp_results[2]):
-        got = rank_out["trainer"]
+        got = rank_out["trainer", name]
         assert len(got["losses"]) == TRAINER_STEPS
         for a, b in zip(got["losses"], losses):
             assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], losses)
@@ -427,6 +457,12 @@ def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
     assert "use a sequence_parallel_size of 1, 2, 3, 6, 12" in e, e
     e = config_error(check, 4, 6, 2)  # the heads do not divide
     assert "have 6 heads in 2 B/C groups" in e and "use a sequence_parallel_size of 1, 2, 6" in e, e  # not 3 (2 groups)
+    cfg = hybrid_config("nemotron_h")  # its own config names (mamba_num_heads, n_groups)
+    cfg.mamba_num_heads, cfg.n_groups = 12, 6
+    lc = parse({"sequence_parallel_size": 4, "long_context": {"attention": {"implementation": "untied_ulysses"}}})
+    e = config_error(check_against, lc, cfg, world_size=4)
+    assert "nemotron_h model's linear_attention layers (NemotronHMamba2Mixer) have 12 heads in 6 B/C groups" in e, e
+    assert "use a sequence_parallel_size of 1, 2, 3, 6, 12" in e, e
 
 
 def test_kimi_linear_runs_under_both_paths_and_fused_is_refused():

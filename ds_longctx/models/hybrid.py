@@ -22,7 +22,8 @@ in blocks with a fixed per-head decay (the layer's slope buffers); the RMSNorm a
 after the output all-to-all. transformers has no core function for it: attention/mixers.py replays its block loop.
 
 Mamba2 mixers (``falcon_h1``: every 'hybrid' layer runs full causal attention and a Mamba2 mixer side by side;
-``granitemoehybrid``: its 'linear_attention' layers): ``in_proj`` gives z (the gate) | x | B | C | dt; x is
+``granitemoehybrid``, ``bamba`` and ``nemotron_h``: their 'linear_attention' layers, the same mixer code in
+transformers 5.24; nemotron_h names its groups ``n_groups`` and its heads ``mamba_num_heads``): ``in_proj`` gives z (the gate) | x | B | C | dt; x is
 head-major (channel h*head_dim + i is head h), B and C are ``n_groups`` groups of ``d_state`` channels, head h reads
 group h // (heads / groups). The depthwise conv runs over x|B|C, then transformers' ``mamba2_chunk_scan`` per head
 (dt_bias, A_log, D per head). The gated RMSNorm after the scan normalises over whole groups of heads (granite:
@@ -180,10 +181,12 @@ MIXERS: Dict[str, MixerFamily] = {
     "minimax": MixerFamily("lightning", "MiniMaxLightningAttention", "linear_attention", _project_lightning,
                            _finish_lightning, lambda tc: (int(tc.num_attention_heads),) * 2, ("heads", "heads")),
 }
-for _t, _cls, _lt in (("falcon_h1", "FalconH1Mixer", "hybrid"),
-                      ("granitemoehybrid", "GraniteMoeHybridMambaLayer", "linear_attention")):
-    MIXERS[_t] = MixerFamily("mamba2", _cls, _lt, _project_mamba2, _finish_mamba2, _mamba2_heads,
-                             ("B/C groups", "heads"))
+for _t, _cls, _lt, _heads in (("falcon_h1", "FalconH1Mixer", "hybrid", _mamba2_heads),
+                              ("granitemoehybrid", "GraniteMoeHybridMambaLayer", "linear_attention", _mamba2_heads),
+                              ("bamba", "BambaMixer", "linear_attention", _mamba2_heads),
+                              ("nemotron_h", "NemotronHMamba2Mixer", "linear_attention",
+                               lambda tc: (int(tc.n_groups), int(tc.mamba_num_heads)))):
+    MIXERS[_t] = MixerFamily("mamba2", _cls, _lt, _project_mamba2, _finish_mamba2, _heads, ("B/C groups", "heads"))
 _CHANNELS = (lambda tc: (int(tc.hidden_size), int(tc.hidden_size)), ("channels", "channels"))
 for _t, _cls in (("lfm2", "Lfm2ShortConv"), ("lfm2_moe", "Lfm2MoeShortConv"), ("lfm3", "Lfm3ShortConv")):
     MIXERS[_t] = MixerFamily("short_conv", _cls, "conv", _project_short_conv, _finish_short_conv, *_CHANNELS)

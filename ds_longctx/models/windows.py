@@ -8,6 +8,9 @@ and refuse what they would silently compute differently (other layer types, bidi
   'sliding_attention' layer uses ``config.sliding_window``, a 'chunked_attention' layer
   ``config.attention_chunk_size``; any type other than 'full_attention' (and the MLP kinds) is not
   plain causal attention.
+* MiniMax (``layer_types`` of 'linear_attention' and 'full_attention'): its 'full_attention' layers apply a set
+  ``config.sliding_window`` (transformers 5.24's MiniMaxAttention passes ``sliding_window=config.sliding_window``
+  and MiniMaxModel builds their mask with create_sliding_window_causal_mask); its lightning layers ignore it.
 * no ``layer_types`` (Mistral, Mixtral, Phi3, Starcoder2, Qwen3-MoE): a set ``sliding_window`` applies to
   every layer. Qwen-family configs already turn it to None/0 when ``use_sliding_window`` is false.
 
@@ -26,7 +29,17 @@ from ._common import text_config
 from .hybrid import attends_fully
 
 _FULL = ("full_attention",)
-_MLP_KINDS = ("dense", "sparse", "moe")  # MLP layer kinds that may share the list (transformers' BC)
+_MLP_KINDS = ("dense", "sparse", "moe", "mlp")  # MLP layer kinds that may share the list (transformers' BC;
+# nemotron_h: its 'mlp' and 'moe' blocks are layers of their own, with no attention)
+# model types whose 'full_attention' layers apply a set config.sliding_window (their modeling code passes it to the
+# attention function on every attention layer and builds the sliding-window causal mask for them)
+_WINDOWED_FULL = ("minimax",)
+
+
+def _full_window(tc):
+    """The window a 'full_attention' layer of this config applies (None: full causal)."""
+    window = getattr(tc, "sliding_window", None) or None
+    return int(window) if window and getattr(tc, "model_type", None) in _WINDOWED_FULL else None
 
 
 @dataclass(frozen=True)
@@ -62,8 +75,11 @@ def restricted_layers(model_config) -> List[RestrictedLayers]:
             return []
         return [RestrictedLayers("sliding_attention", tuple(range(n or 0)), int(window))]
     groups = {}
+    full_window = _full_window(tc)
     for i, t in enumerate(types):
-        if t in _FULL or t in _MLP_KINDS:
+        if t in _FULL and full_window is not None:  # MiniMax: its attention layers are windowed
+            t = "sliding_attention"
+        elif t in _FULL or t in _MLP_KINDS:
             continue
         groups.setdefault(t, []).append(i)
     out = []
@@ -121,9 +137,12 @@ def layer_attention(model_config) -> List[LayerAttention]:
         return [LayerAttention(int(window) if window else None, cap,
                                "sliding_attention" if window else "full_attention") for _ in range(n)]
     chunk = getattr(tc, "attention_chunk_size", None) or None
+    full_window = _full_window(tc)
     out = []
     for t in types:
-        if t == "sliding_attention":
+        if t in _FULL and full_window is not None:  # MiniMax: a set sliding_window applies to its attention layers
+            out.append(LayerAttention(full_window, cap, "sliding_attention"))
+        elif t == "sliding_attention":
             out.append(LayerAttention(int(window) if window else None, cap, t))
         else:  # falcon_h1's 'hybrid' layers: full causal attention beside a Mamba2 mixer (models.hybrid)
             full = t in _MLP_KINDS or attends_fully(model_config, t)
