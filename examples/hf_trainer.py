@@ -137,7 +137,7 @@ def train(sp: int = 2, attention: str = "untied_ulysses", memory_stack: bool = T
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         report_to=[], seed=seed, data_seed=data_seed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         deepspeed=config if config is not None else ds_config(sp, attention, memory_stack, use_ds_longctx), **kw)
-    data = RandomTokens(samples, seq_len, model.config.vocab_size, seed=seed)
+    data = RandomTokens(samples, seq_len, model.config.get_text_config().vocab_size, seed=seed)  # (multimodal: its text model)
     if sample_order is not None:
         data = torch.utils.data.Subset(data, sample_order)
     trainer_cls = type("Trainer", (StepLossTrainer, Trainer), {})

@@ -61,19 +61,22 @@ def test_sp_degree_checked_against_every_layer_shape():
         build_spec(parse({"sequence_parallel_size": 2, "long_context": bad}), cfg)
 
 
-def test_the_trainer_route_refuses_gemma4_at_sp_above_1():
-    """Gemma 4 through Accelerate's route (HF Trainer / TRL) at SP > 1 is not exact yet (tests/test_trainer_families.py
-    says how): refused by name, the text model and the multimodal one alike; SP=1 and another family pass."""
+def test_the_trainer_route_takes_gemma4_and_refuses_an_open_family(monkeypatch):
+    """Gemma 4 through Accelerate's route (HF Trainer / TRL) at SP > 1 is taken (exact: tests/test_trainer_families.py),
+    the text model and the multimodal one alike; a family listed in integration.TRAINER_OPEN is refused by name at
+    SP > 1 (and not at SP 1)."""
+    from ds_longctx import integration
     from ds_longctx.errors import ConfigError
     from ds_longctx.integration import check_trainer_family
-    from tiny_models import build, tiny_config
 
     for multimodal in (False, True):
         model = build_gemma4(multimodal=multimodal)
-        with pytest.raises(ConfigError, match="'gemma4_text' model through the HF Trainer.*ds_longctx.initialize"):
+        check_trainer_family(model, {"sequence_parallel_size": 2})
+        monkeypatch.setitem(integration.TRAINER_OPEN, "gemma4_text", "why")
+        with pytest.raises(ConfigError, match="'gemma4_text' model through the HF Trainer.*why.*ds_longctx.initialize"):
             check_trainer_family(model, {"sequence_parallel_size": 2})
         check_trainer_family(model, {"sequence_parallel_size": 1})
-    check_trainer_family(build(tiny_config(), seed=0), {"sequence_parallel_size": 2})
+        monkeypatch.delitem(integration.TRAINER_OPEN, "gemma4_text")
 
 
 def test_the_features_change_the_one_process_loss():
