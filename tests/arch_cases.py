@@ -56,6 +56,18 @@ def arch_config(name: str):
                                    attention_dropout=0.0)
     if name == "phi":
         return tf.PhiConfig(**BASE, num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+    # MLPs recognised by their source: FalconH1MLP's (scalar multipliers), Llama4TextMLP's, Lfm2MLP's (F.silu)
+    if name == "falcon_h1":  # every layer attention beside a Mamba2 mixer (one B/C group)
+        return tf.FalconH1Config(**BASE, num_key_value_heads=2, head_dim=8, mamba_n_heads=8, mamba_d_head=8,
+                                 mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, mamba_d_ssm=64,
+                                 mamba_n_groups=1, mlp_multipliers=[1.5, 0.5])
+    if name == "lfm2":
+        return tf.Lfm2Config(**BASE, num_key_value_heads=2, layer_types=["conv", "full_attention"], conv_L_cache=3)
+    if name == "llama4_text":  # dense layers only (Llama4TextMLP)
+        return tf.Llama4TextConfig(**BASE, num_key_value_heads=2, head_dim=8, intermediate_size_mlp=48, moe_layers=[])
+    if name == "phimoe":  # its window (8 < the 16-token samples) applied through the mask only
+        return tf.PhimoeConfig(**BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=8, router_jitter_noise=0.0, input_jitter_noise=0.0)
     raise KeyError(name)
 
 

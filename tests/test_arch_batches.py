@@ -213,7 +213,9 @@ def test_trainer_evaluate_under_sp_equals_one_process(spawns):
 MLP_ARCHS = ("gemma2", "gemma3", "phi3", "olmo2", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
              # recognised by their MLP's source (models.pointwise_mlp_form): LlamaMLP's, Phi3MLP's, NemotronMLP's,
              # PhiMLP's forward
-             "gemma", "granite", "cohere", "olmo", "glm4", "nemotron", "phi", "starcoder2")
+             "gemma", "granite", "cohere", "olmo", "glm4", "nemotron", "phi", "starcoder2",
+             # FalconH1MLP's, Llama4TextMLP's, Lfm2MLP's forward
+             "falcon_h1", "llama4_text", "lfm2")
 
 
 @pytest.mark.parametrize("name", MLP_ARCHS)
@@ -250,6 +252,25 @@ def test_tiled_mlp_is_exact_per_architecture(name):
     for n, p in model.named_parameters():
         assert p.grad is not None and grads[n].grad.abs().max() > 0, n
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_phimoe_window_is_read_and_applied_through_its_mask():
+    """PhiMoE (no layer_types) applies a set sliding_window through the mask it builds and passes no sliding_window to
+    the attention function: every layer reads as windowed, the window transformers passes is None (the SP paths'
+    agreement check expects that, not the window), and the window changes the one-process loss. (Its exactness
+    under SP is the sweep's, bench/results/arch_sweep_sp2_*.json: PhiMoE's sparse mixer samples its routes in
+    training, so a training step under SP cannot equal one process draw for draw, and tiled_mlp refuses it.)"""
+    from arch_cases import arch_config, build_arch, sample
+    from ds_longctx.models.windows import layer_attention
+
+    facts = layer_attention(arch_config("phimoe"))
+    assert [(f.window, f.kind, f.passed_window) for f in facts] == [(8, "sliding_attention", None)] * 2
+    assert all(f.passed_window == f.window for f in layer_attention(arch_config("gemma3")))
+    batch = sample(16)
+    windowed = build_arch("phimoe")
+    full = build_arch("phimoe")
+    full.config.sliding_window = None
+    assert abs(windowed(**batch).loss.item() - full(**batch).loss.item()) > 1e-4
 
 
 @pytest.mark.parametrize("name,attr,what", [("mixtral", "router_jitter_noise", "jitter_noise=0.1"),
@@ -305,6 +326,9 @@ def test_pointwise_mlp_is_recognised_by_its_source_only():
     assert form(build_arch("nemotron").model.layers[0].mlp) == "NemotronMLP"
     assert form(build_arch("phi").model.layers[0].mlp) == "PhiMLP"
     assert form(build_arch("starcoder2").model.layers[0].mlp) == "Starcoder2MLP"
+    assert form(build_arch("falcon_h1").model.layers[0].feed_forward) == "FalconH1MLP"
+    assert form(build_arch("llama4_text").model.layers[0].feed_forward) == "Llama4TextMLP"
+    assert form(build_arch("lfm2").model.layers[0].feed_forward) == "Lfm2MLP"
     assert pointwise_mlp_form(ShiftedMLP(cfg)) is None
     softmax = LlamaMLP(cfg)
     softmax.act_fn = torch.nn.Softmax(dim=-1)  # not elementwise

@@ -432,7 +432,7 @@ def layer_backend(state: _State, module, global_len: int, device, hf_window=_UNS
     facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
     if not (chunked_by_documents and facts.kind == "chunked_attention") and not facts.runnable(global_len):
         raise not_runnable(idx, facts, global_len, "untied_ulysses")
-    for what, hf, ours in (("sliding_window", hf_window, facts.window), ("softcap", hf_softcap, facts.softcap)):
+    for what, hf, ours in (("sliding_window", hf_window, facts.passed_window), ("softcap", hf_softcap, facts.softcap)):
         if hf is not _UNSET and (hf or None) != ours:
             raise ConfigError("model.config", f"layer {idx}: the model applies {what}={hf!r}, the config reads as "
                               f"{ours!r}", "report this model: ds_longctx.models.windows reads its attention "

@@ -102,7 +102,7 @@ def pattern_core(core, impl: str, layers: List, kernel, group=None) -> callable:
         idx = getattr(module, "layer_idx", None)
         facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
         hf_window, hf_cap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        if (hf_window or None) != facts.window or (hf_cap or None) != facts.softcap:
+        if (hf_window or None) != facts.passed_window or (hf_cap or None) != facts.softcap:
             raise ConfigError("model.config", f"layer {idx}: transformers passes sliding_window={hf_window!r}, "
                               f"softcap={hf_cap!r}, the config reads as window={facts.window!r}, "
                               f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "

@@ -32,7 +32,7 @@ from .tiles import each_tile
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
 # tiling is exact (models/: one Architecture per model type), besides every MLP running one of the reference
 # forwards verbatim (models.pointwise_mlp_form: LlamaMLP's, Phi3MLP's, NemotronMLP's, PhiMLP's, SeedOssMLP's,
-# Starcoder2MLP's, GraniteMoeSharedMLP's)
+# Starcoder2MLP's, GraniteMoeSharedMLP's, FalconH1MLP's, Llama4TextMLP's, Lfm2MLP's)
 SUPPORTED_MLPS = mlp_class_names()
 SUPPORTED_TEXT = (f"{', '.join(SUPPORTED_MLPS)}, any MLP whose forward is the code of one of "
                   f"{', '.join(mlp_form_names())}, and any mixture-of-experts block with transformers' experts "

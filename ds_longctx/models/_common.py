@@ -232,7 +232,8 @@ class MlpForm:
     model_type: str
     reference: str                 # the class whose forward is the reference source
     linears: Tuple[str, ...]       # its nn.Linear attributes
-    activation: str                # its activation attribute (one of transformers' table: elementwise)
+    activation: Optional[str]      # its activation attribute (one of transformers' table: elementwise); None: the
+    # forward calls a fixed torch function (F.silu), which the source check pins
     dropout: Optional[str] = None  # the attribute of a dropout probability it applies in training
 
 
@@ -245,6 +246,10 @@ _MLP_FORMS = (
     MlpForm("starcoder2", "Starcoder2MLP", ("c_fc", "c_proj"), "act", "residual_dropout"),
     # out(act(x1) * x2), x1|x2 = in(x): Granite-4's shared MLP beside its MoE block (granitemoehybrid's too)
     MlpForm("granitemoeshared", "GraniteMoeSharedMLP", ("input_linear", "output_linear"), "activation"),
+    # down(act(gate(x) * m_g) * up(x)) * m_d, scalar multipliers from the config: Falcon-H1
+    MlpForm("falcon_h1", "FalconH1MLP", ("gate_proj", "up_proj", "down_proj"), "act_fn"),
+    MlpForm("llama4", "Llama4TextMLP", ("gate_proj", "up_proj", "down_proj"), "activation_fn"),  # Llama 4's dense MLP
+    MlpForm("lfm2", "Lfm2MLP", ("w1", "w2", "w3"), None),  # w2(silu(w1(x)) * w3(x)): LFM2's and LFM3's
 )
 
 
@@ -285,7 +290,7 @@ def pointwise_mlp_form(module) -> Optional[MlpForm]:
     for form, ref in _mlp_form_sources():
         if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in form.linears):
             continue
-        if not _elementwise_activation(getattr(module, form.activation, None)):
+        if form.activation is not None and not _elementwise_activation(getattr(module, form.activation, None)):
             continue
         src = _src(type(module).forward) if src is None else src
         if ref and src == ref:

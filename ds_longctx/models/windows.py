@@ -34,6 +34,9 @@ _MLP_KINDS = ("dense", "sparse", "moe", "mlp")  # MLP layer kinds that may share
 # model types whose 'full_attention' layers apply a set config.sliding_window (their modeling code passes it to the
 # attention function on every attention layer and builds the sliding-window causal mask for them)
 _WINDOWED_FULL = ("minimax",)
+# model types (no layer_types) that apply a set config.sliding_window through the mask they build and pass no
+# sliding_window to the attention function (transformers 5.24's PhimoeModel / PhimoeAttention)
+_WINDOW_BY_MASK = ("phimoe",)
 
 
 def _full_window(tc):
@@ -103,6 +106,14 @@ class LayerAttention:
     softcap: Optional[float] = None
     kind: str = "full_attention"
     chunk: Optional[int] = None  # a 'chunked_attention' layer's chunk (tokens)
+    # the model applies the window through its attention mask only and passes no sliding_window to the attention
+    # function (PhiMoE: create_sliding_window_causal_mask when config.sliding_window is set)
+    window_by_mask: bool = False
+
+    @property
+    def passed_window(self) -> Optional[int]:
+        """The sliding_window transformers passes to the attention function for this layer."""
+        return None if self.window_by_mask else self.window
 
     def runnable(self, seq_len: int) -> bool:
         """Causal attention (with this window) over ``seq_len`` tokens is what the layer computes: any layer
@@ -134,8 +145,10 @@ def layer_attention(model_config) -> List[LayerAttention]:
     cap = float(cap) if cap is not None else None
     types = getattr(tc, "layer_types", None)
     if types is None:
+        by_mask = bool(window) and getattr(tc, "model_type", None) in _WINDOW_BY_MASK
         return [LayerAttention(int(window) if window else None, cap,
-                               "sliding_attention" if window else "full_attention") for _ in range(n)]
+                               "sliding_attention" if window else "full_attention", window_by_mask=by_mask)
+                for _ in range(n)]
     chunk = getattr(tc, "attention_chunk_size", None) or None
     full_window = _full_window(tc)
     out = []
