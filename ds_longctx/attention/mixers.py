@@ -29,6 +29,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
+from ..models.adapters import read_weight_problem
 from ..models.hybrid import mixer_for
 from .documents import DOCS_KWARG
 
@@ -336,7 +338,14 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
     group = spec.group if spec.sp > 1 else None
     sp = spec.sp if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
-    mods = [m for m in model.modules() if type(m).__name__ == fam.module_class]
+    named = [(n, m) for n, m in model.named_modules() if type(m).__name__ == fam.module_class]
+    for n, m, conv in [(n, m, c) for n, m in named for c in ("conv", "conv1d") if getattr(m, c, None) is not None]:
+        # the conv's weight is read directly below: a PEFT layer around it would drop its adapters
+        problem = read_weight_problem(getattr(m, conv), f"{n}.{conv}")
+        if problem:
+            raise ConfigError("model", problem, f"leave the {fam.module_class}'s {conv} out of the adapter's "
+                              "target_modules (LoRA on its projections runs), or train it in modules_to_save")
+    mods = [m for _, m in named]
     run = _FORWARDS[fam.kind]
     # untied: the Gated DeltaNet core loops over this rank's value heads heads_per_chunk at a time (whole key-head
     # groups); a short conv has no per-head intermediates to bound (its conv output is the layer's activation)

@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..errors import ConfigError
+from .adapters import is_linear_forward
 
 
 def text_config(model_config):
@@ -288,7 +289,7 @@ def pointwise_mlp_form(module) -> Optional[MlpForm]:
     forward (a token shift, a capacity-limited router) would be tiled wrongly."""
     src = None
     for form, ref in _mlp_form_sources():
-        if not all(isinstance(getattr(module, n, None), torch.nn.Linear) for n in form.linears):
+        if not all(is_linear_forward(getattr(module, n, None)) for n in form.linears):  # (LoRA on them: too)
             continue
         if form.activation is not None and not _elementwise_activation(getattr(module, form.activation, None)):
             continue

@@ -132,4 +132,29 @@ def effective_linear(module) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     return weight, bias
 
 
-__all__ = ["hf_model_of", "is_peft_model", "fused_adapter_problem", "effective_linear"]
+def is_linear_forward(module) -> bool:
+    """``module``'s forward is a per-token linear map: an nn.Linear, or a PEFT lora.Linear around a plain Linear whose
+    active adapters are plain weight deltas (no dropout, no variant: :func:`fused_adapter_problem` finds none).
+    What the tiled MLP's form check (models._common.pointwise_mlp_form) asks of an MLP's projections."""
+    if isinstance(module, torch.nn.Linear):
+        return True
+    return _is_lora_linear(module) and fused_adapter_problem(module, "") is None
+
+
+def read_weight_problem(module, name: str) -> Optional[str]:
+    """Why ds_longctx cannot read ``module.weight`` / ``module.bias`` as what its forward applies (None: it can).
+    The SP mixers (attention/mixers.py) run a hybrid layer's depthwise conv as ``causal_conv1d_fn`` on this rank's
+    channels of the conv's weight; a PEFT layer around the conv (LoRA on a Conv1d, peft allows it when the rank is a
+    multiple of the channels) answers ``.weight`` with its frozen base weight, so its adapters would never run.
+    peft's ``ModulesToSaveWrapper`` answers with the active trainable copy: readable."""
+    if not _is_peft_layer(module) or type(module).__name__ == "ModulesToSaveWrapper":
+        return None
+    if _is_lora_linear(module) or hasattr(module, "lora_A"):
+        if not _active_lora(module):
+            return None
+    return (f"{name} is a PEFT {type(module).__module__.split('.')[2]} {type(module).__name__} layer: ds_longctx's "
+            "SP path reads its weight directly (this rank's channels), which would drop the adapters")
+
+
+__all__ = ["hf_model_of", "is_peft_model", "fused_adapter_problem", "effective_linear", "is_linear_forward",
+           "read_weight_problem"]
