@@ -35,7 +35,7 @@ FAMILIES = {
     "qwen3_next": (["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "v_proj", "down_proj"], "untied+stack", False),
     "kimi_linear": (["q_proj", "k_proj", "v_proj", "g_b_proj", "b_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                      "down_proj"], "untied", False),  # KDA, and MLA at untied's function level
-    "kimi_linear@ulysses": (None, "ulysses", False),  # the same adapters, MLA under ulysses
+    # (MLA under 'ulysses' calls the same projection modules as untied's function level: not repeated here)
     "falcon_h1": (["in_proj", "q_proj", "o_proj", "down_proj"], "ulysses", False),
     "granitemoehybrid": (["in_proj", "out_proj", "q_proj", "o_proj", "input_linear", "output_linear"],
                          "untied+stack", False),
@@ -44,7 +44,6 @@ FAMILIES = {
     "lfm2": (["in_proj", "out_proj", "q_proj", "w2"], "ulysses", False),
     "minimax": (["qkv_proj", "output_gate", "out_proj", "q_proj", "o_proj"], "ulysses", False),
     "deepseek_v3": (["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "down_proj"], "untied+stack", True),
-    "deepseek_v3@ulysses": (None, "ulysses+stack", True),
     "gemma4": (["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], "untied", True),
     "llama4": (["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], "untied", True),
     "gpt_oss": (["q_proj", "k_proj", "v_proj", "o_proj"], "untied", False),
