@@ -48,7 +48,17 @@ While enabled that name lets a model through only when the accelerator's DeepSpe
 section (ds_longctx then runs the model) and every such layer type is one ds_longctx splits by heads exactly
 (``models.hybrid``); anything else gets Accelerate's refusal.
 
-All seven patches are process-global; this module is their one owner. ``disable()`` undoes them.
+Accelerate refuses ``sp_attn_implementation='flex_attention'`` when a ``DeepSpeedSequenceParallelConfig`` is
+built (``accelerate.utils.dataclasses``), before any model or DeepSpeed config is known. A model with no SDPA path
+(GPT-OSS: attention sinks) is loaded with flex_attention, and ds_longctx runs its attention (sinks included) itself
+(attention/ulysses._SinkAttention, untied's function level). While enabled, that check passes 'flex_attention' and
+marks the config; the refusal is made at ``register_with_transformers`` (inside ``Accelerator._prepare_deepspeed``,
+before any collective, every rank alike) unless the accelerator's DeepSpeed config has a ``long_context`` section
+(ds_longctx then runs the model, and its initialize refuses flex_attention where it does not run it exactly:
+checks.check_sp_attention_pattern). 'eager' stays refused when the config is built (ds_longctx does not run it
+under SP either), with the fix named.
+
+All eight patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
@@ -102,6 +112,7 @@ def enable() -> None:
     _install_accelerate_mark()
     _install_skip()
     _install_recurrent_gate()
+    _install_sp_attn_gate()
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
@@ -144,6 +155,10 @@ def disable() -> None:
         import accelerate.accelerator as acc
 
         acc._refuse_recurrent_layers_under_sequence_parallelism = _ORIGINALS.pop("recurrent")
+    if "sp_attn" in _ORIGINALS:
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+
+        DeepSpeedSequenceParallelConfig.__post_init__ = _ORIGINALS.pop("sp_attn")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +234,55 @@ def _install_recurrent_gate() -> None:
 
     _ORIGINALS["recurrent"] = original
     setattr(acc, _RECURRENT_GATE, gate)
+
+
+_SP_ATTN_ENV = "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"  # Accelerate's fallback for sp_attn_implementation
+_FLEX_REFUSAL = ("Invalid sp_attn_implementation: flex_attention. 'eager' and 'flex_attention' are not supported "
+                 "with sequence parallelism.")
+
+
+def _install_sp_attn_gate() -> None:
+    """Defer Accelerate's refusal of ``sp_attn_implementation='flex_attention'`` to :func:`check_sp_attn`
+    (see the module doc); ``disable()`` puts the original ``__post_init__`` back."""
+    import os
+
+    try:
+        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+    except ImportError:
+        return
+    original = DeepSpeedSequenceParallelConfig.__dict__.get("__post_init__")
+    if original is None:
+        return
+
+    def __post_init__(self):
+        impl = self.sp_attn_implementation or os.environ.get(_SP_ATTN_ENV)
+        if impl == "eager":
+            raise ConfigError("sp_attn_implementation", "'eager' cannot run sequence parallel (Accelerate refuses "
+                              "it, and so does ds_longctx)", "load the model with attn_implementation='sdpa' (or "
+                              "flash_attention_2/3) and pass that; a model with no SDPA path (GPT-OSS: attention "
+                              "sinks) is loaded with and passed 'flex_attention', which ds_longctx runs")
+        if impl != "flex_attention":
+            return original(self)
+        self.sp_attn_implementation = "sdpa"  # Accelerate's other checks, on a name it accepts
+        try:
+            original(self)
+        finally:
+            self.sp_attn_implementation = "flex_attention"
+
+    _ORIGINALS["sp_attn"] = original
+    DeepSpeedSequenceParallelConfig.__post_init__ = __post_init__
+
+
+def check_sp_attn(core_attn_implementation) -> None:
+    """Inside Accelerate's ``register_with_transformers`` call: 'flex_attention' (let through by the deferred
+    check, :func:`_install_sp_attn_gate`) only for a DeepSpeed config with a ``long_context`` section, which
+    ds_longctx runs; anything else gets Accelerate's refusal."""
+    if core_attn_implementation != "flex_attention" or "sp_attn" not in _ORIGINALS or not _called_from_accelerate():
+        return  # (DeepSpeed's own register_with_transformers accepts flex_attention)
+    ds_config = getattr(getattr(_in_accelerate, "accelerator", None), "deepspeed_config", None)
+    if not (isinstance(ds_config, dict) and SECTION in ds_config):
+        raise ValueError(f"{_FLEX_REFUSAL} (ds_longctx runs 'flex_attention' models only under a DeepSpeed config "
+                         f"with a '{SECTION}' section; this one has none)")
 
 
 def check_sp_wiring(ds_config: dict, mpu, from_accelerate: bool) -> None:
@@ -480,6 +544,12 @@ def _install_register() -> None:
                 "sequence_parallel_size")
         except TypeError:
             sp = kwargs.get("sequence_parallel_size")
+        try:
+            core = inspect.signature(bound).bind_partial(model_name_or_path, *args, **kwargs).arguments.get(
+                "core_attn_implementation")
+        except TypeError:
+            core = kwargs.get("core_attn_implementation")
+        check_sp_attn(core)
         config = getattr(model_name_or_path, "config", None)
         if config is not None:
             model_name_or_path = _ConfigView(_ResolvedConfig(config))

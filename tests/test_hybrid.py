@@ -6,7 +6,8 @@ SGD(lr=1) parameter deltas, ZeRO-3 through ds_longctx.initialize, at SP=2 and SP
 (documents crossing the shard edges, each document restarting the conv and the recurrence), under 'ulysses' and
 'untied_ulysses'; the MoE hybrids (qwen3_5_moe, qwen3_next, lfm2_moe, granitemoehybrid) under the whole memory stack
 (offloaded checkpointing, tiled MLP over their MoE blocks, tiled loss); through the HF Trainer + enable() at SP=2
-(qwen3_5, falcon_h1, minimax, lfm2, kimi_linear) and TRL with packing. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
+(every family but minimax_window; the second sample packed; the MoE hybrids with their MoE blocks tiled) and TRL
+with packing. Heads that SP does not divide, and layer types it does not run, are one clear ConfigError."""
 import math
 
 import pytest
@@ -155,13 +156,25 @@ def _worker(rank, world, cases):
         import hf_trainer
         from eco_cases import ProcessState  # (puts examples/ on sys.path)
 
-        state = ProcessState()
+        from test_trainer_families import _data as packed_tokens  # the second sample packed (5, 7, 4 tokens)
+
+        from ds_longctx.memory import tiling
+
+        state, tokens, real = ProcessState(), hf_trainer.RandomTokens, tiling.TiledRowsFunction.apply
+        hf_trainer.RandomTokens = packed_tokens
         for name, run in TRAINER_RUNS.items():  # the example's trainer, these models
             hf_trainer.tiny_model = lambda seed=0, name=name: build_hybrid(name, seed)
-            out["trainer", name] = hf_trainer.train(sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ,
-                                                    samples=2, sample_order=[0, 1], lr=TRAINER_LR,
-                                                    output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}", **run)
+            tiles = []  # (block class, tiles) of every tiled MLP call
+            tiling.TiledRowsFunction.apply = lambda *a: tiles.append((type(a[2]).__name__, a[3])) or real(*a)
+            try:
+                out["trainer", name] = hf_trainer.train(
+                    sp=2, record_params=True, steps=TRAINER_STEPS, seq_len=SEQ, samples=2, sample_order=[0, 1],
+                    lr=TRAINER_LR, output_dir=f"/tmp/ds_longctx_test_hybrid_trainer{rank}", **run)
+            finally:
+                tiling.TiledRowsFunction.apply = real
+            out["trainer", name]["tiles"] = sorted(set(tiles))
             state.reset()  # the next run starts as in a fresh process (Accelerate's SP groups and attention gone)
+        hf_trainer.RandomTokens = tokens
         import trl_sft
 
         for name in TRL_FAMILIES:  # TRL SFTTrainer, packed padding-free rows through ds_longctx's SP loader
@@ -311,29 +324,37 @@ def test_references_see_documents_and_whole_sequence(references):
 
 
 TRAINER_STEPS, TRAINER_LR = 2, 0.05
-# the HF Trainer + enable() at SP=2 (plain samples): per family the example's path (default: untied with the memory
-# stack; the MLPs of falcon_h1 and lfm2, and kimi_linear's MoE, are not tiled: their stack is off)
+# the HF Trainer + enable() at SP=2 (the first sample plain, the second packed: documents of 5, 7, 4 tokens, the 7
+# crossing the shard edge; tests/test_trainer_families._data): per family the example's path (default: untied with
+# the memory stack, the MoE blocks of qwen3_5_moe, qwen3_next, lfm2_moe and granitemoehybrid tiled; the MLPs of
+# falcon_h1 and lfm2, and kimi_linear's MoE, are not tiled: their stack is off)
 TRAINER_RUNS = {"qwen3_5": {}, "falcon_h1": dict(memory_stack=False), "minimax": {},
                 "lfm2": dict(attention="ulysses", memory_stack=False),
-                "kimi_linear": dict(attention="ulysses", memory_stack=False)}
+                "kimi_linear": dict(attention="ulysses", memory_stack=False),
+                "qwen3_5_moe": {}, "qwen3_next": {}, "lfm2_moe": {}, "granitemoehybrid": {}, "bamba": {},
+                "olmo_hybrid": dict(attention="ulysses", memory_stack=False),
+                "nemotron_h": dict(attention="ulysses", memory_stack=False)}
 
 
 def trainer_reference(name="qwen3_5"):
-    """One process, no Trainer: SGD(lr) on the example's samples in order (the Trainer's steps at SP=1)."""
-    import eco_cases  # noqa: F401  (puts examples/ on sys.path)
-    from _common import RandomTokens
+    """One process, no Trainer: SGD(lr) on the example's samples in order (the Trainer's steps at SP=1), each
+    document of the packed sample alone (per_document)."""
+    from test_trainer_families import _data
 
-    model = build_hybrid(name)
+    model = per_document(build_hybrid(name))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    data, losses = RandomTokens(2, SEQ, VOCAB, seed=0), []
+    data, losses = _data(2, SEQ, VOCAB, seed=0), []
     for i in range(TRAINER_STEPS):
-        loss = model(input_ids=data[i]["input_ids"][None], labels=data[i]["labels"][None], use_cache=False).loss
+        sample = {k: v[None] for k, v in data[i].items()}
+        sample.setdefault("position_ids", torch.arange(SEQ)[None])  # (the plain sample: one document)
+        loss = model(**sample, use_cache=False).loss
         loss.backward()
         losses.append(loss.item())
         with torch.no_grad():
             for p in model.parameters():
                 p -= TRAINER_LR * p.grad
                 p.grad = None
+    assert model.documents == [(SEQ,), (5, 7, 4)], model.documents  # the second sample's documents run alone
     return losses, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
@@ -345,6 +366,8 @@ def test_hf_trainer_with_enable_trains_hybrids_at_sp2(name, sp_results):
     for rank_out in result_or_raise(sp_results[2]):
         got = rank_out["trainer", name]
         assert len(got["losses"]) == TRAINER_STEPS
+        if TRAINER_RUNS[name].get("memory_stack", True) and name in TILED:  # the MoE blocks tiled, 2 row tiles
+            assert got["tiles"] == [(t, 2) for t in TILED[name]], (name, got["tiles"])
         for a, b in zip(got["losses"], losses):
             assert math.isclose(a, b, rel_tol=1e-5), (got["losses"], losses)
         for n, ref in deltas.items():

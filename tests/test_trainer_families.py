@@ -2,9 +2,10 @@
 ``ds_longctx.enable()`` at SP=2 (ZeRO-3, the memory stack: checkpointing offloaded, tiled MLP and loss, RMSNorm), in
 ONE spawn one after the other, equal to one process (per-step losses and SGD parameter deltas; the second of the two
 samples packed: three documents, one crossing the SP shard edge): Llama 4 (chunks shorter
-than the sample; its MLP untiled: Llama4TextMLP is refused by tiled_mlp) under 'ulysses', DeepSeek-V3 (MLA; MoE blocks
+than the sample; its dense Llama4TextMLP tiled) under 'ulysses', DeepSeek-V3 (MLA; MoE blocks
 tiled, the router's auxiliary loss on) under untied, Gemma 4 (per-layer head dims and inputs, KV sharing; the
-example's stack) under 'ulysses' and the multimodal gemma4 (on text) under untied.
+example's stack) under 'ulysses', the multimodal gemma4 (on text) under untied, and GPT-OSS (attention sinks,
+flex_attention: Accelerate's own refusal of it deferred by enable() to where ds_longctx runs it) under untied.
 
 Tolerance: per tensor, elementwise (rtol 1e-4, atol 1e-6), or, for a tensor whose one-process delta itself moves more
 between two attention kernels (transformers' eager vs sdpa, every step), within 3x that one-process spread
@@ -25,8 +26,8 @@ STEPS, LR, SEQ, SAMPLES = 2, 0.05, 16, 2
 DOC_LENS = (5, 7, 4)  # the second sample's documents (packed)
 
 
-def _build(name: str):
-    """The family's tiny random-init model (seed 0)."""
+def _build(name: str, attn: str | None = None):
+    """The family's tiny random-init model (seed 0); ``attn``: GPT-OSS's attention (flex_attention by default)."""
     if name == "llama4_text":
         from chunked_cases import build_llama4
 
@@ -35,6 +36,10 @@ def _build(name: str):
         from gemma4_cases import build_gemma4
 
         return build_gemma4(0, multimodal=name == "gemma4", **GEMMA4)
+    if name == "gpt_oss":  # sinks (not zero), sliding and full layers: flex_attention (no SDPA path in HF)
+        from sink_cases import build_gpt_oss
+
+        return build_gpt_oss(0, attn=attn or "flex_attention")
     if name == "deepseek_v3":
         from moe_cases import AUX, build_moe
 
@@ -42,16 +47,20 @@ def _build(name: str):
     raise KeyError(name)
 
 
-# GPT-OSS (sinks) is not among them: Accelerate refuses its flex_attention for SP itself (DeepSpeedSequenceParallel
-# Config: "'eager' and 'flex_attention' are not supported"), before ds_longctx sees it; through ds_longctx.initialize
-# it trains (tests/test_sinks_sp.py)
+# GPT-OSS (sinks): loaded with flex_attention (no SDPA path), which Accelerate's DeepSpeedSequenceParallelConfig
+# refuses by itself; enable() defers that refusal to Accelerate's prepare, where a long_context config lets it
+# through (ds_longctx runs the attention, sinks included: untied's function level); the reference is eager, each
+# document of the packed sample alone (GPT-OSS's masks ignore position_ids: tests/sink_cases.reference)
 # Gemma 4: tests/test_gemma4_sp.py's model (global layers' keys as values, the last two layers sharing KV)
 GEMMA4 = dict(k_eq_v=True, kv_shared=2)
 # (``gemma4``: the multimodal Gemma4ForConditionalGeneration on text, untied, its MLP untiled: its vision tower's
 # Gemma4VisionMLP is refused by tiled_mlp)
 FAMILIES = {"llama4_text": "ulysses", "deepseek_v3": "untied_ulysses", "gemma4_text": "ulysses",
-            "gemma4": "untied_ulysses"}
-UNTILED = ("llama4_text", "gemma4")
+            "gemma4": "untied_ulysses", "gpt_oss": "untied_ulysses"}
+UNTILED = ("gemma4",)
+# gpt_oss: without the memory stack (its GptOssMLP is refused by tiled_mlp; and HF builds a flex BlockMask per
+# forward, 4 s a step on CPU: checkpointing's recompute made it 45 s instead of 25 s in this spawn)
+NO_STACK = ("gpt_oss",)
 
 
 def _data(n: int, seq_len: int, vocab: int, seed: int = 0):
@@ -79,8 +88,8 @@ def _worker(rank, world):
         state = ProcessState()
         hf_trainer.tiny_model = lambda seed=0, name=name: _build(name)
         hf_trainer.RandomTokens = _data
-        config = hf_trainer.ds_config(2, impl)
-        if name in UNTILED:  # Llama4TextMLP, Gemma4VisionMLP: not ones tiled_mlp knows (refused by name)
+        config = hf_trainer.ds_config(2, impl, memory_stack=name not in NO_STACK)
+        if name in UNTILED:  # Gemma4VisionMLP (the vision tower's): not one tiled_mlp knows (refused by name)
             config["long_context"]["tiled_mlp"] = {"enabled": False}
         out[name] = hf_trainer.train(sp=2, attention=impl, record_params=True, steps=STEPS, seq_len=SEQ,
                                      samples=SAMPLES, sample_order=list(range(SAMPLES)), lr=LR, config=config,
@@ -92,13 +101,13 @@ def _worker(rank, world):
 def _reference(name: str, attn: str = "sdpa", last_step_scale: float = 1.0):
     """One process, no Trainer: SGD(LR) on the example's samples in order (the Trainer's steps at SP=1).
     ``attn``: the attention kernel; ``last_step_scale``: the last step's gradient scaled (a wrong variant)."""
-    model = _build(name).train()
-    if attn != "sdpa":
+    model = _build(name, "eager").train() if name == "gpt_oss" else _build(name).train()
+    if attn != "sdpa" and name != "gpt_oss":
         model.set_attn_implementation(attn)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     data, losses = _data(SAMPLES, SEQ, VOCAB, seed=0), []
     for i in range(STEPS):
-        loss = model(**{k: v[None] for k, v in data[i].items()}, use_cache=False).loss  # (packed: no cache)
+        loss = _loss(name, model, {k: v[None] for k, v in data[i].items()})
         loss.backward()
         losses.append(loss.item())
         with torch.no_grad():
@@ -107,6 +116,17 @@ def _reference(name: str, attn: str = "sdpa", last_step_scale: float = 1.0):
                     p -= LR * (last_step_scale if i == STEPS - 1 else 1.0) * p.grad
                     p.grad = None
     return losses, {n: p.detach() - before[n] for n, p in model.named_parameters()}, before
+
+
+def _loss(name: str, model, sample: dict):
+    """One process: HF's loss of ``sample``; GPT-OSS's packed sample (its masks ignore position_ids) with each
+    document run alone, the logits concatenated, the loss over the whole sample (tests/sink_cases.reference)."""
+    starts = (sample["position_ids"][0] == 0).nonzero().flatten().tolist() + [SEQ]
+    if name != "gpt_oss" or len(starts) == 2:
+        return model(**sample, use_cache=False).loss  # (packed: no cache)
+    logits = torch.cat([model(input_ids=sample["input_ids"][:, a:e], use_cache=False).logits
+                        for a, e in zip(starts, starts[1:])], dim=1)
+    return torch.nn.functional.cross_entropy(logits[0, :-1], sample["labels"][0, 1:], ignore_index=-100)
 
 
 def _off(name: str, got: dict, ref: dict, params: dict) -> dict:
@@ -160,8 +180,44 @@ def test_the_tolerance_catches_a_gradient_error(name):
 def test_packing_changes_the_one_process_loss(name):
     """The packed sample is not trained as one document: its loss differs from the same tokens unpacked."""
     sample = {k: v[None] for k, v in _data(SAMPLES, SEQ, VOCAB, seed=0)[1].items()}
-    model = _build(name)
+    model = _build(name, "eager") if name == "gpt_oss" else _build(name)
     with torch.no_grad():
-        packed = model(**sample, use_cache=False).loss.item()
-        plain = model(**dict(sample, position_ids=torch.arange(SEQ)[None]), use_cache=False).loss.item()
+        packed = _loss(name, model, sample).item()
+        plain = _loss(name, model, dict(sample, position_ids=torch.arange(SEQ)[None])).item()
     assert abs(packed - plain) > 1e-3, (packed, plain)
+
+
+def test_accelerate_flex_refusal_stays_for_what_ds_longctx_does_not_run():
+    """enable() lets Accelerate's sp_attn_implementation='flex_attention' through when the config is built and
+    refuses it at Accelerate's prepare unless the DeepSpeed config has a long_context section; 'eager' stays refused
+    (naming it and the fix); disable() restores Accelerate's own check."""
+    import types
+
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    import ds_longctx
+    from ds_longctx import integration
+    from ds_longctx.errors import ConfigError
+
+    with pytest.raises(ValueError, match="flex_attention"):
+        DeepSpeedSequenceParallelConfig(sp_attn_implementation="flex_attention")
+    ds_longctx.enable()
+    try:
+        assert DeepSpeedSequenceParallelConfig(sp_attn_implementation="flex_attention").sp_attn_implementation == \
+            "flex_attention"
+        with pytest.raises(ConfigError, match="'eager' cannot run sequence parallel") as e:
+            DeepSpeedSequenceParallelConfig(sp_attn_implementation="eager")
+        assert "flex_attention" in str(e.value) and "sdpa" in str(e.value)
+        with pytest.raises(ValueError, match="Must be one of"):  # Accelerate's other checks still run
+            DeepSpeedSequenceParallelConfig(sp_attn_implementation="no_such_kernel")
+        integration._in_accelerate.depth = 1  # as inside Accelerator._prepare_deepspeed
+        integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={"long_context": {}})
+        integration.check_sp_attn("flex_attention")  # ds_longctx runs it (its initialize checks the model)
+        integration._in_accelerate.accelerator = types.SimpleNamespace(deepspeed_config={})  # DeepSpeed's own SP
+        with pytest.raises(ValueError, match="'flex_attention' are not supported.*'long_context' section"):
+            integration.check_sp_attn("flex_attention")
+    finally:
+        integration._in_accelerate.depth, integration._in_accelerate.accelerator = 0, None
+        ds_longctx.disable()
+    with pytest.raises(ValueError, match="flex_attention"):
+        DeepSpeedSequenceParallelConfig(sp_attn_implementation="flex_attention")
