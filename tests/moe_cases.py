@@ -41,6 +41,10 @@ def moe_config(name: str):
     if name == "qwen3_5_moe":  # its full-attention layers only (the linear-attention layers are the hybrid issue)
         return tf.Qwen3_5MoeTextConfig(**b, num_key_value_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=24,
                                        shared_expert_intermediate_size=24, layer_types=["full_attention"] * 2, **_TOP2)
+    if name == "llama4_text":  # layer 0 dense, layer 1 Llama4TextMoe (every token through every expert, scaled by a
+        # sigmoid of its top-k scores; stacked experts; returns (out, router_logits)); chunks cover the samples
+        return tf.Llama4TextConfig(**b, num_key_value_heads=2, head_dim=8, num_local_experts=4, intermediate_size_mlp=48,
+                                   moe_layers=[1], attn_temperature_tuning=False, **_TOP2)
     if name == "mixtral":
         return tf.MixtralConfig(**b, num_key_value_heads=2, num_local_experts=4, **_TOP2)
     if name == "qwen3_moe":

@@ -1,5 +1,6 @@
 """Issue 37, item 5: every token-choice MoE block of transformers 5 runs under tiled_mlp, recognised by what it does
-(models.moe: an experts module with transformers' experts contract, then a probe of the block's own forward), and
+(models.moe: an experts module with transformers' experts contract or experts stacked in 3-D parameters, then a
+probe of the block's own forward), and
 SP training with the whole memory stack equals one process; capacity-limited, non-token-local and random blocks
 are refused naming them."""
 import pytest
@@ -11,7 +12,7 @@ from moe_cases import AUX, SEQ, batch, build_moe, reference, sp_step
 
 # PhiMoE is not here: its sparse mixer samples experts in training (refused below, tiled in eval)
 FAMILIES = ("glm4_moe", "deepseek_v3", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "granitemoe",
-            "qwen3_5_moe", "mixtral", "qwen3_moe")
+            "qwen3_5_moe", "llama4_text", "mixtral", "qwen3_moe")
 # under SP (mixtral and qwen3_moe are in test_arch_batches.py); deepseek_v3's multi-head latent attention under
 # 'ulysses' and untied (issue 37, item 1: value heads padded to the query/key head dim for the all-to-all)
 SP_FAMILIES = tuple(f for f in FAMILIES if f not in ("mixtral", "qwen3_moe"))
@@ -87,6 +88,31 @@ def test_probe_refuses_a_capacity_limited_block_and_the_refusal_can_fail():
     assert token_locality_problem(mixtral, _batched_class_forward_3d, 32, torch.float32, "cpu") is None
 
 
+def test_llama4_block_is_a_candidate_by_its_stacked_experts_and_the_probe_decides():
+    """Llama 4's block: its experts module takes only the routed rows (not transformers' experts contract), its experts
+    stacked in 3-D parameters make it a candidate; it returns (out, router_logits) and the probe passes it (every token
+    through every expert, scaled per token). A variant that subtracts the call's mean row is refused by the probe."""
+    from ds_longctx.memory.tiling import _batched_class_forward_3d
+    from ds_longctx.models.moe import (has_stacked_experts, is_experts_module, is_moe_candidate, returns_tuple,
+                                       token_locality_problem)
+
+    model = build_moe("llama4_text")
+    dense, block = model.model.layers[0].feed_forward, model.model.layers[1].feed_forward
+    assert type(block).__name__ == "Llama4TextMoe" and is_moe_candidate(block) and returns_tuple(block)
+    assert has_stacked_experts(block.experts) and not any(is_experts_module(m) for m in block.modules())
+    assert not is_moe_candidate(dense) and not returns_tuple(dense)
+    assert token_locality_problem(block, _batched_class_forward_3d, 32, torch.float32, "cpu") is None
+
+    class Centred(type(block)):
+        def forward(self, hidden_states):
+            out, logits = super().forward(hidden_states)
+            return out - out.mean(0, keepdim=True), logits
+
+    block.__class__ = Centred
+    problem = token_locality_problem(block, _batched_class_forward_3d, 32, torch.float32, "cpu")
+    assert problem is not None and "depends on the other tokens" in problem
+
+
 def test_capacity_block_refused_at_install_naming_it():
     from ds_longctx.errors import ConfigError
 
@@ -142,7 +168,8 @@ SP_CASES = {
     2: [(f, "packed", "ulysses", False) for f in ("glm4_moe", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe",
                                                   "deepseek_v3")] +
        [("granitemoe", "packed", "ulysses", True), ("minimax_m2", "plain", "ulysses", True),
-        ("qwen3_5_moe", "packed", "untied", True), ("deepseek_v3", "plain", "untied", False)],
+        ("qwen3_5_moe", "packed", "untied", True), ("deepseek_v3", "plain", "untied", False),
+        ("llama4_text", "packed", "ulysses", False)],
     4: [("ernie4_5_moe", "packed", "ulysses", True), ("deepseek_v3", "packed", "untied", False)],
 }
 FOUR_KV = {"num_key_value_heads": 4}  # SP=4 splits 4 KV heads

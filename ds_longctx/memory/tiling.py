@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
-from ..models.moe import capacity_limit, is_fake_tensor, is_moe_candidate, token_locality_problem
+from ..models.moe import capacity_limit, is_fake_tensor, is_moe_candidate, returns_tuple, token_locality_problem
 from .checkpointing import decoder_layers
 from .tiles import each_tile
 
@@ -179,9 +179,18 @@ def _class_forward(module, x):
     return type(module).forward(module, x)
 
 
+def _block_rows(y, x):
+    """An MoE block's output as rows shaped like its input ``x``: the first output of one that returns a tuple (Llama
+    4's (out, router_logits): its decoder layer drops the logits, HF's recorder takes them from the router), its rows
+    flattened or not."""
+    if isinstance(y, tuple):
+        y = y[0]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def _batched_class_forward(module, x):
     # MoE blocks unpack [batch, seq, hidden]: a tile of rows goes in as one sequence
-    return type(module).forward(module, x.unsqueeze(0)).squeeze(0)
+    return _block_rows(type(module).forward(module, x.unsqueeze(0)), x)
 
 
 def _batched_class_forward_3d(module, x):
@@ -357,10 +366,12 @@ def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcont
     def tiled(mod):
         probe = id(mod) in probed
         batched, randomness = (True, None) if probe else _mlp_facts(mod)
+        pair = probe and returns_tuple(mod)  # Llama 4's block: (out, router_logits), the layer drops the logits
 
         def forward(x):
             with refusals():
-                return tiled_mlp_forward(mod, x, state, batched, randomness, probe)
+                y = tiled_mlp_forward(mod, x, state, batched, randomness, probe)
+            return (y, None) if pair and not isinstance(y, tuple) else y
         return forward
 
     for m in mlps:

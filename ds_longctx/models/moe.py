@@ -3,7 +3,8 @@
 A decoder layer's MLP child is an *MoE block candidate* when it holds an experts module with transformers' experts
 contract: a submodule whose forward takes ``(hidden_states, <expert choice>, <expert weights>)`` (the
 ``@use_experts_implementation`` classes of transformers 5: Mixtral's, DeepSeek-V3's, GLM-4-MoE's, MiniMax-M2's,
-HunYuan's, ERNIE-4.5's, EXAONE-MoE's, PhiMoE's, GraniteMoE's, Qwen3.5-MoE's, ... and older ModuleDict experts).
+HunYuan's, ERNIE-4.5's, EXAONE-MoE's, PhiMoE's, GraniteMoE's, Qwen3.5-MoE's, ... and older ModuleDict experts), or
+experts stacked in 3-D parameters whose forward takes the routed rows only (Llama 4's).
 No class names: the next release's blocks are candidates the day they ship.
 
 Whether such a block may be tiled is then decided by what its forward *does*, by a probe run once per class at its
@@ -48,9 +49,31 @@ def is_experts_module(module) -> bool:
     return len(required) == 3 and required[0].name == "hidden_states"
 
 
+def has_stacked_experts(module) -> bool:
+    """Its own parameters hold the experts stacked: two or more 3-D parameters with one leading (expert) dimension of
+    at least 2 (Llama 4's Llama4TextExperts, whose forward takes only the already-routed rows)."""
+    lead = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3]
+    return len(lead) >= 2 and len(set(lead)) == 1 and lead[0] >= 2
+
+
+def returns_tuple(module) -> bool:
+    """Whether the class forward returns a tuple literal (``return out, router_logits``: Llama 4's block, whose decoder
+    layer unpacks it) on every path, read from its source; False when the source cannot be read."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
+    return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
+
+
 def is_moe_candidate(module) -> bool:
-    """A module holding an experts module (itself excluded): a block the probe decides on."""
-    return any(is_experts_module(m) for m in module.modules() if m is not module)
+    """A module holding an experts module (itself excluded): transformers' experts contract, or experts stacked in
+    3-D parameters. A block the probe decides on."""
+    return any(is_experts_module(m) or has_stacked_experts(m) for m in module.modules() if m is not module)
 
 
 def capacity_limit(module) -> Optional[str]:
@@ -108,12 +131,18 @@ def token_locality_problem(module, forward, hidden: int, dtype: torch.dtype, dev
         with torch.no_grad():
             for x in inputs:
                 y = forward(module, x.to(device=device, dtype=dtype).unsqueeze(0))
+                if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):  # (out, router logits): Llama 4
+                    y = y[0]
+                if isinstance(y, torch.Tensor) and y.shape == (2 * _PROBE_ROWS, hidden):  # its rows flattened
+                    y = y.unsqueeze(0)
                 if not isinstance(y, torch.Tensor) or y.shape != (1, 2 * _PROBE_ROWS, hidden):
                     got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
                     return (f"its forward returns {got}, not one tensor shaped like its input "
                             f"[1, {2 * _PROBE_ROWS}, {hidden}]")
                 outs.append(y[0, _PROBE_ROWS:].float())
-            again = forward(module, inputs[0].to(device=device, dtype=dtype).unsqueeze(0))[0, _PROBE_ROWS:].float()
+            again = forward(module, inputs[0].to(device=device, dtype=dtype).unsqueeze(0))
+            again = (again[0] if isinstance(again, tuple) else again).reshape(2 * _PROBE_ROWS, hidden)
+            again = again[_PROBE_ROWS:].float()
     finally:
         drew = _restore_rng(device, rng)
     if drew or not torch.equal(again, outs[0]):
@@ -292,4 +321,4 @@ def install_router_tap(decoder, facts: AuxLossFacts):
     return tap, handles
 
 
-__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "install_router_tap", "capacity_limit", "is_experts_module", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
+__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
