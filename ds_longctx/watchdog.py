@@ -41,8 +41,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import json
+import linecache
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -146,6 +148,11 @@ def main_thread_where() -> Tuple[str, tuple]:
         frame = frame.f_back
     if not stack:
         return "nowhere (the main thread has ended)", ()
+    return describe_stack(stack)
+
+
+def describe_stack(stack) -> Tuple[str, tuple]:
+    """main_thread_where's words for a stack of (file, line, function), innermost first."""
     coll = next((i for i, (f, _, _) in enumerate(stack) if f.endswith("distributed_c10d.py")), None)
     start = coll if coll is not None else 0
     caller = next(((f, ln, fn) for f, ln, fn in stack[start:] if not _internal(f)), stack[start])
@@ -153,6 +160,11 @@ def main_thread_where() -> Tuple[str, tuple]:
     if coll is not None:
         name = stack[coll][2]
         return f"torch.distributed.{name}, called from {at}", (name, caller)
+    # a collective started with async_op=True is waited on in C++ (Work.wait): no Python frame of torch's, the
+    # innermost one is the caller's `handle.wait()` line (DeepSpeed's ZeRO-3 gathers)
+    if re.search(r"\.wait\(\s*\)", linecache.getline(stack[0][0], stack[0][1])):
+        return (f"a wait() on an asynchronous handle (torch.distributed's Work.wait, for a collective started with "
+                f"async_op=True), called from {at}", ("wait", caller))
     return f"code outside torch.distributed, at {at}", (None, caller)
 
 
@@ -511,4 +523,4 @@ def post_auto_timeout(dog: Watchdog, timeout_s: float) -> bool:
 
 
 __all__ = ["start", "current", "after_initialize", "configured_timeout", "auto_timeout", "apply_to_groups",
-           "main_thread_where", "Watchdog", "KEY", "FLOOR_S", "STEP_MULTIPLE"]
+           "main_thread_where", "describe_stack", "Watchdog", "KEY", "FLOOR_S", "STEP_MULTIPLE"]

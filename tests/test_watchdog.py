@@ -46,6 +46,20 @@ def test_where_the_main_thread_is():
     assert text.endswith("(_sleeping_in_here)") and key[0] is None, text
 
 
+def test_a_wait_on_an_async_collective_handle_is_named(tmp_path):
+    """A collective started with async_op=True is waited on in C++ (Work.wait): the innermost Python frame is the
+    caller's ``handle.wait()`` line (DeepSpeed's ZeRO-3 gathers); it is named as that wait, not as code outside
+    torch.distributed. Any other innermost line stays "code outside"."""
+    src = tmp_path / "zero.py"
+    src.write_text("def gather(handles):\n    for handle in handles:\n        handle.wait()\n    return 1\n")
+    path = str(src)
+    text, key = wd.describe_stack([(path, 3, "gather"), (path, 9, "forward")])
+    assert text.startswith("a wait() on an asynchronous handle (torch.distributed's Work.wait") and key[0] == "wait"
+    assert text.endswith("zero.py:3 (gather)"), text
+    text, key = wd.describe_stack([(path, 4, "gather")])
+    assert text.startswith("code outside torch.distributed, at ") and key[0] is None, text
+
+
 class _Recorded(wd.Watchdog):
     """The watchdog with its exit replaced by a record of the verdict and this rank's line."""
 
