@@ -1,11 +1,11 @@
 """Issue 37, "through the HF Trainer + enable()": the families of the issue trained by transformers' Trainer with
-``ds_longctx.enable()`` at SP=2 (ZeRO-3, the memory stack: checkpointing offloaded, tiled MLP and loss, RMSNorm), in
-ONE spawn one after the other, equal to one process (per-step losses and SGD parameter deltas; the second of the two
-samples packed: three documents, one crossing the SP shard edge): Llama 4 (chunks shorter
-than the sample; its dense Llama4TextMLP tiled) under 'ulysses', DeepSeek-V3 (MLA; MoE blocks
-tiled, the router's auxiliary loss on) under untied, Gemma 4 (per-layer head dims and inputs, KV sharing; the
-example's stack) under 'ulysses', the multimodal gemma4 (on text) under untied, and GPT-OSS (attention sinks,
-flex_attention: Accelerate's own refusal of it deferred by enable() to where ds_longctx runs it) under untied.
+``ds_longctx.enable()`` at SP=2 and SP=4 (ZeRO-3, the memory stack: checkpointing offloaded, tiled MLP and loss,
+RMSNorm), one spawn per degree (side by side), the families one after the other in it, equal to one process (per-step
+losses and SGD parameter deltas; the second of the two samples packed: three documents, one crossing the SP shard
+edge): Llama 4 (chunks shorter than the sample; its dense Llama4TextMLP tiled), DeepSeek-V3 (MLA; MoE blocks tiled,
+the router's auxiliary loss on), Gemma 4 (per-layer head dims and inputs, KV sharing; the example's stack), the
+multimodal gemma4 (on text), and GPT-OSS (attention sinks, flex_attention: Accelerate's own refusal of it deferred by
+enable() to where ds_longctx runs it); each family under 'ulysses' at one degree and untied at the other (CASES).
 
 Tolerance: per tensor, elementwise (rtol 1e-4, atol 1e-6), or, for a tensor whose one-process delta itself moves more
 between two attention kernels (transformers' eager vs sdpa, every step), within 3x that one-process spread
@@ -15,6 +15,7 @@ the second step's gradient moves 2.5e-4 (relative) when the step-1 weights move 
 gemma4_cases.py's default model, one process with step 1 through eager attention instead of sdpa ends 5.3e-5 off its
 sdpa run on embed_tokens, and SP through the Trainer 8.5e-5 (the refusal of 2026-11-28; step 1 alone within 1e-6). A
 1% gradient error that leaves the losses unchanged is still caught (test_the_tolerance_catches_a_gradient_error)."""
+import functools
 import math
 
 import pytest
@@ -55,8 +56,14 @@ def _build(name: str, attn: str | None = None):
 GEMMA4 = dict(k_eq_v=True, kv_shared=2)
 # (``gemma4``: the multimodal Gemma4ForConditionalGeneration on text, untied, its MLP untiled: its vision tower's
 # Gemma4VisionMLP is refused by tiled_mlp)
-FAMILIES = {"llama4_text": "ulysses", "deepseek_v3": "untied_ulysses", "gemma4_text": "ulysses",
-            "gemma4": "untied_ulysses", "gpt_oss": "untied_ulysses"}
+# {SP degree: {family: attention implementation}}: every family under both implementations, one at each degree
+CASES = {2: {"llama4_text": "ulysses", "deepseek_v3": "untied_ulysses", "gemma4_text": "ulysses",
+             "gemma4": "untied_ulysses", "gpt_oss": "untied_ulysses"},
+         4: {"llama4_text": "untied_ulysses", "deepseek_v3": "ulysses", "gemma4_text": "untied_ulysses",
+             "gemma4": "ulysses", "gpt_oss": "ulysses"}}
+FAMILIES = sorted(CASES[2])
+assert all(sorted(c) == FAMILIES for c in CASES.values()) and \
+    all({c[f] for c in CASES.values()} == {"ulysses", "untied_ulysses"} for f in FAMILIES)
 UNTILED = ("gemma4",)
 # gpt_oss: without the memory stack (its GptOssMLP is refused by tiled_mlp; and HF builds a flex BlockMask per
 # forward, 4 s a step on CPU: checkpointing's recompute made it 45 s instead of 25 s in this spawn)
@@ -79,25 +86,27 @@ def _data(n: int, seq_len: int, vocab: int, seed: int = 0):
     return Packed(n, seq_len, vocab, seed)
 
 
-def _worker(rank, world):
+def _worker(rank, world, cases: dict):
+    """SP=world (one SP group): each family of ``cases`` ({family: implementation}) trained by the Trainer."""
     from eco_cases import ProcessState  # (puts examples/ on sys.path)
     import hf_trainer
 
     out = {}
-    for name, impl in FAMILIES.items():
+    for name, impl in cases.items():
         state = ProcessState()
         hf_trainer.tiny_model = lambda seed=0, name=name: _build(name)
         hf_trainer.RandomTokens = _data
-        config = hf_trainer.ds_config(2, impl, memory_stack=name not in NO_STACK)
+        config = hf_trainer.ds_config(world, impl, memory_stack=name not in NO_STACK)
         if name in UNTILED:  # Gemma4VisionMLP (the vision tower's): not one tiled_mlp knows (refused by name)
             config["long_context"]["tiled_mlp"] = {"enabled": False}
-        out[name] = hf_trainer.train(sp=2, attention=impl, record_params=True, steps=STEPS, seq_len=SEQ,
+        out[name] = hf_trainer.train(sp=world, attention=impl, record_params=True, steps=STEPS, seq_len=SEQ,
                                      samples=SAMPLES, sample_order=list(range(SAMPLES)), lr=LR, config=config,
                                      output_dir=f"/tmp/ds_longctx_test_trainer_families{rank}")
         state.reset()  # the next Trainer starts as in a fresh process
     return out
 
 
+@functools.lru_cache(maxsize=None)  # (read only: the tests compare with it)
 def _reference(name: str, attn: str = "sdpa", last_step_scale: float = 1.0):
     """One process, no Trainer: SGD(LR) on the example's samples in order (the Trainer's steps at SP=1).
     ``attn``: the attention kernel; ``last_step_scale``: the last step's gradient scaled (a wrong variant)."""
@@ -143,24 +152,28 @@ def _off(name: str, got: dict, ref: dict, params: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def trained():
-    from dist_utils import run_distributed
+    from dist_utils import runs_per_degree
 
-    return run_distributed(_worker, 2)
+    return runs_per_degree(_worker, CASES)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_trainer_with_enable_equals_one_process(name, trained):
+@pytest.mark.parametrize("sp,name", [(sp, name) for sp in sorted(CASES) for name in FAMILIES])
+def test_trainer_with_enable_equals_one_process(sp, name, trained):
+    from dist_utils import result_or_raise
+
     losses, deltas, params = _reference(name)
     assert max(float(d.abs().max()) for d in deltas.values()) > 0
-    for rank_out in trained:
+    ranks = result_or_raise(trained[sp])
+    assert len(ranks) == sp
+    for rank_out in ranks:
         got = rank_out[name]
-        print(name, got["losses"], losses)
+        print(sp, name, CASES[sp][name], got["losses"], losses)
         assert len(got["losses"]) == STEPS
         for a, b in zip(got["losses"], losses):
-            assert math.isclose(a, b, rel_tol=1e-5), (name, got["losses"], losses)
+            assert math.isclose(a, b, rel_tol=1e-5), (sp, name, got["losses"], losses)
         bad = _off(name, {n: got["after"][n] - got["before"][n] for n in deltas}, deltas, params)
-        assert not bad, (name, bad)
+        assert not bad, (sp, name, bad)
 
 
 @pytest.mark.parametrize("name", ["gemma4_text"])  # the loosest tolerance (the others: elementwise)
@@ -176,7 +189,7 @@ def test_the_tolerance_catches_a_gradient_error(name):
     assert embed in bad and len(bad) > len(moved) // 2, (len(bad), len(moved))
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_packing_changes_the_one_process_loss(name):
     """The packed sample is not trained as one document: its loss differs from the same tokens unpacked."""
     sample = {k: v[None] for k, v in _data(SAMPLES, SEQ, VOCAB, seed=0)[1].items()}
