@@ -112,6 +112,15 @@ def test_llama4_block_is_a_candidate_by_its_stacked_experts_and_the_probe_decide
     problem = token_locality_problem(block, _batched_class_forward_3d, 32, torch.float32, "cpu")
     assert problem is not None and "depends on the other tokens" in problem
 
+    class Widened(type(block)):  # an output that is not the block's rows (twice the hidden size): named by the probe
+        def forward(self, hidden_states):
+            out, logits = super().forward(hidden_states)
+            return torch.cat([out, out], dim=-1), logits
+
+    block.__class__ = Widened
+    problem = token_locality_problem(block, _batched_class_forward_3d, 32, torch.float32, "cpu")
+    assert problem == "its forward returns (16, 64), not one tensor shaped like its input [1, 16, 32]", problem
+
 
 def test_capacity_block_refused_at_install_naming_it():
     from ds_longctx.errors import ConfigError

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from ..comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
-from ..models.moe import capacity_limit, is_fake_tensor, is_moe_candidate, returns_tuple, token_locality_problem
+from ..models.moe import (block_rows, capacity_limit, is_fake_tensor, is_moe_candidate, returns_tuple,
+                          token_locality_problem)
 from .checkpointing import decoder_layers
 from .tiles import each_tile
 
@@ -179,18 +180,20 @@ def _class_forward(module, x):
     return type(module).forward(module, x)
 
 
-def _block_rows(y, x):
-    """An MoE block's output as rows shaped like its input ``x``: the first output of one that returns a tuple (Llama
-    4's (out, router_logits): its decoder layer drops the logits, HF's recorder takes them from the router), its rows
-    flattened or not."""
-    if isinstance(y, tuple):
-        y = y[0]
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+def _block_rows(module, y, x):
+    """An MoE block's output as rows shaped like its input ``x`` (models.moe.block_rows; the probe checked the form of
+    a probed block's output, a known block's is known)."""
+    rows = block_rows(y, x.shape)
+    if rows is None:
+        got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        raise TilingError(f"{type(module).__name__} (a mixture-of-experts block) returned {got}, not its rows shaped "
+                          f"like its input {tuple(x.shape)}", "(exact, untiled)")
+    return rows
 
 
 def _batched_class_forward(module, x):
     # MoE blocks unpack [batch, seq, hidden]: a tile of rows goes in as one sequence
-    return _block_rows(type(module).forward(module, x.unsqueeze(0)), x)
+    return _block_rows(module, type(module).forward(module, x.unsqueeze(0)), x)
 
 
 def _batched_class_forward_3d(module, x):

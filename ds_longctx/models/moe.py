@@ -21,6 +21,7 @@ so every rank reaches the same verdict at the same point.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -68,6 +69,17 @@ def returns_tuple(module) -> bool:
         return False
     rets = [n for n in ast.walk(tree) if isinstance(n, ast.Return) and n.value is not None]
     return bool(rets) and all(isinstance(r.value, ast.Tuple) for r in rets)
+
+
+def block_rows(y, shape) -> Optional[torch.Tensor]:
+    """An MoE block's output ``y`` as rows shaped like its input (``shape``): the first output of a block that returns
+    a tuple (Llama 4's (out, router_logits): its decoder layer drops the logits, HF's recorder takes them from the
+    router), its rows in any leading shape ([tokens, hidden], [1, tokens, hidden]); None when it is not that."""
+    if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):
+        y = y[0]
+    if isinstance(y, torch.Tensor) and y.dim() >= 1 and y.shape[-1] == shape[-1] and y.numel() == math.prod(shape):
+        return y.reshape(shape)
+    return None
 
 
 def is_moe_candidate(module) -> bool:
@@ -129,20 +141,17 @@ def token_locality_problem(module, forward, hidden: int, dtype: torch.dtype, dev
     rng = _rng_states(device)
     try:
         with torch.no_grad():
+            shape = (1, 2 * _PROBE_ROWS, hidden)
             for x in inputs:
-                y = forward(module, x.to(device=device, dtype=dtype).unsqueeze(0))
-                if isinstance(y, tuple) and y and isinstance(y[0], torch.Tensor):  # (out, router logits): Llama 4
-                    y = y[0]
-                if isinstance(y, torch.Tensor) and y.shape == (2 * _PROBE_ROWS, hidden):  # its rows flattened
-                    y = y.unsqueeze(0)
-                if not isinstance(y, torch.Tensor) or y.shape != (1, 2 * _PROBE_ROWS, hidden):
-                    got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-                    return (f"its forward returns {got}, not one tensor shaped like its input "
-                            f"[1, {2 * _PROBE_ROWS}, {hidden}]")
+                raw = forward(module, x.to(device=device, dtype=dtype).unsqueeze(0))
+                y = block_rows(raw, shape)
+                if y is None:
+                    first = raw[0] if isinstance(raw, tuple) and raw else raw
+                    got = tuple(first.shape) if isinstance(first, torch.Tensor) else type(raw).__name__
+                    return f"its forward returns {got}, not one tensor shaped like its input {list(shape)}"
                 outs.append(y[0, _PROBE_ROWS:].float())
-            again = forward(module, inputs[0].to(device=device, dtype=dtype).unsqueeze(0))
-            again = (again[0] if isinstance(again, tuple) else again).reshape(2 * _PROBE_ROWS, hidden)
-            again = again[_PROBE_ROWS:].float()
+            again = block_rows(forward(module, inputs[0].to(device=device, dtype=dtype).unsqueeze(0)), shape)
+            again = again[0, _PROBE_ROWS:].float()
     finally:
         drew = _restore_rng(device, rng)
     if drew or not torch.equal(again, outs[0]):
@@ -321,4 +330,4 @@ def install_router_tap(decoder, facts: AuxLossFacts):
     return tap, handles
 
 
-__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
+__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "block_rows", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
