@@ -17,13 +17,21 @@ def gpt_oss_config(window: int = 4):
                            num_experts_per_tok=2, sliding_window=window, attention_dropout=0.0)
 
 
-def build_gpt_oss(seed: int = 0, sinks_zero: bool = False, attn: str = "eager"):
+# the router's auxiliary (load-balancing) loss on: what the "aux" batch kind trains (a plain sample)
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+
+
+def build_gpt_oss(seed: int = 0, sinks_zero: bool = False, attn: str = "eager", aux: bool = False):
     """``attn``: 'eager' (the one-process reference) or 'flex_attention' (what SP runs: GPT-OSS has no SDPA path,
-    and ds_longctx refuses 'eager' under SP; its own kernel runs the attention, sinks included)."""
+    and ds_longctx refuses 'eager' under SP; its own kernel runs the attention, sinks included); ``aux``: the
+    router's auxiliary loss added to the loss (AUX)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(gpt_oss_config(), dtype=torch.float32, attn_implementation=attn)
+    cfg = gpt_oss_config()
+    for key, value in (AUX.items() if aux else ()):
+        setattr(cfg, key, value)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
     with torch.no_grad():
         for layer in model.model.layers:
             if sinks_zero:
@@ -34,18 +42,21 @@ def build_gpt_oss(seed: int = 0, sinks_zero: bool = False, attn: str = "eager"):
 
 
 def batch(kind: str, seed: int = 0):
+    """``kind``: 'plain', 'packed', or 'aux' (the plain sample, trained with the router's auxiliary loss)."""
     from sp_cases import token_batch
 
-    return token_batch(kind, VOCAB, SEQ, DOC_LENS, seed)
+    return token_batch("plain" if kind == "aux" else kind, VOCAB, SEQ, DOC_LENS, seed)
 
 
-def reference(b: dict, sinks_zero: bool = False):
+def reference(b: dict, sinks_zero: bool = False, aux: bool = False):
     """One process, transformers' eager attention. Packed: each document run alone (GPT-OSS's forward builds its
     masks without position_ids, so transformers does not mask packed documents for it; running them alone is what
-    document masking means), the logits concatenated and the loss taken over the whole sample as HF's forward does."""
+    document masking means), the logits concatenated and the loss taken over the whole sample as HF's forward does.
+    ``aux``: a plain sample's loss with the router's auxiliary loss (HF's forward adds it)."""
     import torch.nn.functional as F
 
-    model = build_gpt_oss(sinks_zero=sinks_zero)
+    assert not (aux and "position_ids" in b), "the aux reference is HF's forward over one plain sample"
+    model = build_gpt_oss(sinks_zero=sinks_zero, aux=aux)
     if "position_ids" not in b:
         loss = model(**b, use_cache=False).loss
     else:
@@ -61,7 +72,12 @@ def reference(b: dict, sinks_zero: bool = False):
                          for n, p in model.named_parameters()}, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def sp_step(lc: dict, b: dict, sp: int):
+def sp_step(lc: dict, b: dict, sp: int, aux: bool = False):
+    """(loss, deltas, the MLP classes tiled_mlp runs in tiles)."""
     from sp_cases import one_sgd_step
 
-    return one_sgd_step(build_gpt_oss(attn="flex_attention"), b, sp, lc)
+    def tiled(engine):
+        memory = engine.module._ds_longctx_patch.memory
+        return [type(m).__name__ for m in memory.tiled_mlps] if memory is not None else []
+
+    return one_sgd_step(build_gpt_oss(attn="flex_attention", aux=aux), b, sp, lc, inspect=tiled)

@@ -3,7 +3,8 @@ the kernel's LSE (out * sigmoid(lse - sink), and its backward through the kernel
 LSE): 'ulysses' (attention/ulysses._SinkAttention) and untied per head chunk (attention/untied._sink_corrected,
 at the attention-function level: GPT-OSS has no fused path), on sliding and full layers, equal to transformers'
 eager attention in one process, plain and packed. GPT-OSS has no SDPA path: it runs flex_attention, whose
-BlockMask untied checks to be the shard's causal / window mask."""
+BlockMask untied checks to be the shard's causal / window mask. Its MoE block (GptOssMLP, (out, router_scores)) runs
+in row tiles (tiled_mlp, issue 37 item 5), and the router's auxiliary loss ("aux": a plain sample) equals HF's."""
 import math
 
 import pytest
@@ -13,16 +14,14 @@ from arch_cases import max_delta_error
 from dist_utils import result_or_raise, runs_per_degree
 from sink_cases import batch, reference, sp_step
 
-ULYSSES = {"attention": {"implementation": "ulysses"},
-           "activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
-           "tiled_loss": {"enabled": True, "shards": 2}}
-UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1},
-          "activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
-          "tiled_loss": {"enabled": True, "shards": 2}}
+STACK = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
+         "tiled_mlp": {"enabled": True, "shards": 3}, "tiled_loss": {"enabled": True, "shards": 2}}
+ULYSSES = {"attention": {"implementation": "ulysses"}, **STACK}
+UNTIED = {"attention": {"implementation": "untied_ulysses", "heads_per_chunk": 1}, **STACK}
 PATHS = {"ulysses": ULYSSES, "untied": UNTIED}
 # (path, batch kind) per SP degree; SP=4 with 2 kv heads: untied replicates each kv head over 2 ranks
-CASES = {2: [("ulysses", "plain"), ("ulysses", "packed"), ("untied", "plain"), ("untied", "packed")],
-         4: [("ulysses", "packed"), ("untied", "packed")]}
+CASES = {2: [("ulysses", "plain"), ("ulysses", "packed"), ("untied", "plain"), ("untied", "packed"), ("untied", "aux")],
+         4: [("ulysses", "packed"), ("untied", "packed"), ("ulysses", "aux")]}
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -56,7 +55,7 @@ def test_sink_attention_equals_the_eager_formula(window):
 
 
 def _worker(rank, world, cases):
-    return {case: sp_step(PATHS[case[0]], batch(case[1]), world) for case in cases}
+    return {case: sp_step(PATHS[case[0]], batch(case[1]), world, aux=case[1] == "aux") for case in cases}
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +70,17 @@ def test_sinks_under_sp_equal_eager_one_process(sp, sp_results):
     refs = {}
     for path, kind in CASES[sp]:
         if kind not in refs:
-            refs[kind] = reference(batch(kind))
-            assert abs(reference(batch(kind), sinks_zero=True)[0] - refs[kind][0]) > 1e-3  # the sinks move the loss
+            refs[kind] = reference(batch(kind), aux=kind == "aux")
+            # the sinks move the loss; so does the auxiliary loss
+            assert abs(reference(batch(kind), sinks_zero=True, aux=kind == "aux")[0] - refs[kind][0]) > 1e-3
+            if kind == "aux":
+                assert abs(reference(batch(kind))[0] - refs[kind][0]) > 1e-3
         ref_loss, ref_deltas, params = refs[kind]
         sinks = [n for n in ref_deltas if n.endswith("sinks")]
         assert sinks and all(float(ref_deltas[n].abs().max()) > 0 for n in sinks)
         for rank, r in enumerate(results):
-            loss, deltas = r[(path, kind)]
+            loss, deltas, tiled = r[(path, kind)]
+            assert tiled == ["GptOssMLP"] * 2, tiled  # the MoE block of both layers in row tiles
             err, where = max_delta_error(ref_deltas, deltas, params)
             print(sp, rank, path, kind, ref_loss, loss, err, where)
             assert math.isclose(loss, ref_loss, rel_tol=1e-5), (path, kind, loss, ref_loss)

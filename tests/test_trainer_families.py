@@ -54,8 +54,8 @@ def _build(name: str, attn: str | None = None):
 # document of the packed sample alone (GPT-OSS's masks ignore position_ids: tests/sink_cases.reference)
 # Gemma 4: tests/test_gemma4_sp.py's model (global layers' keys as values, the last two layers sharing KV)
 GEMMA4 = dict(k_eq_v=True, kv_shared=2)
-# (``gemma4``: the multimodal Gemma4ForConditionalGeneration on text, untied, its MLP untiled: its vision tower's
-# Gemma4VisionMLP is refused by tiled_mlp)
+# (``gemma4``: the multimodal Gemma4ForConditionalGeneration on text, the whole stack: tiled_mlp tiles its language
+# model's MLPs, not the vision tower's)
 # {SP degree: {family: attention implementation}}: every family under both implementations, one at each degree
 CASES = {2: {"llama4_text": "ulysses", "deepseek_v3": "untied_ulysses", "gemma4_text": "ulysses",
              "gemma4": "untied_ulysses", "gpt_oss": "untied_ulysses"},
@@ -64,10 +64,6 @@ CASES = {2: {"llama4_text": "ulysses", "deepseek_v3": "untied_ulysses", "gemma4_
 FAMILIES = sorted(CASES[2])
 assert all(sorted(c) == FAMILIES for c in CASES.values()) and \
     all({c[f] for c in CASES.values()} == {"ulysses", "untied_ulysses"} for f in FAMILIES)
-UNTILED = ("gemma4",)
-# gpt_oss: without the memory stack (its GptOssMLP is refused by tiled_mlp; and HF builds a flex BlockMask per
-# forward, 4 s a step on CPU: checkpointing's recompute made it 45 s instead of 25 s in this spawn)
-NO_STACK = ("gpt_oss",)
 
 
 def _data(n: int, seq_len: int, vocab: int, seed: int = 0):
@@ -96,9 +92,7 @@ def _worker(rank, world, cases: dict):
         state = ProcessState()
         hf_trainer.tiny_model = lambda seed=0, name=name: _build(name)
         hf_trainer.RandomTokens = _data
-        config = hf_trainer.ds_config(world, impl, memory_stack=name not in NO_STACK)
-        if name in UNTILED:  # Gemma4VisionMLP (the vision tower's): not one tiled_mlp knows (refused by name)
-            config["long_context"]["tiled_mlp"] = {"enabled": False}
+        config = hf_trainer.ds_config(world, impl)  # the memory stack: its MoE blocks (GPT-OSS's, DeepSeek's) tiled
         out[name] = hf_trainer.train(sp=world, attention=impl, record_params=True, steps=STEPS, seq_len=SEQ,
                                      samples=SAMPLES, sample_order=list(range(SAMPLES)), lr=LR, config=config,
                                      output_dir=f"/tmp/ds_longctx_test_trainer_families{rank}")

@@ -337,24 +337,33 @@ def _untiled_layer_mlps(model, mlps) -> List[str]:
     return out
 
 
+def _text_body(model) -> torch.nn.Module:
+    """The module that runs the sequence's decoder layers: ``get_decoder()`` (a multimodal model's language model:
+    its vision tower's layers run on image features, not on the long sequence, and are not tiled), else the model."""
+    get_decoder = getattr(model, "get_decoder", None)
+    body = get_decoder() if callable(get_decoder) else None
+    return body if isinstance(body, torch.nn.Module) else model
+
+
 def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcontext):
     """Patch the forward of every supported MLP *instance* (the class stays untouched, so other models
     in the process are unaffected) to run in ``shards`` row tiles (an int, or None: "auto", agreed per forward).
     ``refusals``: a context manager factory around each tiled forward (the install's translation of a
     :class:`TilingError` raised there). Returns (state, modules, hook handles). Issues no collectives.
     A model without a supported MLP is a TilingError."""
-    mlps = find_mlps(model)
+    root = _text_body(model)
+    mlps = find_mlps(root)
     if not mlps:
         raise TilingError(f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "
                           f"(supported: {SUPPORTED_TEXT})", "for this model (its MLP then runs untiled: "
                           "exact, with the whole shard's MLP activations in memory)")
-    for m in _moe_candidates(model):
+    for m in _moe_candidates(root):
         cap = capacity_limit(m)
         if cap is not None:
             raise TilingError(f"{type(m).__name__} (a mixture-of-experts block) routes with an expert capacity ({cap}):"
                               " tokens beyond an expert's capacity in one call are dropped, so row tiles would drop "
                               "others than the whole sequence", "for this model (exact, untiled)")
-    untiled = _untiled_layer_mlps(model, mlps)
+    untiled = _untiled_layer_mlps(root, mlps)
     if untiled:
         # a partly tiled model (dense layers tiled, MoE blocks not) would hold the untiled layers' activations
         # while the config says tiled: refuse rather than tile some
@@ -364,7 +373,7 @@ def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcont
                           "in memory)")
     state = TilingState(shards)
 
-    probed = {id(m) for m in _moe_candidates(model)}
+    probed = {id(m) for m in _moe_candidates(root)}
 
     def tiled(mod):
         probe = id(mod) in probed
@@ -379,7 +388,6 @@ def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcont
 
     for m in mlps:
         m.forward = tiled(m)
-    root = model.get_decoder() if hasattr(model, "get_decoder") else model
     hooks = [root.register_forward_pre_hook(state.new_forward)]
     return state, mlps, hooks
 
