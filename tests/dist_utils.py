@@ -23,8 +23,11 @@ def free_port() -> int:
 
 
 # What every rank imports: loaded once into the forkserver, so a spawn costs a fork, not these imports (on a
-# 2-core box the imports were most of a spawn: ~8 s idle, ~30 s loaded, against 0.3 s from the server)
-PRELOAD = ["torch", "deepspeed", "transformers", "ds_longctx"]
+# 2-core box the imports were most of a spawn: ~8 s idle, ~30 s loaded, against 0.3 s from the server). Also what
+# the ranks import later: DeepSpeed's ZeRO init imports its Muon optimizer, whose kernels torch.compile at import
+# (3.4 s a rank), and the Trainer route's transformers.trainer (2.3 s); then forkserver_gc (gc.freeze) last.
+PRELOAD = ["torch", "deepspeed", "transformers", "ds_longctx", "deepspeed.runtime.zero.muon.muon_optimizer",
+           "transformers.trainer", "accelerate", "peft", "trl", "forkserver_gc"]
 _METHOD = []
 
 
@@ -40,7 +43,20 @@ def _start_method() -> str:
         if torch.cuda.is_available() or os.environ.get("DS_LONGCTX_TEST_SPAWN") == "1":
             _METHOD.append("spawn")
         else:
+            from multiprocessing import forkserver
+
             multiprocessing.set_forkserver_preload(PRELOAD)
+            # started here with tests/ on its PYTHONPATH: the server is a fresh `python -c` that imports PRELOAD before
+            # it reads the sys.path it is handed (Python 3.11), so forkserver_gc was not found (and skipped silently)
+            before = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), before) if p)
+            try:
+                forkserver.ensure_running()
+            finally:
+                if before is None:
+                    os.environ.pop("PYTHONPATH")
+                else:
+                    os.environ["PYTHONPATH"] = before
             _METHOD.append("forkserver")
     return _METHOD[0]
 
