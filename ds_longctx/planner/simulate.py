@@ -601,9 +601,11 @@ def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: i
     t0 = time.perf_counter()
     key = None if _MEMO_OFF[0] else _memo_key(model_config, ds_config, lc, world_size, seq_len, num_layers, device,
                                                 batch_size)
-    if key is not None and key in _MEMO:
+    hit = _MEMO.get(key) if key is not None else None
+    if hit is not None:
+        _MEMO[key] = hit  # the most recently used (eviction takes the least)
         _MEMO.move_to_end(key)
-        res = copy.deepcopy(_MEMO[key])
+        res = copy.deepcopy(hit)
         res.seconds = time.perf_counter() - t0
         return res
     res = _simulate_step(model_config, ds_config, lc, world_size, seq_len, num_layers, device, batch_size, t0)
