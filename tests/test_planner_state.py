@@ -18,13 +18,14 @@ def test_second_simulation_installs_untied_again(fuse):
     """(a) fuse_projections=false: the second simulation (the planner runs 2 and 3 layers) used to find
     hf's own 'already installed' flag set after the table had been restored, and ran plain attention."""
     from ds_longctx.config import parse
-    from ds_longctx.planner.simulate import simulate_step
+    from ds_longctx.planner.simulate import no_memo, simulate_step
 
     cfg = ds_config(3, 2, _untied(fuse))
     lc = parse(cfg)
     mc = tiny_config(**MODEL)
-    first = simulate_step(mc, cfg, lc, 2, 1024, 2)
-    second = simulate_step(mc, cfg, lc, 2, 1024, 2)
+    with no_memo():  # both simulated (the memo would answer the second from the first)
+        first = simulate_step(mc, cfg, lc, 2, 1024, 2)
+        second = simulate_step(mc, cfg, lc, 2, 1024, 2)
     assert second.peak_device == first.peak_device
     assert second.breakdown == first.breakdown
     # and untied really differs from plain attention on this shape (so the comparison can fail)
@@ -124,6 +125,42 @@ def test_transformers_packed_mask_swap_is_what_keeps_hf_attention_linear(monkeyp
     swapped = simulate.simulate_step(mc, cfg, lc, 1, seq, 2)
     assert mu.find_packed_sequence_indices is original  # undone
     monkeypatch.setattr(simulate, "_contiguous_positions", contextlib.nullcontext)
-    unswapped = simulate.simulate_step(mc, cfg, lc, 1, seq, 2)
+    with simulate.no_memo():  # the same inputs: simulated again with the swap undone, not answered by the memo
+        unswapped = simulate.simulate_step(mc, cfg, lc, 1, seq, 2)
     assert swapped.peak_device < seq * seq, swapped.peak_device  # linear in s: below one byte per pair
     assert unswapped.peak_device - swapped.peak_device > 32 * seq * seq, (unswapped.peak_device, swapped.peak_device)
+
+
+def test_memo_answers_a_repeated_step_with_a_copy_of_the_simulated_one(monkeypatch):
+    """simulate_step's memo: the same inputs again are answered without simulating, equal to a fresh simulation (a
+    copy: the caller's changes do not reach the memo); any input the step reads (the dtype from ds_config, a model
+    config attribute, the section, the length) simulates anew."""
+    import copy
+
+    from ds_longctx.config import parse
+    from ds_longctx.planner import simulate
+
+    cfg = ds_config(3, 2, _untied(True))
+    lc, mc = parse(cfg), tiny_config(**MODEL)
+    real, runs = simulate._simulate_step, []
+    monkeypatch.setattr(simulate, "_simulate_step", lambda *a: runs.append(a[4:6]) or real(*a))
+    simulate.clear_memo()
+    with simulate.no_memo():
+        fresh = simulate.simulate_step(mc, cfg, lc, 2, 1024, 2)
+    simulate.simulate_step(mc, cfg, lc, 2, 1024, 2)
+    assert runs == [(1024, 2)] * 2
+    hit = simulate.simulate_step(copy.deepcopy(mc), copy.deepcopy(cfg), parse(cfg), 2, 1024, 2)
+    assert runs == [(1024, 2)] * 2
+    for name in ("peak_device", "breakdown", "host_at_peak", "peak_host", "num_layers", "notes", "work"):
+        assert getattr(hit, name) == getattr(fresh, name), name
+    hit.breakdown["attention"] += 1
+    hit.work.clear()
+    again = simulate.simulate_step(mc, cfg, lc, 2, 1024, 2)
+    assert again.breakdown == fresh.breakdown and again.work == fresh.work and len(runs) == 2
+    wide = tiny_config(**dict(MODEL, intermediate=64))
+    plain = ds_config(3, 2, {"attention": {"implementation": "ulysses"}})
+    simulate.simulate_step(mc, dict(cfg, bf16={"enabled": True}), lc, 2, 1024, 2)  # bf16, not the default fp32
+    simulate.simulate_step(wide, cfg, lc, 2, 1024, 2)
+    simulate.simulate_step(mc, plain, parse(plain), 2, 1024, 2)
+    simulate.simulate_step(mc, cfg, lc, 2, 2048, 2)
+    assert runs == [(1024, 2)] * 5 + [(2048, 2)], runs

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import pickle
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -508,7 +510,7 @@ class StepMemory:
     host_at_peak: int
     peak_host: int
     num_layers: int
-    seconds: float
+    seconds: float  # wall time of this call: the simulation's, or on a memo hit (:func:`simulate_step`) the lookup's
     notes: List[str] = field(default_factory=list)
     # (kind, phase, key) -> (flops, bytes, calls) of the step (Accountant.work; measure/flops.py)
     work: Dict[tuple, tuple] = field(default_factory=dict)
@@ -542,17 +544,83 @@ def build_model(model_config, dtype: torch.dtype, device: str, mode):
     return model
 
 
+# ---------------------------------------------------------------------------------------------
+# memo: a step is a pure function of its inputs; the planner asks for the same step many times in one process
+# (max_context's full-depth re-check of a shallow model, resolve_auto's candidates, the tests' plans)
+# ---------------------------------------------------------------------------------------------
+
+_MEMO: "OrderedDict[tuple, StepMemory]" = OrderedDict()
+_MEMO_SIZE = 512  # entries (a StepMemory is a few KB: its work table)
+_MEMO_OFF = [0]
+
+
+@contextlib.contextmanager
+def no_memo():
+    """Inside: every :func:`simulate_step` simulates, and stores nothing. For callers that swap a function the
+    simulation runs (tests showing what a piece of the simulation changes): the memo's key holds the step's inputs,
+    not the code that runs it."""
+    _MEMO_OFF[0] += 1
+    try:
+        yield
+    finally:
+        _MEMO_OFF[0] -= 1
+
+
+def clear_memo():
+    _MEMO.clear()
+
+
+def _kernel_tables() -> tuple:
+    """The attention kernel tables a step on a real device type resolves its kernel from (tests register backends)."""
+    return tuple(tuple(sorted((k, v if isinstance(v, tuple) else id(v)) for k, v in table.items()))
+                 for table in (kernels.BACKENDS, kernels._AUTO_ORDER, kernels._OVERRIDES, kernels._BANDED))
+
+
+def _memo_key(model_config, ds_config, lc, world_size, seq_len, num_layers, device, batch_size) -> Optional[tuple]:
+    """Everything the step reads: the model config (every attribute, sub-configs included: pickled), the parsed
+    section, the dtype (the one thing read from ``ds_config``), world, length, depth, device, batch, and the kernel
+    tables. None (no memo) for inputs that do not pickle."""
+    try:
+        return (type(model_config), pickle.dumps(model_config), type(lc), pickle.dumps(lc), dtype_of(ds_config),
+                int(world_size), int(seq_len), int(num_layers), str(device), int(batch_size), _kernel_tables())
+    except Exception:
+        return None
+
+
 def simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: int, num_layers: int,
                   device: str = "meta", batch_size: int = 1) -> StepMemory:
     """Peak memory of one training step (forward + backward) on rank 0 of ``world_size`` fake ranks.
 
     Parameter storage and final full gradients are not counted here (they are model states, sized
     by arithmetic); transient full gradients inside backward are, since they exist on the device.
+
+    The result is a function of the inputs alone: a step already simulated in this process with the same inputs
+    (:func:`_memo_key`) is answered from a memo (a copy; its ``seconds`` is then the lookup's wall time, not the
+    original simulation's). :func:`no_memo` turns it off.
     """
+    t0 = time.perf_counter()
+    key = None if _MEMO_OFF[0] else _memo_key(model_config, ds_config, lc, world_size, seq_len, num_layers, device,
+                                                batch_size)
+    hit = _MEMO.get(key) if key is not None else None
+    if hit is not None:
+        _MEMO[key] = hit  # the most recently used (eviction takes the least)
+        _MEMO.move_to_end(key)
+        res = copy.deepcopy(hit)
+        res.seconds = time.perf_counter() - t0
+        return res
+    res = _simulate_step(model_config, ds_config, lc, world_size, seq_len, num_layers, device, batch_size, t0)
+    if key is not None:
+        _MEMO[key] = copy.deepcopy(res)
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return res
+
+
+def _simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: int, num_layers: int,
+                   device: str, batch_size: int, t0: float) -> StepMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     sp = lc.sequence_parallel_size
-    t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_world(world_size), registry.restored(), _meta_kernels(device), _flash_sdpa_on_meta(device), \
             contextlib.ExitStack() as hf_attention:
