@@ -198,7 +198,7 @@ def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) ->
                        device, bs, lo, hi, L)
         f = n / most
         work = {k: tuple(y + f * (x - y) for x, y in zip(full[5].get(k, (0.0,) * 3), none[5].get(k, (0.0,) * 3)))
-                for k in set(full[5]) | set(none[5])}
+                for k in sorted(set(full[5]) | set(none[5]))}  # (sorted: one summation order, any hash seed)
         host = none[1] + min(1.0, n / off) * (full[1] - none[1]) if off > 0 else none[1]
         return full[0], host, full[2], True, full[4] + none[4], work
     return _affine(model_config, ds_config, lambda d: lc, world, seq, device, bs, lo, hi, L)
@@ -275,7 +275,8 @@ def _affine(model_config, ds_config, lc_at, world, seq, device, bs, lo, hi, L) -
     host = max(0, a.peak_host + sum(n * (y.peak_host - x.peak_host) for n, x, y in growth))
     # the step's work is affine in depth too (every layer of a kind does the same work)
     zero = (0.0, 0.0, 0.0)
-    keys = set(a.work).union(*(set(x.work) | set(y.work) for _, x, y in growth))
+    # sorted: the step's time sums the work in one order whatever PYTHONHASHSEED is (a set's order varied the last bit)
+    keys = sorted(set(a.work).union(*(set(x.work) | set(y.work) for _, x, y in growth)))
     work = {key: tuple(max(0.0, v + sum(n * (wy[i] - wx[i]) for n, wx, wy in
                                         ((n, x.work.get(key, zero), y.work.get(key, zero)) for n, x, y in growth)))
                        for i, v in enumerate(a.work.get(key, zero)))
