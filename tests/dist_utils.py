@@ -11,6 +11,7 @@ import sys
 import pickle
 import socket
 import tempfile
+import threading
 import traceback
 
 import torch.multiprocessing as mp
@@ -29,36 +30,40 @@ def free_port() -> int:
 PRELOAD = ["torch", "deepspeed", "transformers", "ds_longctx", "deepspeed.runtime.zero.muon.muon_optimizer",
            "transformers.trainer", "accelerate", "peft", "trl", "forkserver_gc"]
 _METHOD = []
+_METHOD_LOCK = threading.Lock()  # run_distributed_side_by_side's threads ask at once (PYTHONPATH is swapped below)
 
 
 def _start_method() -> str:
     """"forkserver" with :data:`PRELOAD` imported in the server (a fresh interpreter started for it, never a fork of
     pytest: each rank starts from that clean imported state); "spawn" where CUDA is present (nothing forks a process
     that may have queried CUDA) or ``DS_LONGCTX_TEST_SPAWN=1``."""
-    if not _METHOD:
-        import multiprocessing
-
-        import torch
-
-        if torch.cuda.is_available() or os.environ.get("DS_LONGCTX_TEST_SPAWN") == "1":
-            _METHOD.append("spawn")
-        else:
-            from multiprocessing import forkserver
-
-            multiprocessing.set_forkserver_preload(PRELOAD)
-            # started here with tests/ on its PYTHONPATH: the server is a fresh `python -c` that imports PRELOAD before
-            # it reads the sys.path it is handed (Python 3.11), so forkserver_gc was not found (and skipped silently)
-            before = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), before) if p)
-            try:
-                forkserver.ensure_running()
-            finally:
-                if before is None:
-                    os.environ.pop("PYTHONPATH")
-                else:
-                    os.environ["PYTHONPATH"] = before
-            _METHOD.append("forkserver")
+    with _METHOD_LOCK:
+        if not _METHOD:
+            _METHOD.append(_choose_start_method())
     return _METHOD[0]
+
+
+def _choose_start_method() -> str:
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    import torch
+
+    if torch.cuda.is_available() or os.environ.get("DS_LONGCTX_TEST_SPAWN") == "1":
+        return "spawn"
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    # started here with tests/ on its PYTHONPATH: the server is a fresh `python -c` that imports PRELOAD before it
+    # reads the sys.path it is handed (Python 3.11), so forkserver_gc was not found (and skipped silently)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.abspath(__file__)), before) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = before
+    return "forkserver"
 
 
 def _worker(rank, world, port, fn, args, out_dir, environ):
