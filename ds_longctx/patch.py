@@ -24,7 +24,7 @@ from .compat import causal_lm_output, fused_lm_head_output
 from .errors import BatchError, ConfigError
 from .loss import causal_lm_loss_sum, shift_labels_of
 from .memory import apply_memory_stack
-from .memory.checkpointing import decoder_layers
+from .memory.checkpointing import decoder_layers, text_body
 from .memory.tiling import tiled_causal_lm_loss_sum, tiled_token_fields
 from .models import supported_names, text_config
 from .models.adapters import hf_model_of
@@ -277,8 +277,7 @@ def _check_model_against(model, lc, sp: int) -> None:
                               "sequence_parallel_size 1 (long_context.attention.implementation 'none')")
     impl = lc.attention.implementation
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
-        get_decoder = getattr(model, "get_decoder", None)
-        body = get_decoder() if callable(get_decoder) else model  # a multimodal model's vision tower is not ours
+        body = text_body(model)  # a multimodal model's vision tower is not ours
         # a config flag (models.windows.is_bidirectional) misses models whose attention modules are built
         # bidirectional (RoBERTa-style LM heads without is_decoder=True): our SP attention is causal only
         both = sorted({type(m).__name__ for m in body.modules() if getattr(m, "is_causal", None) is False})

@@ -27,6 +27,14 @@ def decoder_layers(model) -> List[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def text_body(model) -> torch.nn.Module:
+    """The module that runs the sequence's decoder layers: ``get_decoder()`` (a multimodal model's language model:
+    its vision tower runs on image features, not on the long sequence), else the model."""
+    get_decoder = getattr(model, "get_decoder", None)
+    body = get_decoder() if callable(get_decoder) else None
+    return body if isinstance(body, torch.nn.Module) else model
+
+
 # The observation seam: context-manager factories entered around every run of a checkpointed layer's
 # function (its forward and its recompute in backward, which runs without the layer's module hooks).
 # Owned here and changed only through around_checkpointed_runs (the planner's accountant uses it to charge

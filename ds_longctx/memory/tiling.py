@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from ..comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
-from ..models.moe import (block_rows, capacity_limit, is_fake_tensor, is_moe_candidate, returns_tuple,
+from ..models.moe import (block_rows, capacity_limit, output_form, is_fake_tensor, is_moe_candidate, returns_tuple,
                           token_locality_problem)
-from .checkpointing import decoder_layers
+from .checkpointing import decoder_layers, text_body
 from .tiles import each_tile
 
 # decoder MLPs whose forward is pointwise over tokens (SwiGLU/GeGLU/GELU MLPs, per-token MoE routing), so row
@@ -185,9 +185,8 @@ def _block_rows(module, y, x):
     a probed block's output, a known block's is known)."""
     rows = block_rows(y, x.shape)
     if rows is None:
-        got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
-        raise TilingError(f"{type(module).__name__} (a mixture-of-experts block) returned {got}, not its rows shaped "
-                          f"like its input {tuple(x.shape)}", "(exact, untiled)")
+        raise TilingError(f"{type(module).__name__} (a mixture-of-experts block) returned {output_form(y)}, not its "
+                          f"rows shaped like its input {tuple(x.shape)}", "(exact, untiled)")
     return rows
 
 
@@ -337,21 +336,13 @@ def _untiled_layer_mlps(model, mlps) -> List[str]:
     return out
 
 
-def _text_body(model) -> torch.nn.Module:
-    """The module that runs the sequence's decoder layers: ``get_decoder()`` (a multimodal model's language model:
-    its vision tower's layers run on image features, not on the long sequence, and are not tiled), else the model."""
-    get_decoder = getattr(model, "get_decoder", None)
-    body = get_decoder() if callable(get_decoder) else None
-    return body if isinstance(body, torch.nn.Module) else model
-
-
 def install_tiled_mlp(model, shards: Optional[int], refusals=contextlib.nullcontext):
     """Patch the forward of every supported MLP *instance* (the class stays untouched, so other models
     in the process are unaffected) to run in ``shards`` row tiles (an int, or None: "auto", agreed per forward).
     ``refusals``: a context manager factory around each tiled forward (the install's translation of a
     :class:`TilingError` raised there). Returns (state, modules, hook handles). Issues no collectives.
     A model without a supported MLP is a TilingError."""
-    root = _text_body(model)
+    root = text_body(model)  # a multimodal model's vision tower is not on the sequence: not tiled
     mlps = find_mlps(root)
     if not mlps:
         raise TilingError(f"{type(model).__name__} has no MLP that tiled_mlp knows to be pointwise over tokens "

@@ -82,6 +82,12 @@ def block_rows(y, shape) -> Optional[torch.Tensor]:
     return None
 
 
+def output_form(y) -> str:
+    """What a block returned, for an error: its (first) output's shape, else its type."""
+    first = y[0] if isinstance(y, tuple) and y else y
+    return str(tuple(first.shape)) if isinstance(first, torch.Tensor) else type(y).__name__
+
+
 def is_moe_candidate(module) -> bool:
     """A module holding an experts module (itself excluded): transformers' experts contract, or experts stacked in
     3-D parameters. A block the probe decides on."""
@@ -146,9 +152,7 @@ def token_locality_problem(module, forward, hidden: int, dtype: torch.dtype, dev
                 raw = forward(module, x.to(device=device, dtype=dtype).unsqueeze(0))
                 y = block_rows(raw, shape)
                 if y is None:
-                    first = raw[0] if isinstance(raw, tuple) and raw else raw
-                    got = tuple(first.shape) if isinstance(first, torch.Tensor) else type(raw).__name__
-                    return f"its forward returns {got}, not one tensor shaped like its input {list(shape)}"
+                    return f"its forward returns {output_form(raw)}, not one tensor shaped like its input {list(shape)}"
                 outs.append(y[0, _PROBE_ROWS:].float())
             again = block_rows(forward(module, inputs[0].to(device=device, dtype=dtype).unsqueeze(0)), shape)
             again = again[0, _PROBE_ROWS:].float()
@@ -330,4 +334,4 @@ def install_router_tap(decoder, facts: AuxLossFacts):
     return tap, handles
 
 
-__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "block_rows", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
+__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "block_rows", "output_form", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
