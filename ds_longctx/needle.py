@@ -42,8 +42,8 @@ from .initialize import init_distributed, initialize, model_init
 from .models import text_config
 from .models.loading import load_model_config
 from .patch import get_patch
-from .rope_scaling import apply_rope
-from .shipped import resolve_config_path
+from .config.rope_scaling import apply_rope
+from .config.shipped import resolve_config_path
 from .weights import deterministic_init
 
 FACT = "The secret passkey is {key}. Remember it. {key} is the secret passkey."
@@ -412,9 +412,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the haystacks and passkeys (and of --model-config's "
                    "random init)")
     p.add_argument("--haystack", help="a UTF-8 text file to draw the filler from (default: built-in sentences)")
-    p.add_argument("--rope-theta", type=float, help="evaluate with this RoPE base (ds_longctx.rope_scaling)")
+    p.add_argument("--rope-theta", type=float, help="evaluate with this RoPE base (ds_longctx.config.rope_scaling)")
     p.add_argument("--rope-scaling", help="evaluate with this RoPE scaling, TYPE:FACTOR[,key=value...] "
-                   "(ds_longctx.rope_scaling)")
+                   "(ds_longctx.config.rope_scaling)")
     p.add_argument("--json", help="write the report (cells and every case) as JSON here")
     p.add_argument("--heatmap", help="write the accuracy heatmap PNG here (needs matplotlib)")
     a = p.parse_args(argv)

@@ -58,8 +58,8 @@ from .measure.profiler import StepProfiler, format_flops
 from .metrics import StepLog, peak_tflops, step_record
 from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
-from .rope_scaling import apply_rope
-from .shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (also train.X)
+from .config.rope_scaling import apply_rope
+from .config.shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (also train.X)
 from .planner import planned_work
 from .planner.units import fmt_bytes
 from .preflight import reserve_offload_storage

@@ -1,4 +1,4 @@
-"""README's config reference is what tools/config_reference.py generates from ds_longctx/config.py."""
+"""README's config reference is what tools/config_reference.py generates from ds_longctx/config/schema.py."""
 import importlib.util
 import os
 

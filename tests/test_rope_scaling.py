@@ -1,4 +1,4 @@
-"""RoPE as keys (ds_longctx/rope_scaling.py): every rope type transformers has parses, applies to a config, builds a
+"""RoPE as keys (ds_longctx/config/rope_scaling.py): every rope type transformers has parses, applies to a config, builds a
 model whose forward differs from the unscaled one, and survives save_pretrained / from_pretrained; bad values are
 one ConfigError naming the flag."""
 import json
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from ds_longctx.errors import ConfigError
-from ds_longctx.rope_scaling import apply_rope, parse_rope_scaling, rope_types
+from ds_longctx.config.rope_scaling import apply_rope, parse_rope_scaling, rope_types
 from tiny_models import build, tiny_config
 
 MPE = 16  # the tiny config's trained length; the forward runs at 2x it (dynamic and longrope scale past it)

@@ -17,7 +17,7 @@ from typing_extensions import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
+from ..errors import ConfigError  # noqa: F401  (re-exported: ds_longctx.config.ConfigError is public)
 
 SECTION = "long_context"
 # the key whose value names the attention kernel: the kernels' own refusals (attention.kernels.KernelError)

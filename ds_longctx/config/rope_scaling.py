@@ -26,8 +26,8 @@ import logging
 import os
 from typing import Any, Dict, List, Optional
 
-from .errors import ConfigError
-from .models import text_config
+from ..errors import ConfigError
+from ..models import text_config
 
 FLAG = "--rope-scaling"
 THETA_FLAG = "--rope-theta"

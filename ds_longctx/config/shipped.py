@@ -1,5 +1,5 @@
 """The files ds_longctx ships (ds_configs/ and its model presets): found in a source checkout, an editable install
-or the wheel. A leaf: train.py, needle.py (which train.py imports for --eval-needle) and cli.py import it."""
+or the wheel. A leaf: the training command, the needle command and cli.py import it."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,8 @@ from typing import Optional
 
 def shipped_configs_dir() -> Optional[str]:
     """ds_configs/: copied into the package by the wheel's build (setup.py), at the repository root otherwise."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for path in (os.path.join(here, "ds_configs"), os.path.join(os.path.dirname(here), "ds_configs")):
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ds_longctx/
+    for path in (os.path.join(package, "ds_configs"), os.path.join(os.path.dirname(package), "ds_configs")):
         if os.path.isdir(path):
             return path
     return None
