@@ -7,10 +7,10 @@
 
 `python train.py --help` lists every flag.
 """
-from ds_longctx.runtime import run
+from ds_longctx.dist.runtime import run
 from ds_longctx.train import main
 
 if __name__ == "__main__":
     # an error on any rank ends the whole job; every rank ends without interpreter finalization (the exit-time
-    # gloo abort): see ds_longctx/runtime.py
+    # gloo abort): see ds_longctx/dist/runtime.py
     run(main)

@@ -110,8 +110,8 @@ def _alst_run(a, pieces: dict) -> dict:
     v = deepspeed.__version__
     if cuda:
         torch.cuda.set_device(0)
-    else:  # CPU: no JIT build of DeepSpeed's shm all-reduce op (60 s; train.py skips it the same way: ds_longctx.comm)
-        from ds_longctx.comm import disable_cpu_shm_allreduce
+    else:  # CPU: no JIT build of DeepSpeed's shm all-reduce op (60 s; train.py skips it the same way: ds_longctx.dist.comm)
+        from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
         disable_cpu_shm_allreduce()
     dist.init_distributed(dist_backend="nccl" if cuda else "gloo", auto_mpi_discovery=False)
@@ -621,7 +621,7 @@ def sp2_worker(a) -> None:
         torch.cuda.set_device(0)
     import deepspeed
 
-    from ds_longctx.runtime import run
+    from ds_longctx.dist.runtime import run
     from ds_longctx.train import main
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -114,7 +114,7 @@ def _worker(rank, world, port, args, out_path):
 
     group = None
     if world > 1:
-        from ds_longctx.comm import disable_cpu_shm_allreduce
+        from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
         disable_cpu_shm_allreduce()
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

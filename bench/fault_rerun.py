@@ -880,7 +880,7 @@ PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "preemptible.py")
 
 
 def _wrapped_cmd(launcher, argv, port):
-    """What the project ships: ds-longctx launch (the deepspeed runner through ds_longctx/preemptible.py, what
+    """What the project ships: ds-longctx launch (the deepspeed runner through ds_longctx/dist/preemptible.py, what
     launch/single_node.sh runs) or launch/mpi.sh (mpirun through the same wrapper)."""
     if launcher == "deepspeed":
         return [sys.executable, PREEMPTIBLE, "--num_gpus", "2", "--master_port", str(port), *argv]

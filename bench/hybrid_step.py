@@ -47,7 +47,7 @@ def _measure(rank, world, seq, steps, impl):
     from transformers import AutoModelForCausalLM
 
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     cfg = hybrid_config()

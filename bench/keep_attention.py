@@ -32,7 +32,7 @@ def _worker(rank, world, port, args, out_dir):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
     from transformers import AutoModelForCausalLM, LlamaConfig
 

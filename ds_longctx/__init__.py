@@ -18,7 +18,7 @@ from .errors import BatchError, ConfigError, LongContextError
 # the submodule of the same name loaded, keeps `ds_longctx.initialize` the function for good.
 from .initialize import initialize, model_init
 from .patch import patch_model
-from .runtime import main_guard, run, shutdown
+from .dist.runtime import main_guard, run, shutdown
 from .preflight import reserve_offload_storage
 from .spec import LongContextSpec
 

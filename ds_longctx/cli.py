@@ -25,7 +25,7 @@ from .errors import ConfigError
 from .models.loading import load_model_config
 from .needle import cli as needle_cli
 from .planner.cli import main as plan_main
-from .preemptible import main as launch_main
+from .dist.preemptible import main as launch_main
 from .train import shipped_configs_dir
 
 _COMMANDS = ("plan", "export", "convert", "configs", "launch", "needle")

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_ints, control_device
+from .dist.comm import all_gather_ints, control_device
 from .data import shard_batch
 from .errors import BatchError
 from .loss import IGNORE_INDEX

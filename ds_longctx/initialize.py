@@ -15,13 +15,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, comm, compat, watchdog
+from . import agreement, compat, watchdog
+from .dist import comm
 from .config import auto_keys, check_train_batch_size, load_ds_config, parse, with_values
 from .data import SPDataLoader
 from .errors import ConfigError
 from .hostmem import check_host_memory
-from .launch import env_from_slurm, master_port
-from .layout import Layout, zero_stage
+from .dist.launch import env_from_slurm, master_port
+from .dist.layout import Layout, zero_stage
 from .models.adapters import hf_model_of
 from .models.logits import describe_logit_path
 from .patch import patch_model

@@ -66,12 +66,12 @@ import contextlib
 import inspect
 import threading
 
-from .comm import disable_cpu_shm_allreduce
+from .dist.comm import disable_cpu_shm_allreduce
 from .config import SECTION, load_ds_config
 from .errors import ConfigError
 from .hf_loader import RoutedSPAdapter, is_sp_adapter, skip_first_items
 from .initialize import initialize
-from .layout import Layout
+from .dist.layout import Layout
 from .loss import IGNORE_INDEX
 from .models import attention_shape, text_config
 from .models.hybrid import runs_layer_type

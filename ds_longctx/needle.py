@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
-from .comm import control_device, sp_group, sp_rank
+from .dist.comm import control_device, sp_group, sp_rank
 from .config import load_ds_config
 from .errors import ConfigError
 from .initialize import init_distributed, initialize, model_init

@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import comm
+from .dist import comm
 from .attention import registry
 from .attention.hf import install_untied
 from .attention.mixers import install_mixers

@@ -2,7 +2,7 @@
 
 Built once on every rank (:func:`build_spec`) from the parsed ``long_context`` section
 (``config.LongContextConfig`` with its ``config.AUTO_KEYS`` resolved: ``initialize`` has the planner do it, see
-``config.with_values``), the rank :class:`~ds_longctx.layout.Layout` (with the SP process group carried beside
+``config.with_values``), the rank :class:`~ds_longctx.dist.layout.Layout` (with the SP process group carried beside
 it) and the model's config. The spec holds every count the run uses as a plain int, resolved here and nowhere
 else: the model's facts (heads, KV heads, head_dim, layers, hidden, vocab), the untied attention's
 :class:`~ds_longctx.attention.untied.Schedule` (heads per chunk) and kernel
@@ -33,7 +33,7 @@ from .attention.untied import Schedule
 from .checks import check_against, check_kernel
 from .config import SECTION, LongContextConfig, auto_keys
 from .errors import ConfigError
-from .layout import Layout
+from .dist.layout import Layout
 from .models import AttentionShape, attention_shape, facts_for, text_config
 
 

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
-from . import comm, needle, watchdog
+from .dist import comm
+from . import needle, watchdog
 from .agreement import check_agreement
 from .attention import registry
 from .checkpoint import find_resume_tag
@@ -51,8 +52,8 @@ from .data import TASKS, SampleStream, shard_batch
 from .errors import ConfigError
 from .evaluate import eval_loader, evaluate
 from .initialize import init_distributed, initialize, model_init, predicted_step
-from .launch import check_launch
-from .layout import zero_stage
+from .dist.launch import check_launch
+from .dist.layout import zero_stage
 from .loss import IGNORE_INDEX
 from .measure.profiler import StepProfiler, format_flops
 from .metrics import StepLog, peak_tflops, step_record
@@ -63,7 +64,7 @@ from .config.shipped import default_model_config, resolve_config_path, shipped_c
 from .planner import planned_work
 from .planner.units import fmt_bytes
 from .preflight import reserve_offload_storage
-from .runtime import graceful_stop, stop_requested, stop_saved
+from .dist.runtime import graceful_stop, stop_requested, stop_saved
 from .weights import deterministic_init
 
 
@@ -941,7 +942,7 @@ def _has_checkpoint(path: str) -> bool:
 
 if __name__ == "__main__":
     # an error on any rank ends the whole job; every rank ends without interpreter finalization (the exit-time
-    # gloo abort): see ds_longctx/runtime.py
-    from ds_longctx.runtime import run
+    # gloo abort): see ds_longctx/dist/runtime.py
+    from ds_longctx.dist.runtime import run
 
     run(main)

@@ -52,7 +52,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import runtime
+from .dist import runtime
 from .config import parse, resolved_ds_config
 from .errors import ConfigError
 from .planner.core import Planner, load_model_config

@@ -62,7 +62,7 @@ def prepare_launched_process() -> None:
     initialised here: on GPUs Accelerate's PartialState does that, with ``use_cpu`` it does not
     (accelerate/state.py), and DeepSpeed's parallel_state_sp (register_with_transformers) asserts it.
     ``ds_longctx.enable()`` does both itself (ds_longctx/integration.py), so the ds_longctx runs skip this."""
-    from ds_longctx.comm import disable_cpu_shm_allreduce
+    from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():

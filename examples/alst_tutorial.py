@@ -61,9 +61,9 @@ def run(use_ds_longctx: bool = False, tiled_loss: bool = False, samples: int = 2
 
     micro_batch_size = 1
     if not dist.is_initialized():  # as a script (the tests start the group themselves)
-        from ds_longctx.comm import disable_cpu_shm_allreduce
+        from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
-        disable_cpu_shm_allreduce()  # CPU: no JIT build of DeepSpeed's shm all-reduce (see ds_longctx.comm)
+        disable_cpu_shm_allreduce()  # CPU: no JIT build of DeepSpeed's shm all-reduce (see ds_longctx.dist.comm)
         dist.init_distributed(dist_backend="gloo", dist_init_required=True)
     sequence_parallel_size = dist.get_world_size()
     config_dict = config(sequence_parallel_size, use_ds_longctx, tiled_loss)
@@ -122,5 +122,5 @@ if __name__ == "__main__":
     import ds_longctx
 
     # an error on any rank ends the job; no interpreter finalization at the end (gloo/NCCL threads can
-    # abort it: ds_longctx/runtime.py)
+    # abort it: ds_longctx/dist/runtime.py)
     ds_longctx.run(main)

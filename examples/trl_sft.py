@@ -167,5 +167,5 @@ if __name__ == "__main__":
     import ds_longctx
 
     # an error on any rank ends the job; no interpreter finalization at the end (gloo/NCCL threads can
-    # abort it: ds_longctx/runtime.py)
+    # abort it: ds_longctx/dist/runtime.py)
     ds_longctx.run(main)

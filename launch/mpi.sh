@@ -12,8 +12,8 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; pri
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
 HOSTARGS=()
-# not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
-launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
+# not `python -m ds_longctx.dist.launch`: the package imports ds_longctx.dist.launch first, and runpy then warns
+launch_tool() { python -c 'import sys; from ds_longctx.dist.launch import main; sys.exit(main())' "$@"; }
 if [[ -n "${HOSTFILE:-}" ]]; then
   launch_tool check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
   # mpirun's hostfile syntax is the same "host slots=N"
@@ -28,10 +28,10 @@ PORTARGS=()
 [[ -n "${LD_LIBRARY_PATH:-}" ]] && PORTARGS+=(-x LD_LIBRARY_PATH)
 ROOTARGS=()
 [[ $(id -u) == 0 ]] && ROOTARGS=(--allow-run-as-root)
-# mpirun through ds_longctx/preemptible.py (run by path: no torch import): mpirun kills its ranks on SIGTERM/SIGINT
+# mpirun through ds_longctx/dist/preemptible.py (run by path: no torch import): mpirun kills its ranks on SIGTERM/SIGINT
 # (no save); the wrapper sends a SIGTERM, SIGUSR1 or Ctrl-C on as SIGUSR1, which mpirun forwards to every rank: the
 # step finishes, the job saves (with --save) and every process exits 0; a second SIGTERM ends it now
-exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/preemptible.py \
+exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/dist/preemptible.py \
   mpirun "${ROOTARGS[@]}" --oversubscribe -np "$NP" "${HOSTARGS[@]}" \
   -x PYTORCH_CUDA_ALLOC_CONF -x PATH -x OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} \
   -x TORCH_EXTENSIONS_DIR "${PORTARGS[@]}" \

@@ -10,13 +10,13 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; pri
 # (remote nodes get it only through .deepspeed_env: add a TORCH_EXTENSIONS_DIR=... line there)
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
-# not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
-launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
+# not `python -m ds_longctx.dist.launch`: the package imports ds_longctx.dist.launch first, and runpy then warns
+launch_tool() { python -c 'import sys; from ds_longctx.dist.launch import main; sys.exit(main())' "$@"; }
 # refuse a hostfile whose slots do not tile the SP groups before any rank starts
 launch_tool check-hostfile "$HOSTFILE" --deepspeed_config "$CFG"
 MASTER_ADDR=${MASTER_ADDR:-$(awk '!/^#/ && NF {print $1; exit}' "$HOSTFILE")}
-# the deepspeed runner through ds_longctx/preemptible.py (see launch/single_node.sh); on several hosts it hands a
+# the deepspeed runner through ds_longctx/dist/preemptible.py (see launch/single_node.sh); on several hosts it hands a
 # SIGTERM, SIGUSR1 or Ctrl-C to the runner as SIGTERM (DeepSpeed's pdsh path stops launch.py on every node)
-exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/preemptible.py \
+exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/dist/preemptible.py \
   --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
   train.py "$@"

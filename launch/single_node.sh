@@ -12,10 +12,10 @@ fi
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(python -c 'import sys; print(sys.prefix)')/torch_extensions}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 CFG=$(python -c 'import sys; a=sys.argv[1:]; print(a[a.index("--deepspeed_config")+1])' "$@")
-# not `python -m ds_longctx.launch`: the package imports ds_longctx.launch first, and runpy then warns
-launch_tool() { python -c 'import sys; from ds_longctx.launch import main; sys.exit(main())' "$@"; }
+# not `python -m ds_longctx.dist.launch`: the package imports ds_longctx.dist.launch first, and runpy then warns
+launch_tool() { python -c 'import sys; from ds_longctx.dist.launch import main; sys.exit(main())' "$@"; }
 launch_tool layout --deepspeed_config "$CFG" --world "$NUM_GPUS"
-# the deepspeed runner through ds_longctx/preemptible.py (run by path: no torch import): a SIGTERM, SIGUSR1 or Ctrl-C
+# the deepspeed runner through ds_longctx/dist/preemptible.py (run by path: no torch import): a SIGTERM, SIGUSR1 or Ctrl-C
 # to this script ends with the step finished, a complete save (with --save) and exit 0; a second SIGTERM ends now
-exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/preemptible.py \
+exec python -c 'import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name="__main__")' ds_longctx/dist/preemptible.py \
   --num_gpus "$NUM_GPUS" --master_port "${MASTER_PORT:-29500}" train.py "$@"

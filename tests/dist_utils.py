@@ -80,7 +80,7 @@ def _worker(rank, world, port, fn, args, out_dir, environ):
     try:
         import deepspeed
 
-        from ds_longctx.comm import disable_cpu_shm_allreduce
+        from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
         disable_cpu_shm_allreduce()
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

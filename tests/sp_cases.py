@@ -66,7 +66,7 @@ def sp_step(cfg_kwargs: dict, batch: dict, stage: int, sp: int, lc: dict | None 
     micro-batches of the step (DeepSpeed's gradient_accumulation_steps = 1 + len(more)), ``clip``: DeepSpeed's
     gradient_clipping; with either, the loss is the list of the micro-batches' losses."""
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     config = ds_config(stage, sp, lc, gradient_clipping=clip, gradient_accumulation_steps=1 + len(more))
@@ -107,7 +107,7 @@ def one_sgd_step(model, b: dict, sp: int, lc: dict, stage: int = 3, inspect=None
     """One SGD(lr=1) step of ``model`` through ds_longctx.initialize on this rank's shard of ``b``; returns (loss,
     parameter deltas), and ``inspect(engine)``'s answer third when given; the patch is removed after."""
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     engine, _, _, _ = ds_longctx.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),

@@ -128,7 +128,7 @@ def _cases(rank, world, tmp):
     del os.environ["DS_LONGCTX_HOST_MEM"]
     # the same run fits this machine: the arena after one step holds exactly what the check counted
     engine, *_ = ds_longctx.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     g = torch.Generator().manual_seed(0)

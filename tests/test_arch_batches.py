@@ -35,7 +35,7 @@ def test_attention_shape_reads_every_spelling():
 
 
 def test_launch_world_must_be_a_multiple_of_sp(monkeypatch):
-    from ds_longctx.launch import check_launch
+    from ds_longctx.dist.launch import check_launch
 
     for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)

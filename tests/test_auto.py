@@ -10,7 +10,7 @@ pytestmark = pytest.mark.distributed  # every test here spawns processes
 
 def _auto(rank, world):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     lc = {"sequence_length": 64, "attention": {"implementation": "untied_ulysses", "heads_per_chunk": "auto"},

@@ -122,7 +122,7 @@ def test_active_stack_line_names_every_piece():
     layers, the shard counts."""
     from arch_cases import arch_config
 
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.spec import build_spec
 
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))

@@ -199,7 +199,7 @@ def _step(engine, batch):
 
 
 def _worker(rank, world, cases):
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
 
     out = {}
     for case in cases:

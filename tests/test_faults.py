@@ -122,7 +122,7 @@ def test_stale_activation_dirs_removed_only_when_ours_and_dead(tmp_path):
     import socket
 
     from ds_longctx.memory.nvme import MARKER, remove_stale_dirs
-    from ds_longctx.runtime import proc_start_time
+    from ds_longctx.dist.runtime import proc_start_time
 
     me = {"host": socket.gethostname(), "uid": os.getuid()}
     parent = os.getppid()
@@ -149,7 +149,7 @@ def test_stale_activation_dirs_removed_only_when_ours_and_dead(tmp_path):
 # ------------------------------------------------ cleanups on every exit path -------------------------------------
 _CLEANUP_SCRIPT = """
 import os, sys, time, ds_longctx
-from ds_longctx.runtime import on_exit
+from ds_longctx.dist.runtime import on_exit
 path = sys.argv[1]
 open(path, "w").close()
 on_exit(lambda: os.remove(path))
@@ -165,7 +165,7 @@ ds_longctx.run(main, sys.argv[2])
 def _default_signals():
     """In the child before exec: the termination signals at their defaults. A shell runs a background job (pytest
     started with &) with SIGINT ignored, and an ignored signal stays ignored across fork and exec: the child would
-    then ignore the SIGINT this test sends (ds_longctx.runtime keeps an ignored signal ignored, as nohup asks)."""
+    then ignore the SIGINT this test sends (ds_longctx.dist.runtime keeps an ignored signal ignored, as nohup asks)."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
 

@@ -146,7 +146,7 @@ def reference(name: str, b: dict, doc_lens=None):
 
 def _worker(rank, world, cases):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
     from sp_cases import ds_config, full_params
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.distributed  # every test here spawns processes
 
 def _bad_initialize(rank, world, case):
     import ds_longctx
-    from ds_longctx.comm import sp_group
+    from ds_longctx.dist.comm import sp_group
 
     model = build(tiny_config(**case["model"]))
     try:

@@ -235,7 +235,7 @@ def _sp_batch(packed):
 
 def _sp_worker(rank, world, cases):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
 
     from ds_longctx.attention import block, untied

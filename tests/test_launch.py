@@ -6,7 +6,7 @@ import json
 import pytest
 
 from ds_longctx.config import ConfigError
-from ds_longctx.launch import check_hostfile, main as launch_main
+from ds_longctx.dist.launch import check_hostfile, main as launch_main
 from launch_utils import TINY_CPU, read_metrics, run_train, side_by_side
 
 ARGS = ("--steps", "3", "--seq-len", "64", "--eval-samples", "0")

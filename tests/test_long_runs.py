@@ -332,7 +332,7 @@ def test_the_wheel_runs_the_demo_with_a_shipped_config(tmp_path):
 
 _STOP = """
 import os, signal, sys, time
-from ds_longctx.runtime import graceful_stop, install_signal_handlers, stop_requested
+from ds_longctx.dist.runtime import graceful_stop, install_signal_handlers, stop_requested
 install_signal_handlers()
 first, second = signal.Signals[sys.argv[1]], signal.Signals[sys.argv[2]]
 with graceful_stop():

@@ -135,7 +135,7 @@ def reference(case: str):
 
 def _worker(rank, world):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
     from sp_cases import ds_config, full_params
 
@@ -194,7 +194,7 @@ def test_lora_on_a_mixer_conv_is_refused():
 
     from ds_longctx.config import AttentionConfig, LongContextConfig
     from ds_longctx.errors import ConfigError
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.patch import patch_model
     from ds_longctx.spec import build_spec
     from test_hybrid import build_hybrid

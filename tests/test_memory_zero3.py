@@ -34,7 +34,7 @@ CASES = {
 
 def _engine_step(lc: dict, tied: bool = False):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
     from ds_longctx.memory import get_memory_handle
     from sp_cases import ds_config, full_params, sample

@@ -70,7 +70,7 @@ def _config(name, lc):
 
 def _measure_worker(rank, world):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
     from ds_longctx.measure.live_bytes import LiveBytesTracker
     from sp_cases import sample

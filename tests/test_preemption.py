@@ -6,7 +6,7 @@ a .jsonl file and a local word tokenizer), batched into one test (three jobs sid
   finish the step, save and move `latest` (before: launch.py's death ended them, the last --save-every tag stayed);
 * the same with SIGTERM to the group: launch.py sends every rank a second SIGTERM, which the ranks absorb (before:
   the second SIGTERM ended them without the save);
-* `ds-longctx launch` (ds_longctx/preemptible.py, what launch/single_node.sh runs) resuming the first job, SIGTERM to
+* `ds-longctx launch` (ds_longctx/dist/preemptible.py, what launch/single_node.sh runs) resuming the first job, SIGTERM to
   its process group: every process exits 0 (the wrapper's code is the runner's, which is launch.py's);
 * the stopped and resumed jobs' metrics equal an uninterrupted run's step for step (bit-equal: the same layout),
   each step once;

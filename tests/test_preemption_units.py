@@ -13,8 +13,8 @@ from launch_utils import ROOT, _env
 
 _SIGNALS = r"""
 import os, signal, sys, time
-from ds_longctx import runtime
-from ds_longctx.runtime import graceful_stop, install_signal_handlers, stop_requested, stop_saved
+from ds_longctx.dist import runtime
+from ds_longctx.dist.runtime import graceful_stop, install_signal_handlers, stop_requested, stop_saved
 install_signal_handlers()
 runtime.watch_launcher(interval_s=3600)  # the launcher-gone handler (the parent here is pytest, alive)
 case = sys.argv[1]
@@ -284,7 +284,8 @@ def test_launch_noise_where_we_launch():
     device exists) and torch's two FutureWarnings about DeepSpeed's deprecated calls (train.py filters those two)."""
     import warnings
 
-    from ds_longctx import preemptible, train
+    from ds_longctx import train
+    from ds_longctx.dist import preemptible
 
     assert preemptible.accelerator_env({}, nodes=[]) == {"DS_ACCELERATOR": "cpu"}
     assert preemptible.accelerator_env({}, nodes=["/dev/nvidia0"]) == {}
@@ -305,7 +306,7 @@ def test_wrapper_modes(tmp_path):
     """ds-longctx launch: an MPI launcher is wrapped as itself (its first stop signal sent on to mpirun's pid as
     SIGUSR1); a deepspeed hostfile of several hosts (pdsh) hands the stop to the runner (SIGTERM); one host: the
     runner's process group (tests/test_preemption.py launches each)."""
-    from ds_longctx import preemptible
+    from ds_longctx.dist import preemptible
 
     assert preemptible._is_mpi(["mpirun", "-np", "2"]) and preemptible._is_mpi(["/opt/bin/mpiexec"])
     assert not preemptible._is_mpi(["--num_gpus", "2", "train.py"])

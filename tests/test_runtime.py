@@ -13,7 +13,7 @@ import torch
 
 from ds_longctx.config import ConfigError, parse
 from ds_longctx.data import LongRangeCopy, TokenFileDataset, shard_batch
-from ds_longctx.launch import master_port
+from ds_longctx.dist.launch import master_port
 from launch_utils import ROOT, TINY_CPU
 
 from ds_longctx import train  # noqa: E402

@@ -119,7 +119,7 @@ def reference(kind, arch, rope, packed, seq=SEQ):
 
 def sp_run(kind, arch, rope, packed, path, stage, seq=SEQ):
     import ds_longctx
-    from ds_longctx.comm import sp_group, sp_rank
+    from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
     from ds_longctx.patch import get_patch
 
@@ -320,7 +320,7 @@ def test_features_change_the_one_process_loss():
 
 def _patched(model, fuse, zero_stage=0):
     from ds_longctx.config import AttentionConfig, LongContextConfig
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.patch import patch_model
     from ds_longctx.spec import build_spec
 

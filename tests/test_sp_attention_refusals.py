@@ -180,7 +180,7 @@ def _sp2_worker(rank, world):
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
 
     import ds_longctx
-    from ds_longctx import comm
+    from ds_longctx.dist import comm
     from ds_longctx.data import shard_batch
     from tiny_models import patch
     from sp_cases import ds_config

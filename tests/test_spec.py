@@ -21,7 +21,7 @@ def _lc(section=UNTIED, **top):
 
 
 def test_spec_is_built_from_config_layout_and_model_and_is_frozen():
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.spec import build_spec
 
     lc = _lc()
@@ -65,7 +65,7 @@ def test_spec_holds_every_resolved_count_as_an_int(keep, kod, offload, want):
 
 def test_builder_refuses_what_the_installs_now_trust():
     from ds_longctx.config import ConfigError
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.spec import build_spec
 
     with pytest.raises(ConfigError, match=r"^long_context\.attention\.heads_per_chunk: 3 does not divide the 4 query "

@@ -176,7 +176,7 @@ def test_rank_0_whose_process_serves_the_store_leaves_last(monkeypatch):
     d.mark_ended()
     assert 0.3 <= time.monotonic() - t0 < 2  # rank 1 never marked: bounded
     # a rank ended by a signal or its launcher's exit after a graceful stop's save ends normally: it marks its end
-    from ds_longctx import runtime
+    from ds_longctx.dist import runtime
 
     for saved in (None, "step 3"):
         monkeypatch.setattr(runtime, "_stop_saved", saved)

@@ -36,7 +36,7 @@ def spec_for(model, lc, group=None, grad_scale: float = 1.0, sequence_length=Non
     world that of the default process group when there is one."""
     import torch.distributed as dist
 
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.spec import build_spec
 
     config = getattr(model, "config", None) if isinstance(model, torch.nn.Module) else model

@@ -159,7 +159,7 @@ def run_one(model_type: str, stack: dict, attention: str = "none", group=None):
 
     from ds_longctx.config import parse
     from ds_longctx.errors import ConfigError
-    from ds_longctx.layout import Layout
+    from ds_longctx.dist.layout import Layout
     from ds_longctx.patch import patch_model
     from ds_longctx.spec import build_spec
 
@@ -342,7 +342,7 @@ def _worker(rank, a, argv, port):
     import datetime
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(a.sp))
-    from ds_longctx.comm import disable_cpu_shm_allreduce
+    from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()
     import deepspeed
@@ -357,7 +357,7 @@ def _worker(rank, a, argv, port):
         main(argv)
         code = 0
     finally:
-        ds_longctx.shutdown(code)  # no interpreter finalization: gloo's threads abort it (see ds_longctx.runtime)
+        ds_longctx.shutdown(code)  # no interpreter finalization: gloo's threads abort it (see ds_longctx.dist.runtime)
 
 
 def _spawn(a, argv):

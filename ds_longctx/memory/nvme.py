@@ -10,7 +10,7 @@ DeepSpeed's locked tensors on CPU; ``nvme_buffer_count`` x ``CHUNK_BYTES``, so h
 grow with the layer size: the copy of chunk j+1 overlaps the drive's write of chunk j). One file per rank inside a fresh directory under ``nvme_path``, carved into exact-size slots
 that are reused from step to step (no growth while shapes stay the same); the directory is removed
 by :meth:`NVMeTarget.close`, when the target is garbage-collected, at interpreter exit and on every
-exit path of ``ds_longctx.runtime`` (error exits, SIGTERM/SIGINT, the launcher's death).
+exit path of ``ds_longctx.dist.runtime`` (error exits, SIGTERM/SIGINT, the launcher's death).
 
 Faults. DeepSpeed's aio op ignores each request's result (short writes, ENOSPC, EIO are dropped), and
 its pread asserts (a native abort) when the file is shorter than the read. So: the file's space is
@@ -41,7 +41,7 @@ from typing import List, Optional
 
 import torch
 
-from ..runtime import cancel_on_exit, on_exit, proc_start_time
+from ..dist.runtime import cancel_on_exit, on_exit, proc_start_time
 from .arena import HostBlock
 from .offload import OffloadTarget, _dispatch_free
 

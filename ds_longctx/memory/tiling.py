@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm import max_int
+from ..dist.comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
 from ..models.moe import (block_rows, capacity_limit, output_form, is_fake_tensor, is_moe_candidate, returns_tuple,

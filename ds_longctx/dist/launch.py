@@ -1,7 +1,7 @@
 """Launcher glue: rank discovery from SLURM/MPI, hostfile checks, the startup layout line.
 
-    python -m ds_longctx.launch check-hostfile HOSTFILE --deepspeed_config CFG
-    python -m ds_longctx.launch layout --deepspeed_config CFG --world N
+    python -m ds_longctx.dist.launch check-hostfile HOSTFILE --deepspeed_config CFG
+    python -m ds_longctx.dist.launch layout --deepspeed_config CFG --world N
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import subprocess
 import sys
 from typing import Dict, Optional
 
-from .config import load_ds_config, parse
-from .errors import ConfigError
+from ..config import load_ds_config, parse
+from ..errors import ConfigError
 from .layout import Layout
 
 
@@ -131,7 +131,7 @@ def layout_line(world: int, sp: int) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ds_longctx.launch")
+    p = argparse.ArgumentParser(prog="python -m ds_longctx.dist.launch")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check-hostfile")
     c.add_argument("hostfile")

@@ -10,7 +10,7 @@ Why a wrapper: DeepSpeed's runner (``deepspeed``) and its per-node ``launch.py``
 survives a preemption notice. The runner has no handler (SIGTERM or SIGUSR1 end it with rc -15 / 138); launch.py
 dies of SIGUSR1's default action, and on SIGINT/SIGTERM sends every rank SIGTERM, SIGKILL after 30 s, and exits 1
 (deepspeed/launcher/launch.py ``sigkill_handler``). The ranks themselves finish the step and save in every one
-of those cases (ds_longctx/runtime.py), but the runner's exit code is then not 0 and a scheduler would count the
+of those cases (ds_longctx/dist/runtime.py), but the runner's exit code is then not 0 and a scheduler would count the
 preempted job as failed.
 
 What the wrapper does: it starts the runner in a session of its own with SIGUSR1 ignored (the runner, launch.py

@@ -35,7 +35,7 @@ import threading
 import traceback
 from typing import Any, Callable, Dict, Optional
 
-from .errors import ConfigError, LongContextError
+from ..errors import ConfigError, LongContextError
 from .launch import launched_world_size
 
 # seconds an error exit may spend in MPI_Abort before the process ends itself
