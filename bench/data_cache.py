@@ -178,7 +178,7 @@ def child(args):
     import torch  # noqa: F401
     from transformers import AutoTokenizer
 
-    import ds_longctx.corpus  # noqa: F401  (imported before the baseline)
+    import ds_longctx.data.corpus  # noqa: F401  (imported before the baseline)
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     base = _rss()
@@ -193,7 +193,7 @@ def child(args):
 def _child_run(args, tok, out, t0):
     import numpy as np
 
-    from ds_longctx.corpus import data_identity, open_corpus
+    from ds_longctx.data.corpus import data_identity, open_corpus
 
     if args.child == "former":
         ids, n = former_token_file_dataset(args.data, tok, args.seq_len)

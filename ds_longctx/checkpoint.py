@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._version import __version__
-from .corpus import atomic_write
+from .data.corpus import atomic_write
 from .errors import ConfigError
 from .dist.layout import zero_stage
 from .models import text_config

@@ -57,7 +57,7 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .batch import document_structure
+from .data.batch import document_structure
 from .data import shard_batch
 from .errors import BatchError, LongContextError, error_class
 from .loss import IGNORE_INDEX

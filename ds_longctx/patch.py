@@ -19,7 +19,7 @@ from .attention import registry
 from .attention.hf import install_untied
 from .attention.mixers import install_mixers
 from .attention.ulysses import install_ulysses
-from .batch import REAL_KEY
+from .data.batch import REAL_KEY
 from .compat import causal_lm_output, fused_lm_head_output
 from .errors import BatchError, ConfigError
 from .loss import causal_lm_loss_sum, shift_labels_of

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .attention.documents import DOCS_KWARG, Documents, no_mask
-from .batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, document_structure, mask_padding_targets,
+from .data.batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, document_structure, mask_padding_targets,
                     token_input)
 from .dist.comm import all_gather_ints, control_plane, sp_rank
 from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output

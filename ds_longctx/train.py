@@ -46,8 +46,8 @@ from .attention import registry
 from .checkpoint import find_resume_tag
 from .compat import active_stack_line, check_model_scale
 from .config import auto_keys, check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
-from .corpus import check_data_path, open_corpus, tokenizer_content_sha256
-from .corpus import data_identity as corpus_identity
+from .data.corpus import check_data_path, open_corpus, tokenizer_content_sha256
+from .data.corpus import data_identity as corpus_identity
 from .data import TASKS, SampleStream, shard_batch
 from .errors import ConfigError
 from .evaluate import eval_loader, evaluate

@@ -68,7 +68,7 @@ def _cases(rank, world, tmp):
 
     import ds_longctx
     from ds_longctx.agreement import check_agreement
-    from ds_longctx.corpus import data_identity
+    from ds_longctx.data.corpus import data_identity
     from ds_longctx.errors import ConfigError
     from ds_longctx.hostmem import host_need
     from ds_longctx.memory import get_memory_handle

@@ -1,4 +1,4 @@
-"""--data sources, the token cache and the dataset over it (ds_longctx/corpus.py), no distributed.
+"""--data sources, the token cache and the dataset over it (ds_longctx/data/corpus.py), no distributed.
 
 The samples equal those of the former whole-file TokenFileDataset (its code is kept below as the reference);
 cutting long documents keeps whole-text tokenization for a byte-level BPE and a Llama-2-style (prepended "▁")
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from ds_longctx import corpus
-from ds_longctx.corpus import check_data_path, data_identity, open_corpus, token_cache
+from ds_longctx.data import corpus
+from ds_longctx.data.corpus import check_data_path, data_identity, open_corpus, token_cache
 from ds_longctx.errors import ConfigError
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,\n"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ds_longctx.attention.documents import Documents, DocumentBackend
-from ds_longctx.batch import document_structure
+from ds_longctx.data.batch import document_structure
 from ds_longctx.attention.kernels import get_backend, reference_attention
 from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch

@@ -20,7 +20,7 @@ TILED = {"tiled_loss": {"enabled": True, "shards": 2}}
 def _dataset(path):
     from test_corpus import char_tokenizer
 
-    from ds_longctx.corpus import open_corpus
+    from ds_longctx.data.corpus import open_corpus
 
     return open_corpus(path, char_tokenizer(), SEQ, documents=False, vocab_size=64)
 

@@ -289,7 +289,7 @@ def test_router_aux_loss_leaves_out_the_padding_shard_batch_drops(stack):
     auxiliary loss weights the padding out as HF does with the mask (shard_batch's doc_real_tokens); counting the
     padded rows (the batch without it) gives another loss, so the test can fail. ``stack``: MoE blocks in 3 row
     tiles inside checkpointed layers: the backward's tile recomputes weight their sums as the forward did."""
-    from ds_longctx.batch import REAL_KEY
+    from ds_longctx.data.batch import REAL_KEY
     from ds_longctx.config import parse
     from ds_longctx.data import shard_batch
     from tiny_models import patch

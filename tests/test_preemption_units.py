@@ -86,7 +86,7 @@ def test_tokenizer_content_in_the_data_identity(tmp_path):
     from transformers import AutoTokenizer
 
     from ds_longctx.agreement import disagreement, fingerprint, this_member
-    from ds_longctx.corpus import tokenizer_content_sha256
+    from ds_longctx.data.corpus import tokenizer_content_sha256
 
     a = tokenizer_content_sha256(AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "a")))
     moved = tokenizer_content_sha256(AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "other" / "a")))
@@ -115,7 +115,7 @@ def test_tokenizer_content_in_the_data_identity(tmp_path):
 def test_a_data_file_without_text_is_refused(tmp_path):
     from transformers import AutoTokenizer
 
-    from ds_longctx.corpus import open_corpus
+    from ds_longctx.data.corpus import open_corpus
     from ds_longctx.errors import ConfigError
 
     tok = AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "t"))

@@ -2,7 +2,7 @@
 
 This module is attention's side: the :class:`Documents` structure the kernels read and the kernel
 adapters over it. The batch's side (the packing contract, ``document_structure``, ``mask_padding_targets``,
-the batch keys) is the data layer's, in ``ds_longctx/batch.py``.
+the batch keys) is the data layer's, in ``ds_longctx/data/batch.py``.
 
 Document boundaries are *global* information: with SP a boundary can fall exactly on a shard edge,
 where a rank's local position_ids look contiguous. So the structure is derived from the full sample
@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..batch import BATCH_KEY
+from ..data.batch import BATCH_KEY
 from ..errors import BatchError
 from .kernels import Backend, Windowed, _call_by_name, flash_pattern_kwargs, torch_flash_window_kwargs
 

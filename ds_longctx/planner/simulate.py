@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..attention import kernels, registry
 from ..attention.kernels import backward_workspace_bytes  # (importing it registers the ds_longctx attention ops)
-from ..batch import BATCH_KEY
+from ..data.batch import BATCH_KEY
 from ..dist.comm import disable_cpu_shm_allreduce
 from ..dist.layout import Layout
 from ..measure import flops as _flops

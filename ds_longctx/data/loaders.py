@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .batch import BATCH_KEY, LENS_KEY, REAL_KEY, document_structure, mask_padding_targets
-from .errors import BatchError, ConfigError
-from .loss import IGNORE_INDEX, shift_labels_of
+from ..errors import BatchError, ConfigError
+from ..loss import IGNORE_INDEX, shift_labels_of
 
 # ---------------------------------------------------------------------------------------------
 # sharding
@@ -199,7 +199,7 @@ class LongRangeCopy(Dataset):
 
 
 # file datasets live in corpus.py (sources, the token cache, the dataset); these names stay importable from here
-from .corpus import _utf8, check_tokenizer_vocab  # noqa: E402,F401
+from .corpus import check_tokenizer_vocab  # noqa: E402,F401
 from .corpus import CorpusDataset, open_corpus  # noqa: E402
 
 

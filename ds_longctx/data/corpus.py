@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 FORMAT = 1
 BLOCK_BYTES = 1 << 20        # bytes read from a .txt per block

@@ -13,8 +13,8 @@ from typing import List
 
 import torch
 
-from .errors import BatchError
-from .loss import IGNORE_INDEX
+from ..errors import BatchError
+from ..loss import IGNORE_INDEX
 
 BATCH_KEY = "doc_cu_seqlens"         # batch key of the global structure (written by shard_batch)
 LENS_KEY = "doc_lens"                # optional user-given per-sample document lengths
