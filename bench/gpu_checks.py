@@ -428,8 +428,8 @@ def part_block(dev, dtype, args):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     cfg = LlamaConfig(hidden_size=args.block_hidden, num_attention_heads=8, num_key_value_heads=4,
                       head_dim=args.block_hidden // 8, num_hidden_layers=2, vocab_size=4096,
@@ -478,8 +478,8 @@ def part_keep(dev, dtype, args):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     h = SHAPES["hidden"]
     cfg = LlamaConfig(hidden_size=h, num_attention_heads=SHAPES["heads"], num_key_value_heads=SHAPES["kv_heads"],

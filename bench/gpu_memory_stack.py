@@ -3,7 +3,7 @@
 step time of one training step for none / +checkpointing / +offload / +tiled MLP / +tiled loss /
 +untied attention, each row adding to the previous one. Same rows as bench/memory_stack.py (CPU).
 
-Single process, no DeepSpeed engine: ``install`` is ``ds_longctx.patch.patch_model`` for SP=1,
+Single process, no DeepSpeed engine: ``install`` is ``ds_longctx.patching.patch.patch_model`` for SP=1,
 which imports no DeepSpeed there (absent on the GPU image). bf16 weights, no optimizer; grads are
 allocated before measuring (model state is the same in every row), so peaks are activations,
 logits and transients. A row that fails (OOM, missing kernel) is recorded and the run goes on.
@@ -46,11 +46,11 @@ def build(args):
 
 
 def install(model, lc: dict):
-    """``ds_longctx.patch.patch_model`` at SP=1 (no process group): exactly what training installs. It
+    """``ds_longctx.patching.patch.patch_model`` at SP=1 (no process group): exactly what training installs. It
     imports no DeepSpeed at SP=1, which is absent on the GPU image."""
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     return patch_model(model, build_spec(parse({"long_context": lc}), model.config))
 

@@ -78,8 +78,8 @@ def _tag_modules(model, tracker):
 
 def run_row(args, name, lc):
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
     from ds_longctx.measure.live_bytes import LiveBytesTracker
 
     model = build(args)

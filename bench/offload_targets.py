@@ -39,7 +39,7 @@ def main():
 
     from ds_longctx.config import parse
     from ds_longctx.memory import apply_memory_stack
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     heads = a.hidden // 32
     cfg = tiny_config(heads=heads, kv_heads=max(1, heads // 2), head_dim=32, layers=a.layers, vocab=256,

@@ -107,8 +107,8 @@ def measure_alternating(configs, reps):
     change on the shared box hits all of them alike), one warm-up round first. Each model is patched for its
     own steps and unpatched after them."""
     from ds_longctx.config import parse
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     models = {c: _build(*c) for c in configs}
     inputs = {s: torch.randint(0, MODEL["vocab_size"], (1, s)) for s in {c[0] for c in configs}}

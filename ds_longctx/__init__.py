@@ -17,10 +17,10 @@ from .errors import BatchError, ConfigError, LongContextError
 # Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
 # the submodule of the same name loaded, keeps `ds_longctx.initialize` the function for good.
 from .initialize import initialize, model_init
-from .patch import patch_model
+from .patching.patch import patch_model
 from .dist.runtime import main_guard, run, shutdown
 from .preflight import reserve_offload_storage
-from .spec import LongContextSpec
+from .patching.spec import LongContextSpec
 
 
 

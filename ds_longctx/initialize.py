@@ -15,7 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, compat, watchdog
+from . import agreement, watchdog
+from .patching import compat
 from .dist import comm
 from .config import auto_keys, check_train_batch_size, load_ds_config, parse, with_values
 from .data import SPDataLoader
@@ -25,11 +26,11 @@ from .dist.launch import env_from_slurm, master_port
 from .dist.layout import Layout, zero_stage
 from .models.adapters import hf_model_of
 from .models.logits import describe_logit_path
-from .patch import patch_model
+from .patching.patch import patch_model
 from .planner import plan_resolved_soon, resolve_auto
 from .planner.host import machine_ram_bytes
 from .planner.units import fmt_bytes, parse_bytes
-from .spec import build_spec
+from .patching.spec import build_spec
 
 logger = logging.getLogger("ds_longctx")
 

@@ -75,7 +75,7 @@ from .dist.layout import Layout
 from .loss import IGNORE_INDEX
 from .models import attention_shape, text_config
 from .models.hybrid import runs_layer_type
-from .patch import get_patch
+from .patching.patch import get_patch
 
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
 #                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,

@@ -41,7 +41,7 @@ from .errors import ConfigError
 from .initialize import init_distributed, initialize, model_init
 from .models import text_config
 from .models.loading import load_model_config
-from .patch import get_patch
+from .patching.patch import get_patch
 from .config.rope_scaling import apply_rope
 from .config.shipped import resolve_config_path
 from .weights import deterministic_init

@@ -44,7 +44,7 @@ from . import needle, watchdog
 from .agreement import check_agreement
 from .attention import registry
 from .checkpoint import find_resume_tag
-from .compat import active_stack_line, check_model_scale
+from .patching.compat import active_stack_line, check_model_scale
 from .config import auto_keys, check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
 from .data.corpus import check_data_path, open_corpus, tokenizer_content_sha256
 from .data.corpus import data_identity as corpus_identity

@@ -112,7 +112,7 @@ def _engines(rank, world):
     engine.eval()
     own = sample(16, seed=10 + rank)
     out["eval_with_grad"] = config_error(lambda: engine(**own))
-    from ds_longctx import sp_batch
+    from ds_longctx.patching import sp_batch
 
     real, seen = sp_batch.shard_in_turns, []  # hf_loader's, as sp_batch.eval_in_turns calls it
 
@@ -170,7 +170,8 @@ def _trainers(rank, world):
     import arch_cases
     from eco_cases import ProcessState
 
-    from ds_longctx import hf_loader, sp_batch
+    from ds_longctx import hf_loader
+    from ds_longctx.patching import sp_batch
 
     state = ProcessState()
     real, seen = hf_loader.shard_in_turns, []

@@ -38,7 +38,7 @@ AUTO_FUNCTION_LEVEL = ("gemma3_text", "mixtral", "cohere2", "granite", "starcode
 @pytest.mark.parametrize("model_type", AUTO_FUNCTION_LEVEL)
 def test_untied_attention_runs_other_families_with_no_extra_key(model_type):
     from ds_longctx.config import parse
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     lc = parse({"long_context": {"attention": {"implementation": "untied_ulysses"}}})
     assert lc.attention.fuse_projections == "auto"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import ds_longctx
-from ds_longctx import compat, integration
+from ds_longctx import integration
+from ds_longctx.patching import compat
 from ds_longctx.config import ConfigError, parse
 from tiny_models import build, tiny_config
 
@@ -123,7 +124,7 @@ def test_active_stack_line_names_every_piece():
     from arch_cases import arch_config
 
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))
     del cfg["long_context"]["attention"]["fuse_projections"]  # the default: 'auto'

@@ -1,7 +1,7 @@
 """Every bad config or shape gets one clear error naming the key path and the fix."""
 import pytest
 
-from ds_longctx.checks import check_against
+from ds_longctx.patching.checks import check_against
 from ds_longctx.config import ConfigError, parse
 from tiny_models import tiny_config
 

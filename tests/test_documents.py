@@ -286,7 +286,7 @@ def test_our_attention_gets_documents_and_no_hf_packed_mask(own, monkeypatch):
     from tiny_models import spec_for
 
     from ds_longctx.config import parse
-    from ds_longctx.sp_batch import install_document_forward
+    from ds_longctx.patching.sp_batch import install_document_forward
 
     model = build(tiny_config(vocab=VOCAB), seed=0)
     untied = spec_for(model, parse({"long_context": {"attention": {"implementation": "untied_ulysses",
@@ -325,7 +325,7 @@ def test_packed_batch_refused_where_transformers_mask_ignores_positions():
     from ds_longctx.config import parse
     from ds_longctx.errors import BatchError
     from ds_longctx.models.packing import mask_ignores_positions
-    from ds_longctx.sp_batch import install_document_forward
+    from ds_longctx.patching.sp_batch import install_document_forward
     from tiny_models import spec_for
 
     llama = build(tiny_config(vocab=VOCAB), seed=0)

@@ -248,7 +248,7 @@ def test_model_without_heads_fix_leads_past_the_heads_check():
     patching gives the next clear error (Mamba's loss path is not one ds_longctx reproduces), not a traceback."""
     from transformers import AutoModelForCausalLM, MambaConfig
 
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from tiny_models import patch
 
     cfg = MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB, state_size=4, expand=2)
@@ -273,7 +273,7 @@ def test_chunked_attention_at_sp1_is_exact():
 
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from tiny_models import patch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))

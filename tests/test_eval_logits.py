@@ -65,7 +65,7 @@ def test_tiled_loss_eval_output_refuses_logits_with_the_fix():
     value there raises naming prediction_loss_only / compute_metrics (not an empty tuple to compute_metrics)."""
     from transformers.trainer_pt_utils import nested_detach
 
-    from ds_longctx.compat import LogitsNotComputed
+    from ds_longctx.patching.compat import LogitsNotComputed
     from tiny_models import patch
 
     model = build_arch("llama")
@@ -86,7 +86,7 @@ def test_tiled_loss_eval_output_refuses_logits_with_the_fix():
 def _sp2(rank, world):
     import ds_longctx
     from arch_cases import trainer_eval
-    from ds_longctx.compat import LogitsNotComputed
+    from ds_longctx.patching.compat import LogitsNotComputed
     from eco_cases import ProcessState
     from sp_cases import ds_config
 

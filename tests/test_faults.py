@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ds_longctx.checks import check_against
+from ds_longctx.patching.checks import check_against
 from ds_longctx.config import ConfigError, check_train_batch_size, load_ds_config, parse
 from launch_utils import ROOT, TINY_CPU
 from tiny_models import tiny_config

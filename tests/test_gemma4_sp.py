@@ -49,7 +49,7 @@ def test_sp_degree_checked_against_every_layer_shape():
     """The spec has each shape; heads_per_chunk is checked against every layer shape."""
     from ds_longctx.config import parse
     from ds_longctx.errors import ConfigError
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
     from gemma4_cases import gemma4_config
 
     cfg = gemma4_config(**CFG)

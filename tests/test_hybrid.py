@@ -429,7 +429,7 @@ def test_sp1_packed_restarts_every_document(impl):
 
 
 def _check(name, impl, sp, **kw):
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from ds_longctx.config import parse
 
     lc = parse({"sequence_parallel_size": sp, "long_context": {"attention": {"implementation": impl}}})
@@ -461,7 +461,7 @@ def test_heads_sp_does_not_divide_are_refused():
 def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
     """Mamba2: SP divides the heads and divides the B/C groups or is a multiple of them; else one error naming both
     counts and the degrees that work."""
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from ds_longctx.config import parse
 
     def check(sp, heads, groups):
@@ -491,7 +491,7 @@ def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():
 def test_kimi_linear_runs_under_both_paths_and_fused_is_refused():
     """Kimi Delta Attention runs split by heads under both paths; kimi_linear's MLA layers run under 'ulysses' and at
     untied's attention-function level (exact: SP_CASES); fuse_projections true is one clear error naming the key."""
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from ds_longctx.config import parse
 
     _check("kimi_linear", "ulysses", 4)

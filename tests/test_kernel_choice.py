@@ -125,7 +125,7 @@ def test_cpu_auto_is_the_one_cpu_kernel_and_cuda_names_are_config_values():
     assert isinstance(kernels.get_backend("auto", "cpu"), TorchCPUFlash)
     names = kernels.kernel_names()
     assert "sdpa_cuda_cudnn" in names and "sdpa_cuda_flash" in names
-    from ds_longctx.checks import check_kernel
+    from ds_longctx.patching.checks import check_kernel
     from ds_longctx.config import ConfigError, parse
 
     if torch.cuda.is_available():

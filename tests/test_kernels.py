@@ -7,7 +7,7 @@ import torch
 
 from ds_longctx.attention.kernels import (BACKENDS, KernelError, available_backends, get_backend,
                                          reference_attention)
-from ds_longctx.checks import check_kernel, get_backend as config_get_backend
+from ds_longctx.patching.checks import check_kernel, get_backend as config_get_backend
 from ds_longctx.config import ConfigError
 
 CASES = [(hq, hk, causal, dtype) for hq, hk in [(4, 4), (4, 2), (4, 1)] for causal in (True, False)

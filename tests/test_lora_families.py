@@ -195,8 +195,8 @@ def test_lora_on_a_mixer_conv_is_refused():
     from ds_longctx.config import AttentionConfig, LongContextConfig
     from ds_longctx.errors import ConfigError
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
     from test_hybrid import build_hybrid
 
     def patch(model):

@@ -343,7 +343,7 @@ def test_mla_checks_ulysses_splits_untied_refused_and_the_sparse_indexer_named()
     refuses it (no fused DeepSeek attention); DeepSeek-V3.2's sparse indexer is refused by name."""
     import transformers as tf
 
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from ds_longctx.config import parse
     from eco_cases import config_error
     from moe_cases import moe_config

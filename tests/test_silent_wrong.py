@@ -121,7 +121,7 @@ def sp_run(kind, arch, rope, packed, path, stage, seq=SEQ):
     import ds_longctx
     from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
-    from ds_longctx.patch import get_patch
+    from ds_longctx.patching.patch import get_patch
 
     import torch.distributed as dist
 
@@ -321,8 +321,8 @@ def test_features_change_the_one_process_loss():
 def _patched(model, fuse, zero_stage=0):
     from ds_longctx.config import AttentionConfig, LongContextConfig
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     lc = LongContextConfig(attention=AttentionConfig(implementation="untied_ulysses", fuse_projections=fuse))
     return patch_model(model, build_spec(lc, model.config, Layout(world=1, sp=1, zero_stage=zero_stage)))
@@ -396,7 +396,7 @@ def test_position_dependent_code_the_fix_cannot_reach_is_refused():
     from ds_longctx.config import AttentionConfig, LongContextConfig
     from ds_longctx.errors import ConfigError
     from ds_longctx.models.rope import install
-    from ds_longctx.patch import _check_model_against
+    from ds_longctx.patching.patch import _check_model_against
 
     cfg = PhimoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                        vocab_size=VOCAB, intermediate_size=48, num_local_experts=2, num_experts_per_tok=1,

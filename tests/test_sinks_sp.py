@@ -125,7 +125,7 @@ def test_untied_sinks_per_stage_equal_the_eager_formula():
 def test_flex_attention_under_untied_only_without_an_sdpa_path():
     """GPT-OSS (no SDPA path in transformers) passes untied's check with flex_attention; Llama (SDPA exists) is
     still refused, the fix naming sdpa; eager is refused at SP > 1 either way."""
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
     from ds_longctx.config import parse
     from eco_cases import config_error
     from sink_cases import gpt_oss_config

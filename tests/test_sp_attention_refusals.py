@@ -22,7 +22,7 @@ def _lc(impl, sp=2, seq=None, **extra):
 
 
 def _check(impl, cfg, sp=2, seq=None, attn="sdpa"):
-    from ds_longctx.checks import check_against
+    from ds_longctx.patching.checks import check_against
 
     cfg._attn_implementation = attn
     return config_error(check_against, _lc(impl, sp, seq), cfg, sp)

@@ -22,7 +22,7 @@ def _lc(section=UNTIED, **top):
 
 def test_spec_is_built_from_config_layout_and_model_and_is_frozen():
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     lc = _lc()
     spec = build_spec(lc, tiny_config(heads=4, kv_heads=2, head_dim=8, layers=2, vocab=64))
@@ -52,7 +52,7 @@ def test_spec_is_built_from_config_layout_and_model_and_is_frozen():
 def test_spec_holds_every_resolved_count_as_an_int(keep, kod, offload, want):
     """keep_on_device, the offloaded layers, the layers keeping their attention output and those of them that are
     offloaded: resolved once, here, as plain ints that the installs, the planner and train.py read."""
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     section = {"attention": {"implementation": "untied_ulysses"},
                "activation_checkpointing": {"enabled": True, "offload": offload, "keep_on_device": kod,
@@ -66,7 +66,7 @@ def test_spec_holds_every_resolved_count_as_an_int(keep, kod, offload, want):
 def test_builder_refuses_what_the_installs_now_trust():
     from ds_longctx.config import ConfigError
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     with pytest.raises(ConfigError, match=r"^long_context\.attention\.heads_per_chunk: 3 does not divide the 4 query "
                                           r"heads per rank .*use one of \[1, 2, 4\]"):
@@ -87,8 +87,8 @@ def test_patch_model_takes_a_spec_of_this_model_only():
     """One signature: patch_model(model, spec). A parsed section is refused with the builder to call, and a spec
     built for another model config (its facts differ) is refused before anything is installed."""
     from ds_longctx.config import ConfigError
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     model = build(tiny_config(), seed=0)
     with pytest.raises(TypeError, match=r"spec must be a ds_longctx\.spec\.LongContextSpec, got LongContextConfig "
@@ -101,7 +101,8 @@ def test_patch_model_takes_a_spec_of_this_model_only():
 
 def _counting(monkeypatch):
     """Count the user-facing checks of heads_per_chunk and the kernel name, and every Schedule built."""
-    from ds_longctx import checks, spec
+    from ds_longctx.patching import checks
+    from ds_longctx.patching import spec
     from ds_longctx.attention import untied
 
     calls = {"heads_per_chunk": 0, "kernel": 0, "schedule": 0}
@@ -120,8 +121,8 @@ def _counting(monkeypatch):
 
 def test_heads_per_chunk_and_kernel_are_checked_once_and_trusted_per_forward(monkeypatch):
     """The one builder checks them once; patching and a training step check nothing again."""
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     calls = _counting(monkeypatch)
     model = build(tiny_config(), seed=0)

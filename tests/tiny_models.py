@@ -1,5 +1,5 @@
 """Tiny HF model configs built locally (no hub): Llama, Mistral, Qwen2, Qwen3; and the spec a test patches them
-with (spec_for: ds_longctx.spec.build_spec from a parsed section and the SP group)."""
+with (spec_for: ds_longctx.patching.spec.build_spec from a parsed section and the SP group)."""
 from __future__ import annotations
 
 import torch
@@ -32,12 +32,12 @@ def build(cfg, seed: int = 0, dtype=torch.float32):
 
 def spec_for(model, lc, group=None, grad_scale: float = 1.0, sequence_length=None):
     """The spec patching ``model`` (or a model config) with the parsed section ``lc`` needs
-    (ds_longctx.spec.build_spec, which checks it): the SP degree is ``group``'s size (None: the config's), the
+    (ds_longctx.patching.spec.build_spec, which checks it): the SP degree is ``group``'s size (None: the config's), the
     world that of the default process group when there is one."""
     import torch.distributed as dist
 
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.spec import build_spec
 
     config = getattr(model, "config", None) if isinstance(model, torch.nn.Module) else model
     sp = dist.get_world_size(group) if group is not None else lc.sequence_parallel_size
@@ -51,8 +51,8 @@ def spec_for(model, lc, group=None, grad_scale: float = 1.0, sequence_length=Non
 
 
 def patch(model, lc, group=None, grad_scale: float = 1.0, sequence_length=None):
-    """ds_longctx.patch.patch_model(model, spec_for(model, lc, group, ...))."""
-    from ds_longctx.patch import patch_model
+    """ds_longctx.patching.patch.patch_model(model, spec_for(model, lc, group, ...))."""
+    from ds_longctx.patching.patch import patch_model
 
     return patch_model(model, spec_for(model, lc, group, grad_scale, sequence_length))
 

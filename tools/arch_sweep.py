@@ -160,8 +160,8 @@ def run_one(model_type: str, stack: dict, attention: str = "none", group=None):
     from ds_longctx.config import parse
     from ds_longctx.errors import ConfigError
     from ds_longctx.dist.layout import Layout
-    from ds_longctx.patch import patch_model
-    from ds_longctx.spec import build_spec
+    from ds_longctx.patching.patch import patch_model
+    from ds_longctx.patching.spec import build_spec
 
     try:
         cfg = tiny_config(model_type)

@@ -531,14 +531,14 @@ RULES: List[Rule] = [
          where=r"modeling_zaya:\*CCAProjection\.forward"),
     Rule("refused", "BART-family decoders (the decoder's forward has no position_ids parameter) make their learned "
          "absolute positions as torch.arange(local length) + cache length: refused under SP by "
-         "ds_longctx/patch.py _check_model_against (a decoder taking no position_ids), found by this audit",
+         "ds_longctx/patching/patch.py _check_model_against (a decoder taking no position_ids), found by this audit",
          where=r"modeling_(bart|mbart|marian|pegasus|blenderbot|blenderbot_small|plbart|bigbird_pegasus):\*Decoder\.forward",
          line=r"^position_ids = torch\.arange\(seq_length, device=inputs_embeds\.device\) \+ cache_length$|"
               r"embed_positions\(\(batch_size, seq_length\), cache_length, position_ids=position_ids\)",
          fix="refuse under SP (ConfigError) a model whose causal-LM forward has no position_ids parameter, or shift "
              "embed_positions by the shard's offset (SP rank x shard length) as models/temperature.py does"),
     Rule("refused", "MusicGen's sinusoidal positions are torch.arange(local length) + cache length (its forward takes no "
-         "position_ids): refused under SP by ds_longctx/patch.py _check_model_against, found by this audit",
+         "position_ids): refused under SP by ds_longctx/patching/patch.py _check_model_against, found by this audit",
          where=r"modeling_musicgen(_melody)?:\*SinusoidalPositionalEmbedding\.forward",
          line=r"^position_ids = torch\.arange\(seq_len",
          fix="refuse under SP any model whose causal-LM forward takes no position_ids and whose decoder does not "

@@ -1,7 +1,7 @@
 """Untied Ulysses (UPipe) attention: kernel backends, the staged autograd Functions, HF hooking.
 
 Entry points for ``patch.patch_model``: ``install_untied(model, spec)`` and
-``ulysses.install_ulysses(model, spec)`` (a ``ds_longctx.spec.LongContextSpec``, trusted as built); both write
+``ulysses.install_ulysses(model, spec)`` (a ``ds_longctx.patching.spec.LongContextSpec``, trusted as built); both write
 transformers' attention table only through ``registry`` (its one writer).
 """
 from .hf import install_untied

@@ -121,7 +121,7 @@ def _dropout_message(p) -> str:
 def install_untied(model, spec) -> UntiedInstall:
     """Patch ``model`` (a built HF PreTrainedModel, possibly ZeRO-3 partitioned) to use untied Ulysses.
 
-    ``spec``: the :class:`ds_longctx.spec.LongContextSpec` built for this model (its schedule, kernel, fused path,
+    ``spec``: the :class:`ds_longctx.patching.spec.LongContextSpec` built for this model (its schedule, kernel, fused path,
     SP group and degree are used as given: checked when the spec was built, the model's attention pattern
     included). Runs no collectives (the planner calls it under a fake process group). Returns the undo handle.
     """

@@ -154,7 +154,7 @@ def _shard_positions(query, group) -> torch.Tensor:
 
 def install_ulysses(model, spec) -> registry.Installation:
     """Route ``model``'s attention through DeepSpeed's Ulysses for the spec's SP group (SP > 1), with the head
-    counts of the spec's model facts (``ds_longctx.spec.LongContextSpec``, trusted as built: the model's attention
+    counts of the spec's model facts (``ds_longctx.patching.spec.LongContextSpec``, trusted as built: the model's attention
     pattern was checked then). No collectives."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF  # DeepSpeed only where used
 

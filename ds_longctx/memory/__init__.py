@@ -73,7 +73,7 @@ class MemoryStackHandle:
 
 def apply_memory_stack(model, spec, offload_target: Optional[OffloadTarget] = None) -> MemoryStackHandle:
     """Install activation checkpointing (with optional host offload), the tiled MLP and the
-    memory-efficient RMSNorm on ``model`` per ``spec`` (a :class:`ds_longctx.spec.LongContextSpec`: its switches,
+    memory-efficient RMSNorm on ``model`` per ``spec`` (a :class:`ds_longctx.patching.spec.LongContextSpec`: its switches,
     its resolved ``keep_on_device``, ``kept_attention_layers`` and ``mlp_shards``). Call after the model is built
     and before ``deepspeed.initialize``. Issues no collectives (the "auto" MLP shard count is agreed at run time,
     once per forward, over every rank: see tiling.agree_max). ``offload_target`` replaces the default host target

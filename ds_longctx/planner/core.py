@@ -18,7 +18,7 @@ from ..dist.layout import Layout
 from ..measure.profiler import attention_layers, attention_width, flops_per_sample
 from ..models import text_config
 from ..models.loading import load_model_config
-from ..spec import build_spec
+from ..patching.spec import build_spec
 from . import host as host_plan
 from . import model_states as ms
 from .rates import step_time, target_rates

@@ -42,9 +42,9 @@ from ..memory.checkpointing import around_checkpointed_runs
 from ..memory.offload import OffloadTarget
 from ..memory.tiles import representative
 from ..models import layer_role, text_config
-from ..patch import patch_model
-from ..sp_batch import hands_hf_no_mask
-from ..spec import build_spec
+from ..patching.patch import patch_model
+from ..patching.sp_batch import hands_hf_no_mask
+from ..patching.spec import build_spec
 from .model_states import model_dtype
 from .recurrent import gated_delta_as_kernel
 

@@ -28,13 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .attention.kernels import KernelChoice
-from .attention.untied import Schedule
+from ..attention.kernels import KernelChoice
+from ..attention.untied import Schedule
 from .checks import check_against, check_kernel
-from .config import SECTION, LongContextConfig, auto_keys
-from .errors import ConfigError
-from .dist.layout import Layout
-from .models import AttentionShape, attention_shape, facts_for, text_config
+from ..config import SECTION, LongContextConfig, auto_keys
+from ..errors import ConfigError
+from ..dist.layout import Layout
+from ..models import AttentionShape, attention_shape, facts_for, text_config
 
 
 @dataclass(frozen=True)

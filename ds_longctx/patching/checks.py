@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .attention.kernels import KernelError, available_backends, backend_for, is_available, is_known
-from .config import (FUSE_KEY, KERNEL_KEY, KERNEL_NAMES, SECTION, LongContextConfig, check_heads_per_chunk, check_shards,
+from ..attention.kernels import KernelError, available_backends, backend_for, is_available, is_known
+from ..config import (FUSE_KEY, KERNEL_KEY, KERNEL_NAMES, SECTION, LongContextConfig, check_heads_per_chunk, check_shards,
                      check_sp_heads)
-from .errors import ConfigError, naming
-from .models import FUSED_ARCHITECTURES, attention_shape, facts_for, text_config
-from .models.hybrid import check_mixer_heads, runs_layer_type
-from .models.windows import has_sdpa_path, is_bidirectional, restricted_layers
+from ..errors import ConfigError, naming
+from ..models import FUSED_ARCHITECTURES, attention_shape, facts_for, text_config
+from ..models.hybrid import check_mixer_heads, runs_layer_type
+from ..models.windows import has_sdpa_path, is_bidirectional, restricted_layers
 
 _NOT_YET_UNDER_SP = ("train with long_context.attention.implementation 'none' at sequence_parallel_size 1, where "
                      "transformers' own attention runs it exactly")

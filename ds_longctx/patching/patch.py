@@ -14,24 +14,24 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .dist import comm
-from .attention import registry
-from .attention.hf import install_untied
-from .attention.mixers import install_mixers
-from .attention.ulysses import install_ulysses
-from .data.batch import REAL_KEY
+from ..dist import comm
+from ..attention import registry
+from ..attention.hf import install_untied
+from ..attention.mixers import install_mixers
+from ..attention.ulysses import install_ulysses
+from ..data.batch import REAL_KEY
 from .compat import causal_lm_output, fused_lm_head_output
-from .errors import BatchError, ConfigError
-from .loss import causal_lm_loss_sum, shift_labels_of
-from .memory import apply_memory_stack
-from .memory.checkpointing import decoder_layers, text_body
-from .memory.tiling import tiled_causal_lm_loss_sum, tiled_token_fields
-from .models import supported_names, text_config
-from .models.adapters import hf_model_of
-from .models.logits import classify_forward, decoder_of, logit_transform
-from .models.moe import aux_loss_facts, install_router_tap
-from .models.rope import install as install_global_rope
-from .models.temperature import install as install_temperature, scale_query
+from ..errors import BatchError, ConfigError
+from ..loss import causal_lm_loss_sum, shift_labels_of
+from ..memory import apply_memory_stack
+from ..memory.checkpointing import decoder_layers, text_body
+from ..memory.tiling import tiled_causal_lm_loss_sum, tiled_token_fields
+from ..models import supported_names, text_config
+from ..models.adapters import hf_model_of
+from ..models.logits import classify_forward, decoder_of, logit_transform
+from ..models.moe import aux_loss_facts, install_router_tap
+from ..models.rope import install as install_global_rope
+from ..models.temperature import install as install_temperature, scale_query
 from .sp_batch import install_document_forward
 from .spec import LongContextSpec, ModelFacts
 
@@ -299,7 +299,7 @@ def _check_model_against(model, lc, sp: int) -> None:
 def patch_model(model, spec: LongContextSpec) -> PatchHandle:
     """Install the configured attention, memory stack and SP loss on a built HF causal LM.
 
-    ``spec``: a :class:`ds_longctx.spec.LongContextSpec` (``spec.build_spec(lc, model.config, layout, group)``;
+    ``spec``: a :class:`ds_longctx.patching.spec.LongContextSpec` (``spec.build_spec(lc, model.config, layout, group)``;
     what ``initialize`` builds), trusted as built: it must have been built for this model's config.
 
     Returns a :class:`PatchHandle` (also stored as ``model._ds_longctx_patch``) whose ``remove()``
@@ -312,8 +312,8 @@ def patch_model(model, spec: LongContextSpec) -> PatchHandle:
         raise RuntimeError("model is already patched by ds_longctx (initialize it once, or call "
                            "model._ds_longctx_patch.remove() first)")
     if not isinstance(spec, LongContextSpec):
-        raise TypeError(f"patch_model(model, spec): spec must be a ds_longctx.spec.LongContextSpec, got "
-                        f"{type(spec).__name__} (build one with ds_longctx.spec.build_spec(lc, model.config, layout, "
+        raise TypeError(f"patch_model(model, spec): spec must be a ds_longctx.patching.spec.LongContextSpec, got "
+                        f"{type(spec).__name__} (build one with ds_longctx.patching.spec.build_spec(lc, model.config, layout, "
                         "group))")
     config = getattr(model, "config", None)
     if spec.model is not None and config is not None and \

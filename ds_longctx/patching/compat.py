@@ -15,9 +15,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .attention import registry
-from .errors import ConfigError
-from .models import attention_shape
+from ..attention import registry
+from ..errors import ConfigError
+from ..models import attention_shape
 
 _DS_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 

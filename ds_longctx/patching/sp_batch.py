@@ -26,17 +26,17 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .attention.documents import DOCS_KWARG, Documents, no_mask
-from .data.batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, document_structure, mask_padding_targets,
+from ..attention.documents import DOCS_KWARG, Documents, no_mask
+from ..data.batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, document_structure, mask_padding_targets,
                     token_input)
-from .dist.comm import all_gather_ints, control_plane, sp_rank
+from ..dist.comm import all_gather_ints, control_plane, sp_rank
 from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
-from .errors import BatchError, LongContextError, error_class
-from .hf_loader import shard_in_turns
-from .loss import shift_labels_of
-from .models import ARCHITECTURES, text_config
-from .models.packing import mask_ignores_positions
-from .models.rope import group_positions, local_max_position, sequence_dependent_rotaries
+from ..errors import BatchError, LongContextError, error_class
+from ..hf_loader import shard_in_turns
+from ..loss import shift_labels_of
+from ..models import ARCHITECTURES, text_config
+from ..models.packing import mask_ignores_positions
+from ..models.rope import group_positions, local_max_position, sequence_dependent_rotaries
 
 _LOADER_FIX = ("feed batches from the loader returned by ds_longctx.initialize, or shard each full batch with "
                "ds_longctx.data.shard_batch(batch, sp_rank, sp_size)")
