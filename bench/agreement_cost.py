@@ -38,9 +38,9 @@ def _measure(rank, world, calls):
     import torch
     import torch.distributed as dist
 
-    from ds_longctx.agreement import _all_gather_rows, _digest, check_agreement, fingerprint
+    from ds_longctx.job.agreement import _all_gather_rows, _digest, check_agreement, fingerprint
     from ds_longctx.config import load_ds_config
-    from ds_longctx.watchdog import Watchdog
+    from ds_longctx.job.watchdog import Watchdog
 
     cfg = load_ds_config(CONFIG)
     cfg["sequence_parallel_size"] = world  # the bench's world; what is hashed is the whole config either way
@@ -65,7 +65,7 @@ def _measure(rank, world, calls):
         _digest(fingerprint(cfg, values))
         local.append(time.perf_counter() - t0)
     # one heartbeat: what the watchdog thread does every interval (no thread started here)
-    from ds_longctx.agreement import roster
+    from ds_longctx.job.agreement import roster
 
     dog = Watchdog(600, roster(), rank)
     dog._where_text = "bench"

@@ -99,7 +99,7 @@ def _alst_run(a, pieces: dict) -> dict:
 
     from ds_longctx.data import LongRangeCopy, SampleStream
     from ds_longctx.measure.profiler import StepProfiler
-    from ds_longctx.metrics import peak_tflops
+    from ds_longctx.job.metrics import peak_tflops
     from ds_longctx.models.loading import load_model_config
     from ds_longctx.weights import deterministic_init
 

@@ -87,7 +87,7 @@ def predict(gpus=8):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx.checkpoint import checkpoint_bytes
+    from ds_longctx.job.checkpoint import checkpoint_bytes
     from ds_longctx.models.loading import load_model_config
 
     cfg = load_model_config(os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json"))

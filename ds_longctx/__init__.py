@@ -11,7 +11,7 @@ directory whose ``save`` writes a tag that cannot be lost), ``export_hf`` (a mod
 ``reserve_offload_storage`` (NVMe offload's bytes, before step 1).
 """
 from ._version import __version__
-from .checkpoint import export_hf, open_checkpoints, resume
+from .job.checkpoint import export_hf, open_checkpoints, resume
 from .config import LongContextConfig
 from .errors import BatchError, ConfigError, LongContextError
 # Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
@@ -19,7 +19,7 @@ from .errors import BatchError, ConfigError, LongContextError
 from .initialize import initialize, model_init
 from .patching.patch import patch_model
 from .dist.runtime import main_guard, run, shutdown
-from .preflight import reserve_offload_storage
+from .job.preflight import reserve_offload_storage
 from .patching.spec import LongContextSpec
 
 

@@ -20,7 +20,7 @@ import os
 import sys
 
 from ._version import __version__
-from .checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
+from .job.checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
 from .errors import ConfigError
 from .models.loading import load_model_config
 from .needle import cli as needle_cli

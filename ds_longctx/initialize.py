@@ -15,13 +15,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import agreement, watchdog
+from .job import agreement, watchdog
 from .patching import compat
 from .dist import comm
 from .config import auto_keys, check_train_batch_size, load_ds_config, parse, with_values
 from .data import SPDataLoader
 from .errors import ConfigError
-from .hostmem import check_host_memory
+from .job.hostmem import check_host_memory
 from .dist.launch import env_from_slurm, master_port
 from .dist.layout import Layout, zero_stage
 from .models.adapters import hf_model_of

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
+from .job.checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
 from .dist.comm import control_device, sp_group, sp_rank
 from .config import load_ds_config
 from .errors import ConfigError

@@ -38,12 +38,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ckpt
+from .job import checkpoint as ckpt
 from .dist import comm
-from . import needle, watchdog
-from .agreement import check_agreement
+from . import needle
+from .job import watchdog
+from .job.agreement import check_agreement
 from .attention import registry
-from .checkpoint import find_resume_tag
+from .job.checkpoint import find_resume_tag
 from .patching.compat import active_stack_line, check_model_scale
 from .config import auto_keys, check_shards, check_train_batch_size, load_ds_config, parse, resolved_ds_config
 from .data.corpus import check_data_path, open_corpus, tokenizer_content_sha256
@@ -56,14 +57,14 @@ from .dist.launch import check_launch
 from .dist.layout import zero_stage
 from .loss import IGNORE_INDEX
 from .measure.profiler import StepProfiler, format_flops
-from .metrics import StepLog, peak_tflops, step_record
+from .job.metrics import StepLog, peak_tflops, step_record
 from .models import text_config
 from .models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from .config.rope_scaling import apply_rope
 from .config.shipped import default_model_config, resolve_config_path, shipped_configs_dir  # noqa: F401 (also train.X)
 from .planner import planned_work
 from .planner.units import fmt_bytes
-from .preflight import reserve_offload_storage
+from .job.preflight import reserve_offload_storage
 from .dist.runtime import graceful_stop, stop_requested, stop_saved
 from .weights import deterministic_init
 

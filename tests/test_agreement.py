@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from ds_longctx.agreement import Member, _ranks_text, disagreement, fingerprint
+from ds_longctx.job.agreement import Member, _ranks_text, disagreement, fingerprint
 from dist_utils import run_distributed
 from sp_cases import ds_config
 from tiny_models import build, tiny_config
@@ -50,7 +50,7 @@ def test_fingerprint_and_the_message():
     # a data identity is compared without its path (the same file mounted elsewhere), shown with it
     d1 = {"path": "/mnt/a/d.jsonl", "kind": "jsonl", "size": 10, "sha256": "ab" * 32}
     d2 = dict(d1, path="/data/d.jsonl")
-    from ds_longctx.agreement import _digest
+    from ds_longctx.job.agreement import _digest
 
     assert _digest(fingerprint(a, {"data": d1})) == _digest(fingerprint(a, {"data": d2}))
     d3 = dict(d1, sha256="cd" * 32, size=12)
@@ -67,10 +67,10 @@ def _cases(rank, world, tmp):
     import torch
 
     import ds_longctx
-    from ds_longctx.agreement import check_agreement
+    from ds_longctx.job.agreement import check_agreement
     from ds_longctx.data.corpus import data_identity
     from ds_longctx.errors import ConfigError
-    from ds_longctx.hostmem import host_need
+    from ds_longctx.job.hostmem import host_need
     from ds_longctx.memory import get_memory_handle
 
     out = {}
@@ -142,7 +142,7 @@ def _cases(rank, world, tmp):
     need = host_need(cfg, engine.long_context_spec, engine.module, world, _host_budget(), _local_ranks(world))
     arena = get_memory_handle(engine).offloader.target.arena
     out["arena"] = (arena.allocated_bytes, need.per_rank.get("offloaded activations"), need.local_ranks)
-    from ds_longctx.hostmem import DEVICE_AS_HOST
+    from ds_longctx.job.hostmem import DEVICE_AS_HOST
     from ds_longctx.planner.units import fmt_bytes
 
     out["device_side"] = fmt_bytes(need.per_rank[DEVICE_AS_HOST])

@@ -1,4 +1,4 @@
-"""ds_longctx.checkpoint's decisions without a training job: what a resume refuses, converts or reports; the
+"""ds_longctx.job.checkpoint's decisions without a training job: what a resume refuses, converts or reports; the
 publish step of a save killed at each of its points; the save directory's lock. (Saves and resumes of real
 DeepSpeed engines, on 1, 2 and 4 ranks: tests/test_long_runs.py.)"""
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from ds_longctx import checkpoint
+from ds_longctx.job import checkpoint
 from ds_longctx.errors import ConfigError
 from test_faults import _fake_checkpoint
 from tiny_models import tiny_config
@@ -180,7 +180,7 @@ def test_a_save_killed_at_each_point_of_its_publish_keeps_a_complete_tag(tmp_pat
 
 _LOCK = """
 import sys
-from ds_longctx import checkpoint
+from ds_longctx.job import checkpoint
 sd = checkpoint.SaveDir(path=sys.argv[1])
 print("OUTCOME", sd._lock_and_clean("t"), flush=True)
 sys.stdin.read()  # hold the lock until the test closes our stdin

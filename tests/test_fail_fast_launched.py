@@ -141,7 +141,7 @@ def _auto_prediction():
 
     from ds_longctx.config import load_ds_config, parse
     from ds_longctx.planner.core import Planner, load_model_config
-    from ds_longctx.watchdog import predicted_step_seconds
+    from ds_longctx.job.watchdog import predicted_step_seconds
 
     model = os.path.join(ROOT, "ds_configs", "models", "tiny-llama.json")
     cfg = load_ds_config(TINY_CPU)

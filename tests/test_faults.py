@@ -15,7 +15,8 @@ from ds_longctx.config import ConfigError, check_train_batch_size, load_ds_confi
 from launch_utils import ROOT, TINY_CPU
 from tiny_models import tiny_config
 
-from ds_longctx import checkpoint, train  # noqa: E402
+from ds_longctx import train
+from ds_longctx.job import checkpoint  # noqa: E402
 
 
 def _tiny(**changes):

@@ -16,7 +16,7 @@ from dist_utils import free_port
 from launch_utils import ROOT, TINY_CPU, TRAIN, _env, run_train
 from test_faults import _aio_available, small_tmpfs  # noqa: F401  (fixture)
 
-from ds_longctx import checkpoint  # noqa: E402
+from ds_longctx.job import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -111,7 +111,7 @@ def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path, save
 
 
 def test_kill9_during_the_save_leaves_latest_on_a_complete_tag(tmp_path, saved_step2):
-    """kill -9 of rank 1 between the two files DeepSpeed writes for it (ds_longctx.checkpoint's test hook
+    """kill -9 of rank 1 between the two files DeepSpeed writes for it (ds_longctx.job.checkpoint's test hook
     DS_LONGCTX_TEST_KILL_AT): the launcher ends rank 0 in the save's barrier, 'latest' stays on the previous
     tag, which --resume loads without a warning; the incomplete save is a .tmp- tag with no record. (Every point
     of the save, both ranks, both launchers, each with a launched --resume: bench/fault_rerun.py --group

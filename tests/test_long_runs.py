@@ -26,7 +26,7 @@ from dist_utils import free_port, run_distributed
 from launch_utils import ROOT, TINY_CPU, TRAIN, _env, read_metrics, run_train, side_by_side
 from test_faults import small_tmpfs  # noqa: F401  (fixture)
 
-from ds_longctx import checkpoint
+from ds_longctx.job import checkpoint
 
 pytestmark = pytest.mark.distributed
 

@@ -28,7 +28,7 @@ from dist_utils import free_port
 from launch_utils import ROOT, TINY_CPU, TRAIN, _env, mpirun_command, read_metrics, run_train
 from test_faults import small_tmpfs  # noqa: F401  (fixture)
 
-from ds_longctx import checkpoint
+from ds_longctx.job import checkpoint
 
 pytestmark = pytest.mark.distributed
 

@@ -57,7 +57,7 @@ def test_stop_signals(case, code, stop):
 
 
 def test_metrics_file_cut_back_to_the_resumed_step(tmp_path):
-    from ds_longctx.metrics import truncate_metrics
+    from ds_longctx.job.metrics import truncate_metrics
 
     path = tmp_path / "m.jsonl"
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8)]
@@ -85,7 +85,7 @@ def _word_tokenizer(path, reverse=False, eos="w1"):
 def test_tokenizer_content_in_the_data_identity(tmp_path):
     from transformers import AutoTokenizer
 
-    from ds_longctx.agreement import disagreement, fingerprint, this_member
+    from ds_longctx.job.agreement import disagreement, fingerprint, this_member
     from ds_longctx.data.corpus import tokenizer_content_sha256
 
     a = tokenizer_content_sha256(AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "a")))
@@ -138,7 +138,8 @@ def test_messages_that_tell_the_truth(tmp_path):
     an older ds_longctx, without the tokenizer's hash, still resumes)."""
     from test_checkpoint import _saved
 
-    from ds_longctx import checkpoint, train
+    from ds_longctx import train
+    from ds_longctx.job import checkpoint
     from ds_longctx.errors import ConfigError
 
     for saved, now, fix in ((True, False, "resume with --concat-documents,"),
@@ -181,7 +182,7 @@ def test_a_newcomers_hour(tmp_path, capfd):
 
     from ds_longctx import cli
     from ds_longctx._version import __version__
-    from ds_longctx.metrics import plain_line
+    from ds_longctx.job.metrics import plain_line
 
     assert cli.main(["--version"]) == 0 and capfd.readouterr().out == f"ds-longctx {__version__}\n"
     assert cli.main(["--help"]) == 0
@@ -196,7 +197,7 @@ def test_a_newcomers_hour(tmp_path, capfd):
 
     from transformers import LlamaConfig
 
-    from ds_longctx.checkpoint import _write_hf
+    from ds_longctx.job.checkpoint import _write_hf
 
     cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1)
@@ -271,7 +272,7 @@ def test_model_config_hint_names_a_path_this_install_has(monkeypatch):
 def test_export_line_says_whether_a_tokenizer_was_written():
     """Item 11: README listed a tokenizer in --save-hf's directory; the demo (the built-in copy task) has none, and
     the export's line now says so instead of implying one."""
-    from ds_longctx.checkpoint import exported_line
+    from ds_longctx.job.checkpoint import exported_line
 
     assert "config, generation config, tokenizer;" in exported_line("out", object(), 1.0)
     line = exported_line("out", None, 1.0)
@@ -323,7 +324,7 @@ def test_cpu_device_side_counts_what_a_cpu_run_makes_resident():
     "device side" (ZeRO-3's 5e8-element reduce bucket and its transient copy, 2 GB each in fp32) for a model of
     0.13M parameters whose ranks peak near 0.4 GiB: a torch.empty bucket on the host is resident only where gradients
     are written, at most the parameter count. A CPU box with less than 7.5 GiB free would have refused the demo."""
-    from ds_longctx.hostmem import resident_on_cpu
+    from ds_longctx.job.hostmem import resident_on_cpu
     from ds_longctx.planner import model_states as ms
 
     cfg = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))

@@ -140,7 +140,7 @@ def sp_run(kind, arch, rope, packed, path, stage, seq=SEQ):
     after = full_params(engine.module)
     swapped = list(get_patch(engine.module).swapped)
     if (kind, arch, packed, path, stage) == ("lora", "llama", False, "fused", 3):
-        from ds_longctx.checkpoint import export_hf
+        from ds_longctx.job.checkpoint import export_hf
 
         export_hf(engine, export_dir(sp), log=lambda *a: None)  # the adapter, in peft's format
     engine.destroy()

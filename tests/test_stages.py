@@ -173,7 +173,7 @@ def test_stage_flags_are_checked_before_the_launch():
 def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from ds_longctx import checkpoint as ckpt
+    from ds_longctx.job import checkpoint as ckpt
 
     with open(TINY_CPU) as f:
         ds = json.load(f)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from ds_longctx import watchdog as wd
-from ds_longctx.agreement import Member
+from ds_longctx.job import watchdog as wd
+from ds_longctx.job.agreement import Member
 from ds_longctx.config import ConfigError, parse
 
 

@@ -131,7 +131,7 @@ class ProfileConfig(_Strict):
 
 
 class WatchdogConfig(_Strict):
-    """The job's watchdog (ds_longctx/watchdog.py): a rank that goes silent ends the job, with a diagnosis."""
+    """The job's watchdog (ds_longctx/job/watchdog.py): a rank that goes silent ends the job, with a diagnosis."""
     timeout_s: Union[PositiveInt, Literal["auto"]] = Field(
         default="auto", description="Seconds a rank may go silent (no heartbeat: stopped, hung, its node lost) "
         "before every live rank prints which rank went silent and which collective it waits in, and the job ends "

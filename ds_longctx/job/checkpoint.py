@@ -47,15 +47,15 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._version import __version__
-from .data.corpus import atomic_write
-from .errors import ConfigError
-from .dist.layout import zero_stage
-from .models import text_config
-from .models.adapters import is_peft_model
-from .planner.model_states import optimizer_states_per_param
-from .planner.units import fmt_bytes
-from .dist.runtime import proc_stat
+from .._version import __version__
+from ..data.corpus import atomic_write
+from ..errors import ConfigError
+from ..dist.layout import zero_stage
+from ..models import text_config
+from ..models.adapters import is_peft_model
+from ..planner.model_states import optimizer_states_per_param
+from ..planner.units import fmt_bytes
+from ..dist.runtime import proc_stat
 
 RECORD_FILE = "ds_longctx_layout.json"   # ds_longctx's record in every tag (the name older runs used)
 HF_CONFIG_DIR = "hf"                      # the model's HF config (+ tokenizer, generation config) in every tag

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 from .agreement import _all_gather_blobs, roster
-from .errors import ConfigError
-from .planner import host as host_plan
-from .planner import model_states as ms
-from .planner.core import _micro_batch
-from .planner.units import fmt_bytes
+from ..errors import ConfigError
+from ..planner import host as host_plan
+from ..planner import model_states as ms
+from ..planner.core import _micro_batch
+from ..planner.units import fmt_bytes
 
 # the key to name for the largest part of the need
 _PART_KEYS = {"offloaded activations": "long_context.activation_checkpointing.offload",

@@ -7,10 +7,10 @@ rank now, not a failed write in step 1. The save directory's checks live in chec
 """
 from __future__ import annotations
 
-from .memory import get_memory_handle, naming_nvme_keys
-from .memory.nvme import ALIGN, NVMeTarget, _align, reserve_on_every_rank
-from .planner.host import kept_attention_bytes, layer_input_bytes
-from .planner.model_states import _DTYPE_BYTES, model_dtype
+from ..memory import get_memory_handle, naming_nvme_keys
+from ..memory.nvme import ALIGN, NVMeTarget, _align, reserve_on_every_rank
+from ..planner.host import kept_attention_bytes, layer_input_bytes
+from ..planner.model_states import _DTYPE_BYTES, model_dtype
 
 
 def reserve_offload_storage(engine, seq_len: int) -> None:

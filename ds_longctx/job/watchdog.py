@@ -52,10 +52,10 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .dist import runtime
-from .config import parse, resolved_ds_config
-from .errors import ConfigError
-from .planner.core import Planner, load_model_config
+from ..dist import runtime
+from ..config import parse, resolved_ds_config
+from ..errors import ConfigError
+from ..planner.core import Planner, load_model_config
 
 logger = logging.getLogger("ds_longctx")
 
@@ -127,7 +127,7 @@ def _short(path: str) -> str:
     for mark in ("site-packages/", "dist-packages/"):
         if mark in path:
             return path.split(mark, 1)[1]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     if path.startswith(root + os.sep):
         return os.path.relpath(path, root)
     return os.path.join(*path.split(os.sep)[-2:]) if os.sep in path else path
@@ -135,7 +135,7 @@ def _short(path: str) -> str:
 
 def _internal(path: str) -> bool:
     p = path.replace(os.sep, "/")
-    return "/torch/" in p or "/deepspeed/comm/" in p or p.endswith("ds_longctx/watchdog.py")
+    return "/torch/" in p or "/deepspeed/comm/" in p or p.endswith("ds_longctx/job/watchdog.py")
 
 
 def main_thread_where() -> Tuple[str, tuple]:

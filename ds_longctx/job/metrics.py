@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any, Dict, Optional
 
-from .planner.rates import target_rates
-from .planner.units import fmt_bytes
+from ..planner.rates import target_rates
+from ..planner.units import fmt_bytes
 
 # the record's numeric fields sent to DeepSpeed's monitor, as "Train/ds_longctx/<field>" (step as x)
 MONITOR_FIELDS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "peak_mem_bytes",

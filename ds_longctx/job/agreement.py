@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import watchdog
-from .config import load_ds_config
-from .errors import ConfigError
-from .dist.runtime import proc_start_time
+from ..config import load_ds_config
+from ..errors import ConfigError
+from ..dist.runtime import proc_start_time
 
 ROW_BYTES = 128  # digest 32, pid 8, start time 8, host name up to 80 (utf-8, zero padded)
 _HOST_BYTES = ROW_BYTES - 48
