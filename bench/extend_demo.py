@@ -3,7 +3,7 @@ second stage with --resume --new-stage, SP=2), the needle heatmap (ds-longctx ne
 
     python bench/extend_demo.py [--out /tmp/extend_demo] [--steps1 N] [--steps2 N]
 
-The data is the needle test's own format (ds_longctx.needle.build_cases): a haystack, the fact "The secret passkey
+The data is the needle test's own format (ds_longctx.eval.needle.build_cases): a haystack, the fact "The secret passkey
 is 48213. Remember it. 48213 is the secret passkey." at a random depth, the question "What is the secret passkey?
 The secret passkey is" and the answer. The tokenizer is a small word-level one written here (digits one token each;
 the filler's words never occur in the fact or the question), so "passkey is" marks the key and the answer is a
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from ds_longctx import needle
+from ds_longctx.eval import needle
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -153,7 +153,7 @@ def main(argv=None):
                    "--rope-scaling", a.scaling, "--save", o("ck2"), "--metrics", o("m2.jsonl")]
 
     def needle_cmd(ck, name, extra=()):
-        return [sys.executable, "-m", "ds_longctx.needle", "--checkpoint", o(ck), "--tokenizer", o("tokenizer"),
+        return [sys.executable, "-m", "ds_longctx.eval.needle", "--checkpoint", o(ck), "--tokenizer", o("tokenizer"),
                 "--haystack", o("haystack.txt"), "--lengths", f"{SHORT},{LONG}", "--depths", "0,0.25,0.5,0.75,1",
                 "--samples", str(a.samples), "--json", o(f"{name}.json"), "--heatmap", o(f"{name}.png"), *extra]
 

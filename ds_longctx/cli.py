@@ -23,7 +23,7 @@ from ._version import __version__
 from .job.checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
 from .errors import ConfigError
 from .models.loading import load_model_config
-from .needle import cli as needle_cli
+from .eval.needle import cli as needle_cli
 from .planner.cli import main as plan_main
 from .dist.preemptible import main as launch_main
 from .train import shipped_configs_dir

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from .job import checkpoint as ckpt
 from .dist import comm
-from . import needle
+from .eval import needle
 from .job import watchdog
 from .job.agreement import check_agreement
 from .attention import registry
@@ -51,7 +51,7 @@ from .data.corpus import check_data_path, open_corpus, tokenizer_content_sha256
 from .data.corpus import data_identity as corpus_identity
 from .data import TASKS, SampleStream, shard_batch
 from .errors import ConfigError
-from .evaluate import eval_loader, evaluate
+from .eval.evaluate import eval_loader, evaluate
 from .initialize import init_distributed, initialize, model_init, predicted_step
 from .dist.launch import check_launch
 from .dist.layout import zero_stage

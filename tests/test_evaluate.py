@@ -1,4 +1,4 @@
-"""Held-out evaluation (ds_longctx/evaluate.py): the token-weighted loss over SP shards and DP replicas equals
+"""Held-out evaluation (ds_longctx/eval/evaluate.py): the token-weighted loss over SP shards and DP replicas equals
 one process's HF loss on the same samples, with tiled_loss on (no logits); every rank runs the same number of
 batches and no sample counts twice."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ds_longctx.evaluate import EvalLoader
+from ds_longctx.eval.evaluate import EvalLoader
 from ds_longctx.loss import IGNORE_INDEX
 
 SEQ = 16
@@ -56,7 +56,7 @@ def _case(rank, world, path, lc, sp, batch_size):
     from sp_cases import ds_config
     from tiny_models import build, tiny_config
 
-    from ds_longctx.evaluate import eval_loader, evaluate
+    from ds_longctx.eval.evaluate import eval_loader, evaluate
 
     ds = _dataset(path)  # every rank opens the corpus; one builds its cache, the other waits on the lock
     model = build(tiny_config(), seed=0)

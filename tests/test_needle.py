@@ -1,4 +1,4 @@
-"""Needle in a haystack (ds_longctx/needle.py): deterministic cases, scores from logits at the answer positions only
+"""Needle in a haystack (ds_longctx/eval/needle.py): deterministic cases, scores from logits at the answer positions only
 equal to the full-logits reference, and under SP=2 (ulysses and untied with the memory stack, ZeRO-3) and DP=2 equal
 to one process. The tiny random model cannot retrieve: its exact match is 0 and its log-likelihood is at chance
 (7 answer tokens of a 64-token vocabulary: about 7 ln 64 = 29 nats); a case whose answer is the model's own greedy
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_longctx.errors import ConfigError
-from ds_longctx.needle import (ByteTokenizer, NeedleCase, build_cases, heatmap, parse_depths, parse_lengths,
+from ds_longctx.eval.needle import (ByteTokenizer, NeedleCase, build_cases, heatmap, parse_depths, parse_lengths,
                                score_cases, summarize, table, write_json)
 from tiny_models import build, tiny_config
 
@@ -72,7 +72,7 @@ def test_cases_with_a_bpe_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ds_longctx.needle import FACT, FILLER, QUESTION
+    from ds_longctx.eval.needle import FACT, FILLER, QUESTION
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

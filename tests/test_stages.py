@@ -236,7 +236,7 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     assert err < 1e-5, err  # 1.8e-6 measured; fp32, SP=2's shards and tiles sum in another order than one process
     # --eval-needle at the stage's end (SP=2, the engine, the memory stack) equals ds-longctx needle's one-process
     # score of the exported model on the same documents
-    from ds_longctx import needle
+    from ds_longctx.eval import needle
 
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float()
     cases = needle.build_cases(needle.ByteTokenizer(model.config.vocab_size), [2 * L], [0.0, 1.0], seed=0)

@@ -16,10 +16,10 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .dist.comm import all_gather_ints, control_device
-from .data import shard_batch
-from .errors import BatchError
-from .loss import IGNORE_INDEX
+from ..dist.comm import all_gather_ints, control_device
+from ..data import shard_batch
+from ..errors import BatchError
+from ..loss import IGNORE_INDEX
 
 
 class EvalLoader:
@@ -92,7 +92,7 @@ def evaluate(engine, loader) -> Dict[str, float]:
         if len(set(lens)) > 1:
             raise BatchError("evaluate.loader", f"the ranks hold different numbers of batches ({lens}, by rank): "
                              "ZeRO-3 and SP run collectives in every forward", "give every rank the same number "
-                             "of batches (ds_longctx.evaluate.eval_loader does)")
+                             "of batches (ds_longctx.eval.evaluate.eval_loader does)")
     training = engine.training
     engine.eval()
     total = torch.zeros((), dtype=torch.float64)
@@ -102,7 +102,7 @@ def evaluate(engine, loader) -> Dict[str, float]:
             labels = batch.get("shift_labels")
             if labels is None:
                 raise BatchError("batch.shift_labels", "is missing: evaluate scores sharded batches",
-                                 "iterate an EvalLoader (ds_longctx.evaluate.eval_loader) or shard with "
+                                 "iterate an EvalLoader (ds_longctx.eval.evaluate.eval_loader) or shard with "
                                  "ds_longctx.data.shard_batch")
             n = int((labels != IGNORE_INDEX).sum())
             batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -34,17 +34,17 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .job.checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
-from .dist.comm import control_device, sp_group, sp_rank
-from .config import load_ds_config
-from .errors import ConfigError
-from .initialize import init_distributed, initialize, model_init
-from .models import text_config
-from .models.loading import load_model_config
-from .patching.patch import get_patch
-from .config.rope_scaling import apply_rope
-from .config.shipped import resolve_config_path
-from .weights import deterministic_init
+from ..job.checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
+from ..dist.comm import control_device, sp_group, sp_rank
+from ..config import load_ds_config
+from ..errors import ConfigError
+from ..initialize import init_distributed, initialize, model_init
+from ..models import text_config
+from ..models.loading import load_model_config
+from ..patching.patch import get_patch
+from ..config.rope_scaling import apply_rope
+from ..config.shipped import resolve_config_path
+from ..weights import deterministic_init
 
 FACT = "The secret passkey is {key}. Remember it. {key} is the secret passkey."
 QUESTION = "What is the secret passkey? The secret passkey is"
@@ -375,13 +375,13 @@ def case_dicts(cases: Sequence[NeedleCase]) -> List[Dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the command: ds-longctx needle (ds_longctx/cli.py), or python -m ds_longctx.needle under a launcher
+# the command: ds-longctx needle (ds_longctx/cli.py), or python -m ds_longctx.eval.needle under a launcher
 # ---------------------------------------------------------------------------------------------
 
 USAGE = """ds-longctx needle: passkey retrieval by document length x depth, under SP when the ds_config says so.
 
     ds-longctx needle --model OUT_DIR --lengths 1K,4K --depths 0,0.25,0.5,0.75,1 --json n.json --heatmap n.png
-    deepspeed --num_gpus 2 --module ds_longctx.needle --deepspeed_config CFG --model-config CONFIG.json \\
+    deepspeed --num_gpus 2 --module ds_longctx.eval.needle --deepspeed_config CFG --model-config CONFIG.json \\
         --checkpoint SAVE_DIR --lengths 32K,128K --heatmap n.png
     (or: deepspeed --no_local_rank --num_gpus 2 --module ds_longctx.cli needle ...)
 """
