@@ -22,7 +22,7 @@ Parts (--part, in order; each has its own wall-clock cap, --cap1..--cap4; result
    (c) ``ds_longctx_planned``: the same with heads_per_chunk, keep_on_device and keep_attention_output "auto"
        (the planner resolves them for this device in ds_longctx.initialize; the picks are recorded).
    Every variant: the model from --model-config, bf16, ZeRO-3 with the shipped config's optimizer and ZeRO keys,
-   random init from ds_longctx.weights.deterministic_init(seed) (the same weights in every process), the copy
+   random init from ds_longctx.models.weights.deterministic_init(seed) (the same weights in every process), the copy
    task's samples through ds_longctx.data.SampleStream (the same token batches), tokens/s, TFLOP/s and MFU by
    ds_longctx.measure.profiler's one formula, max_memory_allocated and max_memory_reserved per step (CUDA; on CPU
    the process's peak RSS, reserved None), step-1 loss.
@@ -101,7 +101,7 @@ def _alst_run(a, pieces: dict) -> dict:
     from ds_longctx.measure.profiler import StepProfiler
     from ds_longctx.job.metrics import peak_tflops
     from ds_longctx.models.loading import load_model_config
-    from ds_longctx.weights import deterministic_init
+    from ds_longctx.models.weights import deterministic_init
 
     cuda = torch.cuda.is_available()
     ds_cfg = json.load(open(a.ds_config))

@@ -27,14 +27,14 @@ from .patching.spec import LongContextSpec
 def enable() -> None:
     """Route every later ``deepspeed.initialize`` whose config has a ``long_context`` section through
     ds_longctx (HF Trainer, TRL, Accelerate, plain scripts). Idempotent; undo with ``disable()``."""
-    from .integration import enable as _enable
+    from .hf.integration import enable as _enable
 
     _enable()
 
 
 def disable() -> None:
     """Undo ``enable()``."""
-    from .integration import disable as _disable
+    from .hf.integration import disable as _disable
 
     _disable()
 

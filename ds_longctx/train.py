@@ -66,7 +66,7 @@ from .planner import planned_work
 from .planner.units import fmt_bytes
 from .job.preflight import reserve_offload_storage
 from .dist.runtime import graceful_stop, stop_requested, stop_saved
-from .weights import deterministic_init
+from .models.weights import deterministic_init
 
 
 def _logger():

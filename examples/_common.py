@@ -61,7 +61,7 @@ def prepare_launched_process() -> None:
     Accelerate starts: no DeepSpeed shm all-reduce (its JIT build hung a 2-rank torchrun), and deepspeed.comm
     initialised here: on GPUs Accelerate's PartialState does that, with ``use_cpu`` it does not
     (accelerate/state.py), and DeepSpeed's parallel_state_sp (register_with_transformers) asserts it.
-    ``ds_longctx.enable()`` does both itself (ds_longctx/integration.py), so the ds_longctx runs skip this."""
+    ``ds_longctx.enable()`` does both itself (ds_longctx/hf/integration.py), so the ds_longctx runs skip this."""
     from ds_longctx.dist.comm import disable_cpu_shm_allreduce
 
     disable_cpu_shm_allreduce()

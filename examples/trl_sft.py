@@ -11,7 +11,7 @@ DeepSpeed config, ``parallelism_config=ParallelismConfig(sp_backend="deepspeed",
 
 Packing: TRL's ``packing=True, padding_free=True`` rows (one flattened row per batch, ``position_ids``
 restarting at 0 per document, TRL's ``cu_seq_lens_*``) go through ds_longctx's SP data loader adapter
-(ds_longctx/hf_loader.py), which ``enable()`` puts in place of DeepSpeed's ``UlyssesSPDataLoaderAdapter``
+(ds_longctx/hf/loader.py), which ``enable()`` puts in place of DeepSpeed's ``UlyssesSPDataLoaderAdapter``
 for a ds_longctx engine: every rank gets the row's document structure (attention runs per document),
 ranks may hold rows of different lengths (the SP group takes turns on each rank's row, in the
 one-process order, as DeepSpeed's adapter does), and a row whose length is not a multiple of SP is

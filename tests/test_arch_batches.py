@@ -170,7 +170,7 @@ def _trainers(rank, world):
     import arch_cases
     from eco_cases import ProcessState
 
-    from ds_longctx import hf_loader
+    from ds_longctx.hf import loader as hf_loader
     from ds_longctx.patching import sp_batch
 
     state = ProcessState()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ds_longctx
-from ds_longctx import integration
+from ds_longctx.hf import integration
 from ds_longctx.patching import compat
 from ds_longctx.config import ConfigError, parse
 from tiny_models import build, tiny_config
@@ -58,7 +58,7 @@ def test_enable_is_idempotent_and_undone_by_disable():
     import deepspeed.runtime.sequence_parallel.ulysses_sp as ulysses_sp
     import transformers.trainer as hf_trainer
 
-    from ds_longctx.hf_loader import RoutedSPAdapter
+    from ds_longctx.hf.loader import RoutedSPAdapter
 
     orig_init, orig_loss = deepspeed.initialize, hf_trainer.deepspeed_sp_compute_loss
     orig_adapter = ulysses_sp.UlyssesSPDataLoaderAdapter

@@ -85,7 +85,7 @@ def _trainer_sp2(rank, world):
     out["ulysses_plain"] = hf_trainer.train(attention="ulysses", memory_stack=False, **kw)
     state.reset()
     # negative control: without the SP-loss patch the Trainer aggregates our SP-global loss again
-    import ds_longctx.integration as integration
+    import ds_longctx.hf.integration as integration
 
     real_enable = integration.enable
 
@@ -137,7 +137,7 @@ def _adapter_errors(rank):
     replicated over the SP group gives each batch once."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss
 
-    from ds_longctx.hf_loader import SPTurnsAdapter
+    from ds_longctx.hf.loader import SPTurnsAdapter
 
     pss.initialize_sequence_parallel(2)
     group = pss.get_sequence_parallel_group()
@@ -165,7 +165,7 @@ def _adapter_skips(rank, group):
     slicing stands in for Accelerate's skip of the wrapped loader. Each item is named by its first token."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
-    from ds_longctx.hf_loader import RoutedSPAdapter, SPTurnsAdapter, skip_first_items
+    from ds_longctx.hf.loader import RoutedSPAdapter, SPTurnsAdapter, skip_first_items
 
     def cut(dl, k):
         return dl[k:]
@@ -227,7 +227,7 @@ def _alst_trl_mpu(rank, world):
     state.reset()
     # negative control: the same rows with the documents erased (position_ids 0..S-1) train differently,
     # so the packed equality above depends on the document structure reaching attention
-    import ds_longctx.hf_loader as hf_loader
+    import ds_longctx.hf.loader as hf_loader
 
     real_varlen = hf_loader._varlen_checked
 

@@ -65,9 +65,9 @@ def test_the_trainer_route_takes_gemma4_and_refuses_an_open_family(monkeypatch):
     """Gemma 4 through Accelerate's route (HF Trainer / TRL) at SP > 1 is taken (exact: tests/test_trainer_families.py),
     the text model and the multimodal one alike; a family listed in integration.TRAINER_OPEN is refused by name at
     SP > 1 (and not at SP 1)."""
-    from ds_longctx import integration
+    from ds_longctx.hf import integration
     from ds_longctx.errors import ConfigError
-    from ds_longctx.integration import check_trainer_family
+    from ds_longctx.hf.integration import check_trainer_family
 
     for multimodal in (False, True):
         model = build_gemma4(multimodal=multimodal)

@@ -1,5 +1,5 @@
 """Unit tests (no processes spawned) for the batch checks of ds_longctx's SP data loader adapter
-(ds_longctx/hf_loader.py): what it accepts from TRL's padding-free collator, how it pads a row to a
+(ds_longctx/hf/loader.py): what it accepts from TRL's padding-free collator, how it pads a row to a
 multiple of SP, and the batches it refuses; enable() routing skip_first_batches (resume) to it. The adapter's
 collectives (and its skips) run in tests/test_ecosystem.py, whole resumed runs in tests/test_trainer_resume.py."""
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch
-from ds_longctx.hf_loader import _checked_batch
+from ds_longctx.hf.loader import _checked_batch
 
 
 def trl_padding_free(doc_lens, seed=0):
@@ -66,8 +66,8 @@ def test_enable_routes_skip_first_batches_and_disable_puts_it_back():
     import importlib
 
     import ds_longctx
-    from ds_longctx import integration
-    from ds_longctx.hf_loader import SPTurnsAdapter
+    from ds_longctx.hf import integration
+    from ds_longctx.hf.loader import SPTurnsAdapter
 
     sites = {m: importlib.import_module(m) for m in integration._SKIP_SITES}
     before = {m: mod.skip_first_batches for m, mod in sites.items()}

@@ -383,7 +383,7 @@ def test_accelerate_refusal_stays_for_what_ds_longctx_does_not_run():
     import accelerate.accelerator as acc
 
     import ds_longctx
-    from ds_longctx import integration
+    from ds_longctx.hf import integration
 
     original = acc._refuse_recurrent_layers_under_sequence_parallelism
     qwen = types.SimpleNamespace(config=hybrid_config("qwen3_5"))

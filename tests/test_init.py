@@ -14,7 +14,7 @@ def _weights(rank, world, stages):
     """One spawn for every stage (engines of several stages follow each other in one process, as in
     tests/test_sp_equivalence.py)."""
     import ds_longctx
-    from ds_longctx.weights import deterministic_init
+    from ds_longctx.models.weights import deterministic_init
 
     out = {}
     for stage in stages:
@@ -31,7 +31,7 @@ def _weights(rank, world, stages):
 
 
 def test_same_seed_same_weights_across_layouts():
-    from ds_longctx.weights import deterministic_init
+    from ds_longctx.models.weights import deterministic_init
 
     ref_model = build(tiny_config(), seed=123)  # a different global RNG state must not matter
     deterministic_init(ref_model, seed=7)

@@ -164,7 +164,7 @@ def test_accelerate_call_is_known_by_an_explicit_mark(monkeypatch):
     import deepspeed
     from accelerate import Accelerator
 
-    from ds_longctx import integration
+    from ds_longctx.hf import integration
     from ds_longctx.config import ConfigError
 
     seen = []

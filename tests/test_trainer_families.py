@@ -203,7 +203,7 @@ def test_accelerate_flex_refusal_stays_for_what_ds_longctx_does_not_run():
     from accelerate.utils import DeepSpeedSequenceParallelConfig
 
     import ds_longctx
-    from ds_longctx import integration
+    from ds_longctx.hf import integration
     from ds_longctx.errors import ConfigError
 
     with pytest.raises(ValueError, match="flex_attention"):

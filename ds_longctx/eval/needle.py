@@ -44,7 +44,7 @@ from ..models.loading import load_model_config
 from ..patching.patch import get_patch
 from ..config.rope_scaling import apply_rope
 from ..config.shipped import resolve_config_path
-from ..weights import deterministic_init
+from ..models.weights import deterministic_init
 
 FACT = "The secret passkey is {key}. Remember it. {key} is the secret passkey."
 QUESTION = "What is the secret passkey? The secret passkey is"

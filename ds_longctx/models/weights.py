@@ -5,7 +5,7 @@ import zlib
 
 import torch
 
-from .models import text_config
+from . import text_config
 
 
 @torch.no_grad()

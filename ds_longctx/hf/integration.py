@@ -19,7 +19,7 @@ calls the original for any other model.
 Accelerate wraps the training loader in DeepSpeed's ``UlyssesSPDataLoaderAdapter``, looked up on
 ``deepspeed.runtime.sequence_parallel.ulysses_sp`` at call time; it cannot take packed padding-free
 rows (TRL ``packing=True, padding_free=True``). While enabled, that name is
-:class:`ds_longctx.hf_loader.RoutedSPAdapter`: ds_longctx's adapter (``shard_batch``, document
+:class:`ds_longctx.hf.loader.RoutedSPAdapter`: ds_longctx's adapter (``shard_batch``, document
 structure, rows of any length) for a ds_longctx engine, DeepSpeed's for any other.
 
 Accelerate calls DeepSpeed's ``UlyssesSPAttentionHF.register_with_transformers(model)`` before
@@ -33,7 +33,7 @@ Resuming (the Trainer's ``resume_from_checkpoint``, ``accelerator.skip_first_bat
 batches with Accelerate's ``skip_first_batches``, which cannot take an SP adapter (it rebuilds a DataLoader from
 ``dataset``/``batch_sampler``, and its count is of the adapter's items, SP turns). While enabled, that name is
 routed: an SP adapter (ours, the routed one, DeepSpeed's) is skipped in SP turns by
-:func:`ds_longctx.hf_loader.skip_first_items`, anything else goes to Accelerate's function. It is looked up at
+:func:`ds_longctx.hf.loader.skip_first_items`, anything else goes to Accelerate's function. It is looked up at
 call time on ``transformers.trainer`` (the Trainer), ``accelerate.accelerator`` (``Accelerator.skip_first_batches``)
 and ``accelerate`` / ``accelerate.data_loader`` (a script that imports it after ``enable()``); each name is
 replaced and put back.
@@ -66,16 +66,16 @@ import contextlib
 import inspect
 import threading
 
-from .dist.comm import disable_cpu_shm_allreduce
-from .config import SECTION, load_ds_config
-from .errors import ConfigError
-from .hf_loader import RoutedSPAdapter, is_sp_adapter, skip_first_items
-from .initialize import initialize
-from .dist.layout import Layout
-from .loss import IGNORE_INDEX
-from .models import attention_shape, text_config
-from .models.hybrid import runs_layer_type
-from .patching.patch import get_patch
+from ..dist.comm import disable_cpu_shm_allreduce
+from ..config import SECTION, load_ds_config
+from ..errors import ConfigError
+from .loader import RoutedSPAdapter, is_sp_adapter, skip_first_items
+from ..initialize import initialize
+from ..dist.layout import Layout
+from ..loss import IGNORE_INDEX
+from ..models import attention_shape, text_config
+from ..models.hybrid import runs_layer_type
+from ..patching.patch import get_patch
 
 _ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
 #                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,

@@ -57,10 +57,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .data.batch import document_structure
-from .data import shard_batch
-from .errors import BatchError, LongContextError, error_class
-from .loss import IGNORE_INDEX
+from ..data.batch import document_structure
+from ..data import shard_batch
+from ..errors import BatchError, LongContextError, error_class
+from ..loss import IGNORE_INDEX
 
 # TRL's padding-free collator (trl.trainer.sft_trainer.DataCollatorForLanguageModeling) adds these
 # for flash-attention varlen kernels and linear-attention layers. The same boundaries follow from
