@@ -1,4 +1,4 @@
-"""ds_longctx's main job (the loop lives in ds_longctx/train.py, so that the installed package runs it too:
+"""ds_longctx's main job (the command lives in the package, ds_longctx/train/, so that an installed ds_longctx runs it too:
 ``deepspeed --module ds_longctx.train ...``).
 
     deepspeed --num_gpus 2 train.py --deepspeed_config ds_configs/tiny-cpu.json          # CPU demo

@@ -26,7 +26,7 @@ from .models.loading import load_model_config
 from .eval.needle import cli as needle_cli
 from .planner.cli import main as plan_main
 from .dist.preemptible import main as launch_main
-from .train import shipped_configs_dir
+from .config.shipped import shipped_configs_dir
 
 _COMMANDS = ("plan", "export", "convert", "configs", "launch", "needle")
 

@@ -150,14 +150,16 @@ def test_5m_config_is_the_design_card_alias():
 
 
 def test_train_refuses_an_8b_config_with_the_tiny_preset():
-    from ds_longctx import train
+    from ds_longctx.models import loading
+    from ds_longctx.train import loop as train_loop
+    from ds_longctx.config import shipped
 
     with pytest.raises(ConfigError, match=r"--model .*--model-config") as e:
-        train.main(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "5m.json")])
+        train_loop.main(["--deepspeed_config", os.path.join(ROOT, "ds_configs", "5m.json")])
     assert "max_position_embeddings" in str(e.value) and "tiny default preset" in str(e.value)
-    cfg = train.load_model_config(train.default_model_config())
+    cfg = loading.load_model_config(shipped.default_model_config())
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))), cfg, 512)
-    big = train.load_model_config(os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json"))
+    big = loading.load_model_config(os.path.join(ROOT, "ds_configs", "models", "llama3-8b.json"))
     compat.check_model_scale(parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))), big,
                              parse(json.load(open(os.path.join(ROOT, "ds_configs", "5m.json")))).sequence_length,
                              "--model-config ds_configs/models/llama3-8b.json")

@@ -67,7 +67,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
     write_docs(tmp_path / "docs.jsonl")
     with pytest.raises(ConfigError, match="--tokenizer: has 68 tokens but the model's vocab_size is 64"):
         check_tokenizer_vocab(tok, 64)
-    from ds_longctx import train
+    from ds_longctx.train import job as train_job
 
     args = argparse.Namespace(data=str(tmp_path / "docs.jsonl"), tokenizer=str(tmp_path / "tok"), model=None,
                               concat_documents=False, seed=0, data_column="text")
@@ -76,7 +76,7 @@ def test_tokenizer_larger_than_model_vocab_is_an_error(tmp_path):
         vocab_size = 64
 
     with pytest.raises(ConfigError, match="has 68 tokens but the model's vocab_size is 64"):
-        train.build_dataset(args, Cfg, 16, train.load_tokenizer(args))
+        train_job.build_dataset(args, Cfg, 16, train_job.load_tokenizer(args))
 
 
 @pytest.mark.distributed

@@ -15,7 +15,10 @@ from ds_longctx.config import ConfigError, check_train_batch_size, load_ds_confi
 from launch_utils import ROOT, TINY_CPU
 from tiny_models import tiny_config
 
-from ds_longctx import train
+from ds_longctx.train import args as train_args
+from ds_longctx.train import job as train_job
+from ds_longctx.models import loading
+from ds_longctx.train import loop as train_loop
 from ds_longctx.job import checkpoint  # noqa: E402
 
 
@@ -269,7 +272,7 @@ def test_config_bounds_against_model_and_world():
 
 
 def _args(*argv):
-    return train.parse_args(["--deepspeed_config", TINY_CPU, *argv])
+    return train_args.parse_args(["--deepspeed_config", TINY_CPU, *argv])
 
 
 def test_cli_inputs(tmp_path):
@@ -286,15 +289,15 @@ def test_cli_inputs(tmp_path):
     lc = parse(_tiny())
     for flag in ("--tokenizer", "--model"):
         with pytest.raises(ConfigError, match=rf"^{flag}: local path '/no/such/model' does not exist"):
-            train.validate_args(_args(flag, "/no/such/model"), lc)
-    train.validate_args(_args("--model", "org/name"), lc)  # a hub id is left to transformers
+            train_args.validate_args(_args(flag, "/no/such/model"), lc)
+    train_args.validate_args(_args("--model", "org/name"), lc)  # a hub id is left to transformers
     for body, msg in ((dict(hidden_size=8), 'has no "model_type"'),
                       (dict(model_type="no_such_arch"), "has model_type 'no_such_arch', which this transformers"),
                       ("[1]", "holds a JSON list")):
         p = tmp_path / "m.json"
         p.write_text(body if isinstance(body, str) else json.dumps(body))
         with pytest.raises(ConfigError, match="^--model-config: .*m.json " + msg.replace("(", r"\(")):
-            train.load_model_config(str(p))
+            loading.load_model_config(str(p))
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
@@ -302,19 +305,19 @@ def test_cli_inputs(tmp_path):
         lc = parse(_tiny(long_context=dict(_tiny()["long_context"], profile={"enabled": True,
                                                                             "output_dir": str(ro / "p")})))
         with pytest.raises(ConfigError, match="^long_context.profile.output_dir: .* is not writable"):
-            train.validate_args(_args(), lc)
+            train_args.validate_args(_args(), lc)
     notdir = tmp_path / "file"
     notdir.write_text("")
     lc = parse(_tiny(long_context=dict(_tiny()["long_context"], profile={"enabled": True,
                                                                         "output_dir": str(notdir / "p")})))
     with pytest.raises(ConfigError, match="^long_context.profile.output_dir: .* is not a directory"):
-        train.validate_args(_args(), lc)
+        train_args.validate_args(_args(), lc)
     mc = tiny_config()  # max_position_embeddings 4096
-    train.check_max_position(_args("--seq-len", "4096"), mc, 4096)
+    train_args.check_max_position(_args("--seq-len", "4096"), mc, 4096)
     with pytest.raises(ConfigError, match=r"^--seq-len: 8192 is above the model's max_position_embeddings 4096\. "
                        r"Fix: .*--allow-beyond-max-position"):
-        train.check_max_position(_args("--seq-len", "8192"), mc, 8192)
-    train.check_max_position(_args("--seq-len", "8192", "--allow-beyond-max-position"), mc, 8192)
+        train_args.check_max_position(_args("--seq-len", "8192"), mc, 8192)
+    train_args.check_max_position(_args("--seq-len", "8192", "--allow-beyond-max-position"), mc, 8192)
 
 
 def test_hub_ids_offline_name_the_id_and_the_fix(tmp_path):
@@ -325,17 +328,20 @@ def test_hub_ids_offline_name_the_id_and_the_fix(tmp_path):
     data.write_text("hello world\n")
     script = f"""
 import sys, types
-from ds_longctx import train
+from ds_longctx.train import args as train_args
+from ds_longctx.train import job as train_job
+from ds_longctx.models import loading
+from ds_longctx.train import loop as train_loop
 from ds_longctx.errors import ConfigError
 for argv in (["--model", "meta-llama/Llama-3.1-8B"], ["--model", "no-such-org/no-such-model"]):
     try:
-        train.main(["--deepspeed_config", {TINY_CPU!r}] + argv)
+        train_loop.main(["--deepspeed_config", {TINY_CPU!r}] + argv)
     except ConfigError as e:
         print("ERR", e)
 args = types.SimpleNamespace(data={str(data)!r}, tokenizer="no-such-org/no-such-tokenizer", model=None,
                              concat_documents=False, seed=0, data_column="text")
 try:
-    train.build_dataset(args, types.SimpleNamespace(vocab_size=64), 8, train.load_tokenizer(args))
+    train_job.build_dataset(args, types.SimpleNamespace(vocab_size=64), 8, train_job.load_tokenizer(args))
 except ConfigError as e:
     print("ERR", e)
 """
@@ -356,8 +362,8 @@ def test_shards_bounded_by_the_trained_length():
     lc = parse(_tiny(long_context=dict(_tiny()["long_context"], tiled_mlp={"enabled": True, "shards": 100})))
     with pytest.raises(ConfigError, match=r"^long_context.tiled_mlp.shards: 100 is more than the 32 rows it splits "
                        r"\(sequence length 64 "):
-        train.validate_args(_args("--seq-len", "64"), lc)
-    train.validate_args(_args("--seq-len", "256"), lc)
+        train_args.validate_args(_args("--seq-len", "64"), lc)
+    train_args.validate_args(_args("--seq-len", "256"), lc)
 
 
 @pytest.mark.distributed
@@ -371,10 +377,13 @@ def test_train_batch_size_inconsistent_is_refused_before_the_model(tmp_path):
     path.write_text(json.dumps(cfg))
     script = f"""
 import sys
-from ds_longctx import train
+from ds_longctx.train import args as train_args
+from ds_longctx.train import job as train_job
+from ds_longctx.models import loading
+from ds_longctx.train import loop as train_loop
 from ds_longctx.errors import ConfigError
 try:
-    train.main(["--deepspeed_config", {str(path)!r}, "--steps", "1"])
+    train_loop.main(["--deepspeed_config", {str(path)!r}, "--steps", "1"])
 except ConfigError as e:
     print("ERR", e)
 """

@@ -230,13 +230,16 @@ def _train_and_export(rank, world, tmp):
     import torch.distributed as dist
 
     import ds_longctx
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import job as train_job
+    from ds_longctx.models import loading
+    from ds_longctx.config import shipped
     from ds_longctx.config import load_ds_config
     from ds_longctx.data import LongRangeCopy, SampleStream, shard_batch
 
     ds_config = load_ds_config(TINY_CPU)
-    args = train.parse_args(["--deepspeed_config", TINY_CPU, "--seq-len", "64"])
-    model = train.build_model(args, ds_config, train.load_model_config(train.default_model_config()))
+    args = train_args.parse_args(["--deepspeed_config", TINY_CPU, "--seq-len", "64"])
+    model = train_job.build_model(args, ds_config, loading.load_model_config(shipped.default_model_config()))
     engine, *_ = ds_longctx.initialize(model=model, config=ds_config, model_parameters=list(model.parameters()))
     data = LongRangeCopy(64, model.config.vocab_size)
     stream = SampleStream(data, 4, sp_rank=rank, sp_size=2)

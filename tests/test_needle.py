@@ -175,7 +175,7 @@ def test_command_one_process(tmp_path, capsys):
     """ds-longctx needle on a --model-config (random init: train.py's model), with a RoPE scaling and a user's
     haystack: the table, the JSON and the heatmap; bad flags exit 2 naming the flag."""
     from ds_longctx.cli import main
-    from ds_longctx.train import default_model_config
+    from ds_longctx.config.shipped import default_model_config
 
     hay = tmp_path / "hay.txt"
     hay.write_text("A quiet lake under the pines. " * 20)

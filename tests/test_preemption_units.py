@@ -97,14 +97,16 @@ def test_tokenizer_content_in_the_data_identity(tmp_path):
     # train.py records it in the data identity of a file (what a resume compares), not of a built-in task
     import argparse
 
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import job as train_job
+    from ds_longctx.train import loop as train_loop
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "w2 w3"}\n')
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "r"))
-    ident = train.data_identity(argparse.Namespace(data=str(data), data_column="text"), tok)
+    ident = train_job.data_identity(argparse.Namespace(data=str(data), data_column="text"), tok)
     assert ident["tokenizer_sha256"] == reversed_ids and ident["column"] == "text", ident
-    assert train.data_identity(argparse.Namespace(data="copy", data_column="text"), tok) == {"task": "copy"}
+    assert train_job.data_identity(argparse.Namespace(data="copy", data_column="text"), tok) == {"task": "copy"}
     flats = [fingerprint({"lr": 1}, {"cli": {"--tokenizer": "tok"}, "tokenizer": sha}) for sha in (a, reversed_ids)]
     err = disagreement(flats, [this_member(0), this_member(1)])
     assert str(err).startswith("tokenizer (the sha256 of its vocabulary, merges and special tokens): differs between "
@@ -138,7 +140,9 @@ def test_messages_that_tell_the_truth(tmp_path):
     an older ds_longctx, without the tokenizer's hash, still resumes)."""
     from test_checkpoint import _saved
 
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import job as train_job
+    from ds_longctx.train import loop as train_loop
     from ds_longctx.job import checkpoint
     from ds_longctx.errors import ConfigError
 
@@ -160,7 +164,7 @@ def test_messages_that_tell_the_truth(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=rf"^--metrics: {str(blocker)!r} is a file, not a directory, so .* cannot "
                        r"be created under it"):
-        train._check_writable_file("--metrics", str(blocker / "sub" / "m.jsonl"))
+        train_args._check_writable_file("--metrics", str(blocker / "sub" / "m.jsonl"))
 
     sd = checkpoint.SaveDir(path=str(tmp_path / "removed"), groups=[[0, 1]])
     facts = [{"free": 0, "missing": True, "bytes": 10, "host": "h"}] * 2
@@ -254,19 +258,21 @@ def test_plot_labels_end_inside_their_panels(tmp_path, monkeypatch):
 def test_model_config_hint_names_a_path_this_install_has(monkeypatch):
     """Item 11: the hub refusal's --model-config example named ds_configs/models/llama3-8b.json, which a wheel does
     not have (its presets lie inside the package)."""
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import job as train_job
+    from ds_longctx.train import loop as train_loop
     from ds_longctx.errors import ConfigError
 
     def fail():
         raise OSError("no such repo")
 
     with pytest.raises(ConfigError) as e:
-        train.hub_load("--model", "no/such-model", fail)
-    example = os.path.join(train.shipped_configs_dir(), "models", "llama3-8b.json")
+        train_job.hub_load("--model", "no/such-model", fail)
+    example = os.path.join(train_job.shipped_configs_dir(), "models", "llama3-8b.json")
     assert f"e.g. {example})" in str(e.value) and os.path.isfile(example), str(e.value)
-    monkeypatch.setattr(train, "shipped_configs_dir", lambda: "/site-packages/ds_longctx/ds_configs")  # a wheel's
+    monkeypatch.setattr(train_job, "shipped_configs_dir", lambda: "/site-packages/ds_longctx/ds_configs")  # a wheel's
     with pytest.raises(ConfigError, match=r"e\.g\. /site-packages/ds_longctx/ds_configs/models/llama3-8b\.json\)"):
-        train.hub_load("--model", "no/such-model", fail)
+        train_job.hub_load("--model", "no/such-model", fail)
 
 
 def test_export_line_says_whether_a_tokenizer_was_written():
@@ -285,7 +291,9 @@ def test_launch_noise_where_we_launch():
     device exists) and torch's two FutureWarnings about DeepSpeed's deprecated calls (train.py filters those two)."""
     import warnings
 
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import job as train_job
+    from ds_longctx.train import loop as train_loop
     from ds_longctx.dist import preemptible
 
     assert preemptible.accelerator_env({}, nodes=[]) == {"DS_ACCELERATOR": "cpu"}
@@ -293,7 +301,7 @@ def test_launch_noise_where_we_launch():
     assert preemptible.accelerator_env({"DS_ACCELERATOR": "cuda"}, nodes=[]) == {}  # the user's choice stays
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        train.quiet_deepspeed_warnings()
+        train_loop.quiet_deepspeed_warnings()
         for name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
             warnings.warn(f"`torch.distributed.{name}` is deprecated. Please use `torch.distributed.x` instead.",
                           FutureWarning)

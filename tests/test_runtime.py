@@ -16,7 +16,7 @@ from ds_longctx.data import LongRangeCopy, TokenFileDataset, shard_batch
 from ds_longctx.dist.launch import master_port
 from launch_utils import ROOT, TINY_CPU
 
-from ds_longctx import train  # noqa: E402
+from ds_longctx.train import args as train_args  # noqa: E402
 
 
 def _py(code, **env):
@@ -88,7 +88,7 @@ def test_master_port(monkeypatch):
 
 
 def _args(*argv):
-    return train.parse_args(["--deepspeed_config", TINY_CPU, *argv])
+    return train_args.parse_args(["--deepspeed_config", TINY_CPU, *argv])
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -107,23 +107,23 @@ def _args(*argv):
 def test_cli_values_are_validated(argv, msg):
     lc = parse(_tiny())
     with pytest.raises(ConfigError, match="^" + msg.replace("(", r"\(")):
-        train.validate_args(_args(*argv), lc)
+        train_args.validate_args(_args(*argv), lc)
 
 
 def test_cli_defaults_and_copy_length(tmp_path):
-    assert train.validate_args(_args(), parse(_tiny())) == 512  # long_context.sequence_length
+    assert train_args.validate_args(_args(), parse(_tiny())) == 512  # long_context.sequence_length
     sp1 = parse(dict(_tiny(), sequence_parallel_size=1))
-    assert train.validate_args(_args("--seq-len", "6"), sp1) == 6
+    assert train_args.validate_args(_args("--seq-len", "6"), sp1) == 6
     with pytest.raises(ConfigError, match="the copy task needs an even length >= 4, got 3"):
-        train.validate_args(_args("--seq-len", "3"), sp1)
+        train_args.validate_args(_args("--seq-len", "3"), sp1)
     data = tmp_path / "d.csv"
     data.write_text("x")
     with pytest.raises(ConfigError, match="unsupported file type"):
-        train.validate_args(_args("--data", str(data), "--tokenizer", "t"), sp1)
+        train_args.validate_args(_args("--data", str(data), "--tokenizer", "t"), sp1)
     data = tmp_path / "d.jsonl"
     data.write_text("{}")
     with pytest.raises(ConfigError, match="--data: a file needs a tokenizer"):
-        train.validate_args(_args("--data", str(data)), sp1)
+        train_args.validate_args(_args("--data", str(data)), sp1)
 
 
 def test_jsonl_lines_are_checked(tmp_path):

@@ -4,9 +4,9 @@ restarted, the learning-rate schedule restarted for the stage (WarmupDecayLR, to
 steps), the memory stack re-planned; without the flag the length change is refused naming it; the same
 --new-stage command line on a checkpoint already in that stage (a requeued job) continues the stage.
 
-One spawn (2 ranks, SP=2, ZeRO-3, tiny-cpu.json's whole memory stack, train.main in process): stage 1 at L=128 (2
+One spawn (2 ranks, SP=2, ZeRO-3, tiny-cpu.json's whole memory stack, train_loop.main in process): stage 1 at L=128 (2
 steps, saved), stage 2 at 2L=256 (1 step, exported, --eval-needle at its end), stage 2 requeued (1 more step),
-the refused resume, then ``--stages 128:2,256:1`` (one train.main through both stages) and its requeue as
+the refused resume, then ``--stages 128:2,256:1`` (one train_loop.main through both stages) and its requeue as
 ``--stages 128:2,256:2 --resume auto`` (stage 1 skipped, stage 2 goes on): their losses and learning rates equal the
 commands' (stage 1, stage 2, stage 2 requeued) bit for bit, the stage records too; stage 2's line before step 1
 names the planner's predicted peak at 2L (initialize.predicted_step, recomputed here; the figure at L differs).
@@ -34,44 +34,47 @@ SCHEDULE = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_
 
 def _stages(rank, world, tmp):
     """Stage 1, stage 2 (--new-stage), the requeued stage 2, the resume at 2L without the flag (refused), then the
-    same two stages as one --stages run; train.main in process. Returns (the refusal, rank 0's stage lines)."""
+    same two stages as one --stages run; train_loop.main in process. Returns (the refusal, rank 0's stage lines)."""
     import logging
 
     from eco_cases import ProcessState  # noqa: F401 (examples/ on sys.path is harmless)
 
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import log as train_log
+    from ds_longctx.train import loop as train_loop
+    from ds_longctx.train import stages as train_stages
     from ds_longctx.errors import ConfigError
 
     lines = []
     handler = logging.Handler()
     handler.emit = lambda r: lines.append(r.getMessage()) if r.getMessage().startswith("stage ") else None
-    train._logger().addHandler(handler)
+    train_log._logger().addHandler(handler)
     state = ProcessState()
     cfg = os.path.join(tmp, "ds.json")
     common = ["--deepspeed_config", cfg, "--no-progress", "--eval-samples", "0"]
-    train.main(common + ["--seq-len", str(L), "--steps", str(STEPS1), "--save", os.path.join(tmp, "A"),
+    train_loop.main(common + ["--seq-len", str(L), "--steps", str(STEPS1), "--save", os.path.join(tmp, "A"),
                          "--metrics", os.path.join(tmp, "m1.jsonl")])
     state.reset()
-    train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A"),
+    train_loop.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A"),
                          "--new-stage", *NEEDLE, "--save", os.path.join(tmp, "B"), "--save-hf", os.path.join(tmp, "hf"),
                          "--metrics", os.path.join(tmp, "m2.jsonl")])
     state.reset()
     # the same command line again on stage 2's checkpoint (a requeued job): the stage goes on, no stage 3
-    train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 2), "--resume", os.path.join(tmp, "B"),
+    train_loop.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 2), "--resume", os.path.join(tmp, "B"),
                          "--new-stage", "--save", os.path.join(tmp, "B"), "--metrics", os.path.join(tmp, "m3.jsonl")])
     state.reset()
     try:
-        train.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A")])
+        train_loop.main(common + ["--seq-len", str(2 * L), "--steps", str(STEPS1 + 1), "--resume", os.path.join(tmp, "A")])
         refused = None
     except ConfigError as e:
         refused = str(e)
     state.reset()
-    # the schedule flag: both stages in one train.main (the engine rebuilt in this process between them)
-    train.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:1", "--save", os.path.join(tmp, "C"),
+    # the schedule flag: both stages in one train_loop.main (the engine rebuilt in this process between them)
+    train_loop.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:1", "--save", os.path.join(tmp, "C"),
                          "--metrics", os.path.join(tmp, "mC.jsonl")])
     state.reset()
     # requeued with one more step in stage 2 and --resume auto: stage 1 skipped, stage 2 goes on (as B's requeue)
-    train.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:2", "--save", os.path.join(tmp, "C"), "--resume", "auto",
+    train_loop.main(common + ["--stages", f"{L}:{STEPS1},{2 * L}:2", "--save", os.path.join(tmp, "C"), "--resume", "auto",
                          "--metrics", os.path.join(tmp, "mC.jsonl")])
     return refused, lines
 
@@ -84,7 +87,7 @@ def _reference(tmp, lr, carry_moments=True, first_sample=0):
 
     from ds_longctx.data import LongRangeCopy
     from ds_longctx.models.loading import load_model_config
-    from ds_longctx.train import default_model_config
+    from ds_longctx.config.shipped import default_model_config
 
     root = os.path.join(tmp, "A", f"step{STEPS1}.universal", "zero")
     cfg = load_model_config(default_model_config())
@@ -121,28 +124,31 @@ def _delta_error(ref_after, got_after, before):
 
 
 def test_stage_flags_are_checked_before_the_launch():
-    from ds_longctx import train
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train import log as train_log
+    from ds_longctx.train import loop as train_loop
+    from ds_longctx.train import stages as train_stages
     from ds_longctx.config import load_ds_config, parse
     from ds_longctx.errors import ConfigError
 
     lc = parse(load_ds_config(TINY_CPU))
-    args = lambda *a: train.parse_args(["--deepspeed_config", TINY_CPU, *a])  # noqa: E731
+    args = lambda *a: train_args.parse_args(["--deepspeed_config", TINY_CPU, *a])  # noqa: E731
     with pytest.raises(ConfigError, match=r"^--new-stage: needs --resume .* Fix: add --resume DIR"):
-        train.validate_args(args("--new-stage"), lc)
+        train_args.validate_args(args("--new-stage"), lc)
     with pytest.raises(ConfigError, match=r"^--stage-data: applies to a new stage only"):
-        train.validate_args(args("--stage-data", "keep"), lc)
+        train_args.validate_args(args("--stage-data", "keep"), lc)
     with pytest.raises(ConfigError, match=r"^--eval-needle: length 1024 is above --seq-len 512 .* evaluate longer "
                        r"documents with ds-longctx needle"):
-        train.validate_args(args("--eval-needle", "256,1K"), lc)
+        train_args.validate_args(args("--eval-needle", "256,1K"), lc)
     with pytest.raises(ConfigError, match=r"^--eval-needle: length 255 is not divisible by sequence_parallel_size=2"):
-        train.validate_args(args("--eval-needle", "255"), lc)
+        train_args.validate_args(args("--eval-needle", "255"), lc)
     with pytest.raises(ConfigError, match=r"^--needle-depths: .* depths are fractions"):
-        train.validate_args(args("--eval-needle", "256", "--needle-depths", "0,2"), lc)
-    train.validate_args(args("--eval-needle", "256", "--eval-every", "5"), lc)  # --eval-every needs something to eval
+        train_args.validate_args(args("--eval-needle", "256", "--needle-depths", "0,2"), lc)
+    train_args.validate_args(args("--eval-needle", "256", "--eval-every", "5"), lc)  # --eval-every needs something to eval
     with pytest.raises(ConfigError, match=r"^--eval-every: needs --eval-data or --eval-needle"):
-        train.validate_args(args("--eval-every", "5"), lc)
+        train_args.validate_args(args("--eval-every", "5"), lc)
     # --stages: parsed and checked where it enters, each stage as its own command line, naming the flag
-    runs = train.stage_runs(args("--stages", "256:3,1K:2", "--save", "/tmp/s", "--save-hf", "/tmp/nonexistent-hf"), lc)
+    runs = train_stages.stage_runs(args("--stages", "256:3,1K:2", "--save", "/tmp/s", "--save-hf", "/tmp/nonexistent-hf"), lc)
     assert [(a.seq_len, a.steps, a.resume, a.new_stage, a.save_hf) for a in runs] == [
         (256, 3, None, False, None), (1024, 5, "/tmp/s", True, "/tmp/nonexistent-hf")]
     for bad, msg in ((("256:3,1K",), r"^--stages: '1K' is not LEN:STEPS"),
@@ -156,17 +162,17 @@ def test_stage_flags_are_checked_before_the_launch():
                      (("256:3,1K:2", "--resume", "/tmp/s"), r"^--resume: '/tmp/s' with --stages: .* use --resume auto"),
                      (("1K:3,256:2", "--eval-needle", "1K"), r"^--eval-needle: in stage 2 of --stages \(256 tokens\)")):
         with pytest.raises(ConfigError, match=msg):
-            train.stage_runs(args("--stages", *bad, "--save", "/tmp/s"), lc)
+            train_stages.stage_runs(args("--stages", *bad, "--save", "/tmp/s"), lc)
     with pytest.raises(ConfigError, match=r"^--stages: needs --save"):
-        train.stage_runs(args("--stages", "256:3,1K:2"), lc)
+        train_stages.stage_runs(args("--stages", "256:3,1K:2"), lc)
     # total_num_steps "auto": the stage's steps; another "auto" scheduler key is refused naming it
     cfg = {"scheduler": SCHEDULE}
-    assert train._stage_schedule(cfg, 7)["scheduler"]["params"]["total_num_steps"] == 7
+    assert train_stages.stage_schedule(cfg, 7)["scheduler"]["params"]["total_num_steps"] == 7
     assert cfg["scheduler"]["params"]["total_num_steps"] == "auto"  # not modified in place
     bad = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
     with pytest.raises(ConfigError, match=r"^scheduler.params.warmup_num_steps: 'auto' is understood for "
                        r"total_num_steps only"):
-        train._stage_schedule(bad, 7)
+        train_stages.stage_schedule(bad, 7)
 
 
 @pytest.mark.distributed
@@ -215,7 +221,8 @@ def test_new_stage_at_2x_length_equals_a_fresh_one_process_run_from_stage1_state
     from ds_longctx.config import parse, resolved_ds_config
     from ds_longctx.initialize import predicted_step
     from ds_longctx.models.loading import load_model_config
-    from ds_longctx.train import default_model_config, predicted_peak_text
+    from ds_longctx.config.shipped import default_model_config
+    from ds_longctx.train.stages import predicted_peak_text
 
     def peak_words(seq):
         cfg = dict(ds, long_context=dict(ds["long_context"], sequence_length=seq))
