@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .job.hostmem import check_host_memory
 from .dist.launch import env_from_slurm, master_port
 from .dist.layout import Layout, zero_stage
+from .dist.verdicts import decided_on_rank0
 from .models.adapters import hf_model_of
 from .models.logits import describe_logit_path
 from .patching.patch import patch_model
@@ -116,23 +117,17 @@ def _resolve_auto(ds_config: dict, model_config, world: int, predicted: Optional
     ConfigError if any, so every rank gets the same values or the same error; ``predicted`` (a list) gets rank 0's
     PlanResult of the chosen configuration (the run's predicted step). Budgets: this device's memory, and
     the host memory per node (``DS_LONGCTX_HOST_MEM`` or this machine's RAM) shared by the ranks on this machine."""
-    box = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            device, (host, source), local = _planner_budgets(world)
-            logger.info(f"ds_longctx auto: budgets: device {fmt_bytes(device)} per rank, host {fmt_bytes(host)} "
-                        f"per node ({source}) over {local} local rank(s): {fmt_bytes(host // local)} per rank")
-            box[0], plan = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=_auto_log,
-                                        gpus_per_node=local, with_plan=True)
-            if predicted is not None:
-                predicted.append(plan)
-        except ConfigError as e:
-            box[0] = e
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return box[0]
+    def decide():
+        device, (host, source), local = _planner_budgets(world)
+        logger.info(f"ds_longctx auto: budgets: device {fmt_bytes(device)} per rank, host {fmt_bytes(host)} "
+                    f"per node ({source}) over {local} local rank(s): {fmt_bytes(host // local)} per rank")
+        values, plan = resolve_auto(ds_config, model_config, world, device, host_mem=host, log=_auto_log,
+                                    gpus_per_node=local, with_plan=True)
+        if predicted is not None:
+            predicted.append(plan)
+        return values
+
+    return decided_on_rank0(decide)
 
 
 def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,

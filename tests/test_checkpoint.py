@@ -212,11 +212,11 @@ def test_export_refuses_names_the_model_class_does_not_know(tmp_path):
     from tiny_models import build
 
     sd = build(cfg).state_dict()
-    checkpoint._write_hf(str(tmp_path / "ok"), sd, cfg)
+    checkpoint.write_hf(str(tmp_path / "ok"), sd, cfg)
     assert (tmp_path / "ok" / "model.safetensors").exists() and (tmp_path / "ok" / "config.json").exists()
     renamed = {k.replace("mlp.", "tiled_mlp."): v for k, v in sd.items()}
     with pytest.raises(ConfigError, match=r"^export: the weights lack .*mlp"):
-        checkpoint._write_hf(str(tmp_path / "bad"), renamed, cfg)
+        checkpoint.write_hf(str(tmp_path / "bad"), renamed, cfg)
     with pytest.raises(ConfigError, match=r"^export: the weights have names LlamaForCausalLM does not know: "
                        r"\['extra'\]"):
-        checkpoint._write_hf(str(tmp_path / "bad"), dict(sd, extra=torch.zeros(1)), cfg)
+        checkpoint.write_hf(str(tmp_path / "bad"), dict(sd, extra=torch.zeros(1)), cfg)

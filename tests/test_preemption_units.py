@@ -201,7 +201,7 @@ def test_a_newcomers_hour(tmp_path, capfd):
 
     from transformers import LlamaConfig
 
-    from ds_longctx.job.checkpoint import _write_hf
+    from ds_longctx.job.checkpoint import write_hf
 
     cfg = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1)
@@ -209,7 +209,7 @@ def test_a_newcomers_hour(tmp_path, capfd):
 
     sd = AutoModelForCausalLM.from_config(cfg).state_dict()
     capfd.readouterr()
-    _write_hf(str(tmp_path / "hf"), sd, cfg, dtype=torch.bfloat16)
+    write_hf(str(tmp_path / "hf"), sd, cfg, dtype=torch.bfloat16)
     assert "torch_dtype" not in capfd.readouterr().err  # transformers logs "`torch_dtype` is deprecated!" once
     saved = json.load(open(tmp_path / "hf" / "config.json"))
     assert saved.get("dtype", saved.get("torch_dtype")) == "bfloat16", saved

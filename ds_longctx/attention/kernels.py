@@ -31,6 +31,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from ..config import KERNEL_NAMES
+from ..dist.verdicts import world_sum
 from ..measure.flops import attention_flops, register_attention
 
 aten = torch.ops.aten
@@ -751,15 +752,6 @@ def _cuda_timer(fn, reps: int = 2) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _world_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of ``t`` over every rank of the job (one collective), or ``t`` without a process group."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
-
-
 class MeasuredChoice(Backend):
     """'auto' where several backends are available: at the first call of a signature (dtype, causal,
     head_dim, query and kv heads; not the length) each candidate's forward + backward is timed once on the
@@ -794,7 +786,7 @@ class MeasuredChoice(Backend):
         self.device_type = self.candidates[0].device_type
         self.name = "auto"
         self.timer = timer or _cuda_timer
-        self.agree = agree or _world_sum
+        self.agree = agree or world_sum
         self.choices = {}  # signature -> {"kernel": name, "seconds": {name: s or None}}
         self._chosen = {}  # signature -> Backend
 

@@ -31,6 +31,7 @@ from . import watchdog
 from ..config import load_ds_config
 from ..errors import ConfigError
 from ..dist.runtime import proc_start_time
+from ..dist.verdicts import all_gather_blobs, all_gather_rows, ranks_text
 
 ROW_BYTES = 128  # digest 32, pid 8, start time 8, host name up to 80 (utf-8, zero padded)
 _HOST_BYTES = ROW_BYTES - 48
@@ -109,45 +110,6 @@ def config_digest(ds_config: dict) -> bytes:
 
 
 # ------------------------------------------------------------------ the collective --------------------------------
-def _device(group=None):
-    """Where this group's collectives take their tensors: the device it is bound to, else the accelerator's for
-    NCCL-like backends (this rank's LOCAL_RANK), else the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    pg = dist.distributed_c10d._get_default_group() if group is None else group
-    bound = getattr(pg, "bound_device_id", None)
-    if bound is not None:
-        return bound
-    if dist.get_backend(group) in ("gloo", "mpi"):
-        return torch.device("cpu")
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
-
-
-def _all_gather_rows(row: bytes, group=None) -> List[bytes]:
-    """One all-gather of equal-length byte rows."""
-    import torch
-    import torch.distributed as dist
-
-    dev = _device(group)
-    t = torch.frombuffer(bytearray(row), dtype=torch.uint8).to(dev)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t, group=group)
-    return [bytes(o.cpu().numpy().tobytes()) for o in out]
-
-
-def _all_gather_blobs(blob: bytes, group=None) -> List[bytes]:
-    """All-gather byte strings of any length (the lengths first, then, unless all are empty, rows padded to the
-    longest)."""
-    sizes = [struct.unpack("<q", r)[0] for r in _all_gather_rows(struct.pack("<q", len(blob)), group)]
-    if not max(sizes):
-        return [b""] * len(sizes)
-    rows = _all_gather_rows(blob.ljust(max(sizes), b"\0"), group)
-    return [r[:n] for r, n in zip(rows, sizes)]
-
-
 def _row(digest: bytes, me: Member) -> bytes:
     host = me.host.encode(errors="replace")[:_HOST_BYTES]
     return digest + struct.pack("<qq", me.pid, me.start) + host.ljust(_HOST_BYTES, b"\0")
@@ -159,23 +121,6 @@ def _member(rank: int, row: bytes) -> Member:
 
 
 # ------------------------------------------------------------------ the error -------------------------------------
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> "ranks 0-2, 5"."""
-    runs, start, prev = [], None, None
-    for r in sorted(ranks):
-        if start is None:
-            start = prev = r
-        elif r == prev + 1:
-            prev = r
-        else:
-            runs.append((start, prev))
-            start = prev = r
-    if start is not None:
-        runs.append((start, prev))
-    body = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return ("rank " if len(ranks) == 1 else "ranks ") + body
-
-
 def _hosts_text(ranks: Sequence[int], roster: Sequence[Member]) -> str:
     hosts = list(dict.fromkeys(roster[r].host for r in sorted(ranks)))
     shown = ", ".join(hosts[:4]) + (f" and {len(hosts) - 4} more" if len(hosts) > 4 else "")
@@ -239,7 +184,7 @@ def disagreement(flats: Sequence[Dict[str, str]], roster: Sequence[Member]) -> C
         held = []
         for value, ranks in groups.items():
             shown = flats[ranks[0]].get(shown_key, value) if shown_key else value
-            held.append(f"{_shown(shown)} on {_ranks_text(ranks)} ({_hosts_text(ranks, roster)})")
+            held.append(f"{_shown(shown)} on {ranks_text(ranks)} ({_hosts_text(ranks, roster)})")
         parts.append(("" if not parts else f"{_display_key(k)}: ") + "; ".join(held))
     more = len(differing) - SHOWN_KEYS
     problem = ("differs between the ranks of this job: " + parts[0]
@@ -270,9 +215,9 @@ def check_agreement(ds_config: dict, values: Optional[dict] = None, group=None, 
         roster = [this_member(0)]
     else:
         me = this_member(dist.get_rank())
-        roster = [_member(r, row) for r, row in enumerate(_all_gather_rows(_row(digest, me), group))]
+        roster = [_member(r, row) for r, row in enumerate(all_gather_rows(_row(digest, me), group))]
         if len({m.digest for m in roster}) > 1:
-            blobs = _all_gather_blobs(json.dumps(flat).encode(), group)
+            blobs = all_gather_blobs(json.dumps(flat).encode(), group)
             raise disagreement([json.loads(b) for b in blobs], roster)
     _STATE.update(config_digest=config_digest(ds_config), roster=roster)
     if start_watchdog and len(roster) > 1:

@@ -18,7 +18,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from .agreement import _all_gather_blobs, roster
+from ..dist.verdicts import all_gather_blobs
+from .agreement import roster
 from ..errors import ConfigError
 from ..planner import host as host_plan
 from ..planner import model_states as ms
@@ -146,7 +147,7 @@ def check_host_memory(ds_config: dict, spec, model, world: int, budget: Tuple[in
     err = _problem(need)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         mine = b"" if err is None else json.dumps([err.key, err.problem, err.fix]).encode()
-        found = [(r, json.loads(b)) for r, b in enumerate(_all_gather_blobs(mine)) if b]
+        found = [(r, json.loads(b)) for r, b in enumerate(all_gather_blobs(mine)) if b]
         if found:
             r, (key, problem, fix) = found[0]
             members = roster()

@@ -17,6 +17,7 @@ from ..config import load_ds_config, parse
 from ..data import shard_batch
 from ..dist import comm
 from ..dist.runtime import graceful_stop, stop_requested, stop_saved
+from ..dist.verdicts import any_rank
 from ..errors import ConfigError
 from ..eval import needle
 from ..eval.evaluate import eval_loader, evaluate
@@ -50,14 +51,6 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     if group is not None:
         dist.all_reduce(t, group=group)
     return float(t[0] / max(t[1], 1))
-
-
-def _agree(flags):
-    """Every rank's flags combined (MAX): one small all-reduce, so that every rank takes the same branch."""
-    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
 
 
 def train_step(job: Job) -> float:
@@ -132,7 +125,7 @@ def train(job: Job):
             if job.saves:
                 due = args.save_interval and time.monotonic() - last_save >= args.save_interval
                 # every rank takes the same branch (the metrics file is rank 0's)
-                stopping, due, metrics_failed = _agree([stop_requested(), due, job.steplog.failed])
+                stopping, due, metrics_failed = any_rank([stop_requested(), due, job.steplog.failed])
                 if stopping or metrics_failed or step == args.steps or due or \
                         (args.save_every and step % args.save_every == 0):
                     save(job, step, "preemption signal" if stopping else "the metrics file failed" if metrics_failed
