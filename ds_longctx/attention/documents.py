@@ -25,7 +25,7 @@ import torch
 
 from ..data.batch import BATCH_KEY
 from ..errors import BatchError
-from .kernels import Backend, Windowed, _call_by_name, flash_pattern_kwargs, torch_flash_window_kwargs
+from .kernels import Backend, Windowed, call_by_name, flash_pattern_kwargs, torch_flash_window_kwargs
 
 DOCS_KWARG = "ds_longctx_documents"  # keyword carrying a Documents through HF's forward kwargs
 
@@ -302,7 +302,7 @@ def _fa2_varlen_forward(q, k, v, docs, causal, scale, window=0, softcap=0.0):
     cu, mx = docs.varlen_args(q.device)
     qf, kf, vf = (t.reshape(b * S, t.shape[2], d) for t in (q, k, v))
     fn = fa._flash_attn_varlen_forward
-    res = _call_by_name(fn, q=qf, k=kf, v=vf, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
+    res = call_by_name(fn, q=qf, k=kf, v=vf, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx,
                         softmax_scale=scale, causal=causal,
                         **flash_pattern_kwargs(fn, window, softcap, "flash_attention_2 varlen"))
     lse = next((t for t in res[1:] if isinstance(t, torch.Tensor) and t.dtype == torch.float32
@@ -322,7 +322,7 @@ def _fa2_varlen_backward(dout, q, k, v, out, lse, docs, causal, scale, window=0,
     qf, kf, vf, of, dof = flat(q), flat(k), flat(v), flat(out), flat(dout.contiguous())
     dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
     fn = fa._flash_attn_varlen_backward
-    _call_by_name(fn, dout=dof, q=qf, k=kf, v=vf, out=of,
+    call_by_name(fn, dout=dof, q=qf, k=kf, v=vf, out=of,
                   softmax_lse=lse.transpose(0, 1).reshape(h, b * S).contiguous(), dq=dq, dk=dk, dv=dv,
                   cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, softmax_scale=scale,
                   causal=causal, **flash_pattern_kwargs(fn, window, softcap, "flash_attention_2 varlen"))
