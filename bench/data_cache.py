@@ -193,7 +193,8 @@ def child(args):
 def _child_run(args, tok, out, t0):
     import numpy as np
 
-    from ds_longctx.data.corpus import data_identity, open_corpus
+    from ds_longctx.data.corpus import open_corpus
+    from ds_longctx.data.token_cache import data_identity
 
     if args.child == "former":
         ids, n = former_token_file_dataset(args.data, tok, args.seq_len)

@@ -153,7 +153,7 @@ def main(argv=None):
                    "--rope-scaling", a.scaling, "--save", o("ck2"), "--metrics", o("m2.jsonl")]
 
     def needle_cmd(ck, name, extra=()):
-        return [sys.executable, "-m", "ds_longctx.eval.needle", "--checkpoint", o(ck), "--tokenizer", o("tokenizer"),
+        return [sys.executable, "-m", "ds_longctx.eval.needle_cli", "--checkpoint", o(ck), "--tokenizer", o("tokenizer"),
                 "--haystack", o("haystack.txt"), "--lengths", f"{SHORT},{LONG}", "--depths", "0,0.25,0.5,0.75,1",
                 "--samples", str(a.samples), "--json", o(f"{name}.json"), "--heatmap", o(f"{name}.png"), *extra]
 

@@ -20,13 +20,10 @@ import os
 import sys
 
 from ._version import __version__
-from .job.checkpoint import convert_to_universal, export_checkpoint, find_resume_tag
-from .errors import ConfigError
-from .models.loading import load_model_config
-from .eval.needle import cli as needle_cli
-from .planner.cli import main as plan_main
-from .dist.preemptible import main as launch_main
 from .config.shipped import shipped_configs_dir
+from .errors import ConfigError, command_line
+
+# each verb imports what it runs when it runs (``ds-longctx configs`` or ``launch`` load no torch)
 
 _COMMANDS = ("plan", "export", "convert", "configs", "launch", "needle")
 
@@ -43,6 +40,8 @@ def _export(argv) -> int:
     p.add_argument("--model-config", help="the run's HF config.json, for a checkpoint that holds none")
     p.add_argument("--tokenizer", help="a tokenizer to save with the model (default: the one saved in the tag)")
     a = p.parse_args(argv)
+    from .job.checkpoint import export_checkpoint
+    from .models.loading import load_model_config
 
     if os.path.isdir(a.out) and os.listdir(a.out):
         raise ConfigError("OUT", f"{a.out!r} is not empty", "give a new or empty directory")
@@ -66,6 +65,7 @@ def _convert(argv) -> int:
     p.add_argument("--tag", help="the tag (default: 'latest' when complete, else the newest complete)")
     p.add_argument("--workers", type=int, default=4, help="processes extracting and merging (default 4)")
     a = p.parse_args(argv)
+    from .job.checkpoint import convert_to_universal, find_resume_tag
 
     if a.workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {a.workers}", "give a number of processes")
@@ -103,16 +103,18 @@ def main(argv=None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
+        from .planner.cli import main as plan_main
+
         return plan_main(argv, shipped_dir=shipped_configs_dir())  # shipped names, as train.py takes them
     if cmd == "launch":
+        from .dist.preemptible import main as launch_main
+
         return launch_main(rest)
     if cmd == "needle":  # under a launcher: deepspeed --no_local_rank ... --module ds_longctx.cli needle ...
+        from .eval.needle_cli import cli as needle_cli
+
         return needle_cli(rest)
-    try:
-        return {"export": _export, "convert": _convert, "configs": _configs}[cmd](rest)
-    except ConfigError as e:
-        print(f"ds-longctx {cmd}: {e}", file=sys.stderr)
-        return 2
+    return command_line(f"ds-longctx {cmd}", {"export": _export, "convert": _convert, "configs": _configs}[cmd], rest)
 
 
 if __name__ == "__main__":

@@ -56,3 +56,15 @@ def error_class(name: str) -> type:
 
 
 __all__ = ["LongContextError", "ConfigError", "BatchError", "error_class", "naming"]
+
+
+def command_line(prog: str, main, argv=None) -> int:
+    """Run a command's ``main(argv)``: a ConfigError is one line on stderr (``prog: key: problem. Fix: ...``) and
+    exit code 2, as every ds-longctx command and ``python -m`` entry reports a bad input."""
+    import sys
+
+    try:
+        return main(argv)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2

@@ -68,7 +68,7 @@ def _cases(rank, world, tmp):
 
     import ds_longctx
     from ds_longctx.job.agreement import check_agreement
-    from ds_longctx.data.corpus import data_identity
+    from ds_longctx.data.token_cache import data_identity
     from ds_longctx.errors import ConfigError
     from ds_longctx.job.hostmem import host_need
     from ds_longctx.memory import get_memory_handle

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from ds_longctx.data import corpus
-from ds_longctx.data.corpus import check_data_path, data_identity, open_corpus, token_cache
+from ds_longctx.data import sources
+from ds_longctx.data import token_cache as cache_mod
+from ds_longctx.data.corpus import open_corpus
+from ds_longctx.data.sources import check_data_path
+from ds_longctx.data.token_cache import data_identity, token_cache
 from ds_longctx.errors import ConfigError
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,\n"
@@ -112,9 +115,9 @@ def write_jsonl(path, texts, key="text"):
 
 @pytest.fixture(autouse=True)
 def _fresh_identities():
-    corpus._IDENTITIES.clear()  # each test starts as a new process would
+    cache_mod._IDENTITIES.clear()  # each test starts as a new process would
     yield
-    corpus._IDENTITIES.clear()
+    cache_mod._IDENTITIES.clear()
 
 
 def test_same_samples_as_the_whole_file_path(tmp_path):
@@ -157,10 +160,10 @@ def test_cut_documents_keep_whole_text_tokenization(tmp_path, kind):
     got = np.fromfile(os.path.join(cache, "tokens.bin"), dtype=meta["dtype"]).tolist()
     assert meta["cuts"]["space"] >= 20 and meta["cuts"]["hard"] == meta["cuts"]["unverified"] == 0, meta["cuts"]
     assert got == whole
-    pieces = [p for _, p, _ in corpus._pieces(iter([TEXT]), 800, {"space": 0, "newline": 0, "hard": 0})]
+    pieces = [p for _, p, _ in sources.cut_pieces(iter([TEXT]), 800, {"space": 0, "newline": 0, "hard": 0})]
     naive = sum((tok(p, add_special_tokens=False)["input_ids"] for p in pieces), []) + [tok.eos_token_id]
     assert (naive == whole) == (kind == "bytelevel")
-    assert corpus._encoder(tok).__name__ == "fast"  # the backend's encode_batch_fast, same ids as tok(...)
+    assert cache_mod._encoder(tok).__name__ == "fast"  # the backend's encode_batch_fast, same ids as tok(...)
     # DeepSpeed's index over the same cache: one document, one item per piece
     from deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset import MMapIndexedDataset
 
@@ -177,7 +180,7 @@ def test_second_start_reads_the_cache_and_changed_data_rebuilds(tmp_path, monkey
     assert ident["size"] == os.path.getsize(jsonl) and ident["path"] == os.path.abspath(jsonl)
     assert ident["sha256"] == first.meta["data"]["sha256"] and ident["kind"] == "jsonl"
     assert first.cache.startswith(str(tmp_path / ".ds_longctx_cache"))
-    corpus._IDENTITIES.clear()  # a new start: nothing in memory
+    cache_mod._IDENTITIES.clear()  # a new start: nothing in memory
 
     def no_tokenizing(tokenizer):
         raise AssertionError("tokenized again")
@@ -186,8 +189,8 @@ def test_second_start_reads_the_cache_and_changed_data_rebuilds(tmp_path, monkey
         raise AssertionError("hashed again")
 
     with monkeypatch.context() as m:
-        m.setattr(corpus, "_encoder", no_tokenizing)  # every tokenization goes through it
-        m.setattr(corpus, "_content_hash", no_hashing)
+        m.setattr(cache_mod, "_encoder", no_tokenizing)  # every tokenization goes through it
+        m.setattr(cache_mod, "_content_hash", no_hashing)
         second = open_corpus(jsonl, tok, 16)
         assert data_identity(jsonl) == ident
     assert second.cache == first.cache
@@ -212,7 +215,7 @@ def test_pieces_cover_the_text_at_safe_cuts():
     random_blocks = [text[a:b] for a, b in zip([0] + cuts_at, cuts_at + [len(text)])]
     for blocks in ([text], random_blocks):
         cuts = {"space": 0, "newline": 0, "hard": 0}
-        items = list(corpus._pieces(iter(blocks), 1000, cuts))
+        items = list(sources.cut_pieces(iter(blocks), 1000, cuts))
         assert "".join(p for _, p, _ in items) == text and [last for *_, last in items][-1]
         assert all(0 < len(p) <= 1000 for _, p, _ in items)
         assert cuts["space"] > 10 and cuts["newline"] >= 1 and cuts["hard"] >= 2, cuts
@@ -255,7 +258,7 @@ def test_concurrent_starts_build_once_and_a_crashed_build_leaves_no_cache(tmp_pa
         def encode(texts):
             os._exit(7)  # the builder dies half-way: its lock goes with it
 
-        corpus._encoder = lambda tokenizer: encode
+        cache_mod._encoder = lambda tokenizer: encode
         token_cache(str(txt), tok, chunk_chars=1000)
 
     code, _ = _join(*_fork(crashing_build))
@@ -350,10 +353,10 @@ def test_bad_inputs_are_one_clear_error(tmp_path, monkeypatch):
     (tmp_path / "bad.txt").write_bytes(raw)
     with pytest.raises(ConfigError, match=r"--data .*bad.txt line 4: is not UTF-8 \(byte 0xff at column 3: "
                                           r"invalid start byte\)"):
-        list(corpus._txt_blocks(str(tmp_path / "bad.txt"), "--data", block_bytes=999))
+        list(sources._txt_blocks(str(tmp_path / "bad.txt"), "--data", block_bytes=999))
     good = ("é" * 700 + "\n") * 3
     (tmp_path / "good.txt").write_text(good)
-    assert "".join(corpus._txt_blocks(str(tmp_path / "good.txt"), "--data", block_bytes=999)) == good
+    assert "".join(sources._txt_blocks(str(tmp_path / "good.txt"), "--data", block_bytes=999)) == good
     with monkeypatch.context() as m:  # a file system without POSIX locks (Lustre without -o flock, old NFS)
         import errno
         import fcntl

@@ -86,7 +86,7 @@ def test_tokenizer_content_in_the_data_identity(tmp_path):
     from transformers import AutoTokenizer
 
     from ds_longctx.job.agreement import disagreement, fingerprint, this_member
-    from ds_longctx.data.corpus import tokenizer_content_sha256
+    from ds_longctx.data.token_cache import tokenizer_content_sha256
 
     a = tokenizer_content_sha256(AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "a")))
     moved = tokenizer_content_sha256(AutoTokenizer.from_pretrained(_word_tokenizer(tmp_path / "other" / "a")))

@@ -1,6 +1,6 @@
 """Sliding windows, attention soft-capping and flex_attention exact under SP (issue 19 items 1-3).
 
-Unit: the banded kernel (attention/kernels.py) against a dense masked fp64 reference (out, lse, dq, dk, dv)
+Unit: the banded kernel (attention/kernels/banded.py) against a dense masked fp64 reference (out, lse, dq, dk, dv)
 over windows inside one query tile, across tiles and covering everything, GQA/MQA, soft-capping; its FLOP
 count against a brute-force count; the kernel choice (a named kernel without the capability is refused
 naming the layer; 'auto' takes the banded kernel).
@@ -35,12 +35,11 @@ KERNEL_CASES = [(1, 40, 4, 2, 5, None), (2, 300, 4, 1, 130, None), (1, 300, 2, 2
 @pytest.mark.parametrize("b,s,h,hk,window,softcap", KERNEL_CASES)
 def test_banded_kernel_equals_dense_masked_reference(b, s, h, hk, window, softcap, tile_elements, monkeypatch):
     """700: tiles of a few query rows (what a wide band gets at long context), odd tile edges."""
-    from ds_longctx.attention import kernels
-    from ds_longctx.attention.kernels import (banded_attention_backward, banded_attention_forward,
+    from ds_longctx.attention.kernels import (banded, banded_attention_backward, banded_attention_forward,
                                               reference_attention)
 
     if tile_elements is not None:
-        monkeypatch.setattr(kernels, "BANDED_TILE_ELEMENTS", tile_elements)
+        monkeypatch.setattr(banded, "BANDED_TILE_ELEMENTS", tile_elements)
 
     g = torch.Generator().manual_seed(s + h)
     q = torch.randn(b, s, h, 8, dtype=torch.float64, generator=g, requires_grad=True)

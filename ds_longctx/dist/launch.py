@@ -13,7 +13,7 @@ import sys
 from typing import Dict, Optional
 
 from ..config import load_ds_config, parse
-from ..errors import ConfigError
+from ..errors import ConfigError, command_line
 from .layout import Layout
 
 
@@ -140,19 +140,19 @@ def main(argv=None) -> int:
     lay.add_argument("--deepspeed_config", required=True)
     lay.add_argument("--world", type=int, required=True)
     args = p.parse_args(argv)
-    try:
-        sp = parse(load_ds_config(args.deepspeed_config)).sequence_parallel_size
-        if args.cmd == "check-hostfile":
-            hosts = check_hostfile(args.hostfile, sp)
-            print(layout_line(sum(hosts.values()), sp))
-        else:
-            if args.world % sp:
-                raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world size {args.world}",
-                                  f"launch a multiple of {sp} processes")
-            print(layout_line(args.world, sp))
-    except ConfigError as e:
-        print(f"ds_longctx: error: {e}", file=sys.stderr)
-        return 2
+    return command_line("ds_longctx: error", lambda _: _run(args), None)
+
+
+def _run(args) -> int:
+    sp = parse(load_ds_config(args.deepspeed_config)).sequence_parallel_size
+    if args.cmd == "check-hostfile":
+        hosts = check_hostfile(args.hostfile, sp)
+        print(layout_line(sum(hosts.values()), sp))
+    else:
+        if args.world % sp:
+            raise ConfigError("sequence_parallel_size", f"{sp} does not divide the world size {args.world}",
+                              f"launch a multiple of {sp} processes")
+        print(layout_line(args.world, sp))
     return 0
 
 

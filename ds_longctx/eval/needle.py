@@ -22,11 +22,9 @@ the tests and the CPU demo, which have no tokenizer of their own).
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
-import os
 import random
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
@@ -34,17 +32,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..job.checkpoint import HF_CONFIG_DIR, check_tag, find_resume_tag
 from ..dist.comm import control_device, sp_group, sp_rank
-from ..config import load_ds_config
 from ..errors import ConfigError
-from ..initialize import init_distributed, initialize, model_init
-from ..models import text_config
-from ..models.loading import load_model_config
 from ..patching.patch import get_patch
-from ..config.rope_scaling import apply_rope
-from ..config.shipped import resolve_config_path
-from ..models.weights import deterministic_init
 
 FACT = "The secret passkey is {key}. Remember it. {key} is the secret passkey."
 QUESTION = "What is the secret passkey? The secret passkey is"
@@ -375,188 +365,9 @@ def case_dicts(cases: Sequence[NeedleCase]) -> List[Dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the command: ds-longctx needle (ds_longctx/cli.py), or python -m ds_longctx.eval.needle under a launcher
+# the command: ds-longctx needle (ds_longctx/cli.py), or python -m ds_longctx.eval.needle_cli under a launcher
 # ---------------------------------------------------------------------------------------------
-
-USAGE = """ds-longctx needle: passkey retrieval by document length x depth, under SP when the ds_config says so.
-
-    ds-longctx needle --model OUT_DIR --lengths 1K,4K --depths 0,0.25,0.5,0.75,1 --json n.json --heatmap n.png
-    deepspeed --num_gpus 2 --module ds_longctx.eval.needle --deepspeed_config CFG --model-config CONFIG.json \\
-        --checkpoint SAVE_DIR --lengths 32K,128K --heatmap n.png
-    (or: deepspeed --no_local_rank --num_gpus 2 --module ds_longctx.cli needle ...)
-"""
-
-
-def parse_args(argv=None):
-    import argparse
-
-    p = argparse.ArgumentParser(prog="ds-longctx needle", description=USAGE,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
-                   help="a ds_config (path or shipped name): its sequence_parallel_size, ZeRO stage and long_context "
-                   "memory stack run the forward (default: one process, the plain HF model)")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="set by the deepspeed launcher")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a HF model directory or id (e.g. --save-hf's or ds-longctx export's output)")
-    src.add_argument("--model-config", help="a HF config.json: the model train.py builds from it (random init by "
-                     "--seed, then --checkpoint's weights)")
-    p.add_argument("--checkpoint", help="a train.py --save directory: its newest complete tag's weights, gathered by "
-                   "DeepSpeed's zero_to_fp32 on every rank (any layout; the full fp32 model in each rank's host "
-                   "memory), its model config unless --model-config")
-    p.add_argument("--tag", help="--checkpoint's tag (default: its newest complete one)")
-    p.add_argument("--tokenizer", help="tokenizer (default: --model's; none: UTF-8 bytes modulo the vocabulary)")
-    p.add_argument("--lengths", default="1K,4K", help="document lengths in tokens (default 1K,4K)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="where the fact sits, as fractions of the "
-                   "document (default 0,0.25,0.5,0.75,1)")
-    p.add_argument("--samples", type=int, default=1, help="documents (passkeys) per length and depth (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the haystacks and passkeys (and of --model-config's "
-                   "random init)")
-    p.add_argument("--haystack", help="a UTF-8 text file to draw the filler from (default: built-in sentences)")
-    p.add_argument("--rope-theta", type=float, help="evaluate with this RoPE base (ds_longctx.config.rope_scaling)")
-    p.add_argument("--rope-scaling", help="evaluate with this RoPE scaling, TYPE:FACTOR[,key=value...] "
-                   "(ds_longctx.config.rope_scaling)")
-    p.add_argument("--json", help="write the report (cells and every case) as JSON here")
-    p.add_argument("--heatmap", help="write the accuracy heatmap PNG here (needs matplotlib)")
-    a = p.parse_args(argv)
-    if a.samples < 1:
-        raise ConfigError("--samples", f"must be >= 1, got {a.samples}", "give a number of documents per cell")
-    if not (a.model or a.model_config or a.checkpoint):
-        raise ConfigError("--model", "no model given", "pass --model DIR, --model-config CONFIG.json or --checkpoint "
-                          "SAVE_DIR")
-    if a.haystack and not os.path.isfile(a.haystack):
-        raise ConfigError("--haystack", f"{a.haystack!r} is not a file", "give a UTF-8 text file")
-    return a
-
-
-def _checkpoint_weights(a):
-    """(the tag's fp32 state dict, its HF config directory) of --checkpoint."""
-    import io
-
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-
-    if a.tag:
-        problem = check_tag(a.checkpoint, a.tag)[1]
-        if problem:
-            raise ConfigError("--tag", problem, "give a complete tag of --checkpoint (default: its newest)")
-        tag = a.tag
-    else:
-        tag = find_resume_tag(a.checkpoint, name="--checkpoint")[0]
-    with contextlib.redirect_stdout(io.StringIO()):
-        sd = get_fp32_state_dict_from_zero_checkpoint(a.checkpoint, tag=tag)
-    return dict(sd), os.path.join(a.checkpoint, tag, HF_CONFIG_DIR)
-
-
-def _side_dir(a) -> str:
-
-    return os.path.join(a.checkpoint, a.tag or find_resume_tag(a.checkpoint, name="--checkpoint")[0], HF_CONFIG_DIR)
-
-
-def _build(a, ds_config):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-
-    torch.manual_seed(a.seed)
-    sd = side = None
-    if a.checkpoint:
-        sd, side = _checkpoint_weights(a)
-    if a.model:
-        cfg = AutoConfig.from_pretrained(a.model)
-    elif a.model_config:
-        cfg = load_model_config(a.model_config)
-    elif os.path.isfile(os.path.join(side, "config.json")):
-        cfg = AutoConfig.from_pretrained(side)
-    else:
-        raise ConfigError("--model-config", f"{side!r} holds no HF config (saved before ds_longctx kept one)",
-                          "pass --model-config (the config.json the run trained)")
-    apply_rope(cfg, rope_theta=a.rope_theta, rope_scaling=a.rope_scaling)
-    ctx = contextlib.nullcontext()
-    if sd is not None:  # the full model, its weights loaded, then partitioned by initialize
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=getattr(cfg, "_attn_implementation", None)
-                                                 or "sdpa")
-        missing, unexpected = model.load_state_dict(sd, strict=False)
-        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-        missing = [k for k in missing if k not in tied]
-        if missing or unexpected:
-            raise ConfigError("--checkpoint", f"its weights do not fit the model (missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]})", "pass the --model-config (or --model) the run trained")
-        return model
-    if ds_config is not None:
-
-        ctx = model_init(ds_config)
-    with ctx:
-        if a.model:
-            return AutoModelForCausalLM.from_pretrained(a.model, config=cfg, attn_implementation="sdpa")
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=cfg._attn_implementation)
-
-    deterministic_init(model, a.seed)  # train.py's init: the same weights for every layout
-    return model
-
-
-def main(argv=None) -> int:
-
-    a = parse_args(argv)
-    ds_config = engine = None
-    if a.deepspeed_config:
-
-        ds_config = load_ds_config(resolve_config_path(a.deepspeed_config))
-        ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}  # no training
-        lc = dict(ds_config.get("long_context") or {})
-        lc["sequence_length"] = max(parse_lengths(a.lengths))  # what "auto" keys are planned for
-        ds_config["long_context"] = lc
-        init_distributed()
-    lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
-    model = _build(a, ds_config)
-    if ds_config is not None:
-
-        engine, *_ = initialize(model=model, config=ds_config)
-    target = engine if engine is not None else model
-    if a.tokenizer or a.model:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer or a.model)
-    elif a.checkpoint and os.path.isfile(os.path.join(_side_dir(a), "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(_side_dir(a))
-    else:
-        tokenizer = ByteTokenizer(text_config(model.config).vocab_size)
-    haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
-    _, sp, _, _, _ = placement(target)
-    cases = build_cases(tokenizer, lengths, depths, seed=a.seed, samples=a.samples, haystack=haystack, sp=sp)
-    results = score_cases(target, cases)
-    report = summarize(cases, results, tokenizer)
-    mpe = getattr(text_config(model.config), "max_position_embeddings", None)
-    report["max_position_embeddings"] = mpe
-    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    if rank0:
-        print(table(report))
-        beyond = [L for L in lengths if isinstance(mpe, int) and L > mpe]
-        if beyond:
-            print(f"note: lengths {beyond} are beyond the model's max_position_embeddings {mpe}")
-        if a.json:
-            write_json(report, a.json)
-        if a.heatmap:
-            heatmap(report, a.heatmap)
-    return 0
-
-
-def cli(argv=None) -> int:
-    """``main`` with a ConfigError as one line and exit code 2 (as the other ds-longctx commands)."""
-    import sys
-
-    try:
-        return main(argv)
-    except ConfigError as e:
-        print(f"ds-longctx needle: {e}", file=sys.stderr)
-        return 2
 
 
 __all__ = ["ByteTokenizer", "NeedleCase", "build_cases", "score_cases", "summarize", "table", "heatmap",
-           "write_json", "parse_lengths", "parse_depths", "placement", "main", "cli"]
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(cli())
+           "write_json", "parse_lengths", "parse_depths", "placement"]

@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from ..config import ConfigError, load_ds_config
+from ..errors import command_line
 from .core import DEFAULT_RESERVE, RESERVE_WHAT, PlanResult, Planner, load_model_config
 from .host import describe, machine_ram_bytes
 from .search import ladder
@@ -456,13 +457,7 @@ def main(argv=None, shipped_dir: Optional[str] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     a = _parser().parse_args(argv)
     a.shipped_dir = shipped_dir
-    try:
-        if a.cmd == "plan":
-            return run_plan(a)
-    except ConfigError as e:
-        print(f"ds-longctx {a.cmd}: {e}", file=sys.stderr)
-        return 2
-    return 2
+    return command_line(f"ds-longctx {a.cmd}", lambda _: run_plan(a), None)
 
 
 if __name__ == "__main__":

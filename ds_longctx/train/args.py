@@ -10,7 +10,7 @@ from typing import Dict, Tuple
 from ..config import check_shards
 from ..config.shipped import resolve_config_path
 from ..data import TASKS
-from ..data.corpus import check_data_path
+from ..data.sources import check_data_path
 from ..errors import ConfigError
 from ..eval import needle
 from ..job.checkpoint import find_resume_tag

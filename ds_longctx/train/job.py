@@ -4,6 +4,7 @@ save directory, what a resume loads, the engine, the loader, the profiler and th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -16,8 +17,9 @@ from ..config import auto_keys, check_train_batch_size, load_ds_config, parse, r
 from ..config.rope_scaling import apply_rope
 from ..config.shipped import default_model_config, shipped_configs_dir
 from ..data import TASKS, SampleStream
-from ..data.corpus import data_identity as corpus_identity
-from ..data.corpus import open_corpus, tokenizer_content_sha256
+from ..data.corpus import open_corpus
+from ..data.token_cache import data_identity as corpus_identity
+from ..data.token_cache import tokenizer_content_sha256
 from ..dist.launch import check_launch
 from ..dist.layout import zero_stage
 from ..errors import ConfigError
@@ -65,11 +67,12 @@ def hub_load(flag, name, load):
 
 def build_model(args, ds_config, model_config):
     """The model of ``model_config`` (prepare's: --rope-theta / --rope-scaling applied): --model's weights, else
-    a deterministic random init."""
+    a deterministic random init (``args.model``, ``args.seed``). Built inside ZeRO-3's partitioned construction
+    when ``ds_config`` asks for it (None: one process's plain model; the needle command's without a ds_config)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
-    with model_init(ds_config):
+    with model_init(ds_config) if ds_config is not None else contextlib.nullcontext():
         if args.model:
             return hub_load("--model", args.model, lambda: AutoModelForCausalLM.from_pretrained(
                 args.model, config=model_config, attn_implementation="sdpa"))
@@ -104,8 +107,8 @@ def build_dataset(args, model_config, seq_len, tokenizer, path=None, flag="--dat
 
 def data_identity(args, tokenizer=None):
     """What a resume must find unchanged about the data (the samples and their order follow from it): the task,
-    or the file's content hash and size (corpus.data_identity: hashed once per file version), the column and the
-    tokenizer's content (vocabulary, merges, special tokens: corpus.tokenizer_content_sha256), which decides the
+    or the file's content hash and size (token_cache.data_identity: hashed once per file version), the column and the
+    tokenizer's content (vocabulary, merges, special tokens: token_cache.tokenizer_content_sha256), which decides the
     token ids trained on."""
     if args.data in TASKS:
         return {"task": args.data}

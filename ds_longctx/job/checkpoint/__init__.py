@@ -35,7 +35,7 @@ The package: ``tags`` (names, filesystem steps, checks of a saved tag), ``savedi
 (:func:`plan_resume`, :class:`ResumePlan`), ``universal`` (DeepSpeed's universal checkpoint), ``record`` (the run's
 record), ``export`` (a model ``from_pretrained`` loads) and ``faults`` (test hooks, outside the save's logic).
 """
-from .export import export_checkpoint, export_hf, exported_line, write_hf
+from .export import export_checkpoint, export_hf, exported_line, fp32_weights, read_tag, write_hf
 from .faults import SAVE_POINTS, TEST_FILL_ENV, TEST_FILLER, TEST_KILL_ENV
 from .record import (batch_sizes, layout_record, next_stage, rope_facts, run_record, stage_of,
                      stage_start_sample)
@@ -46,7 +46,7 @@ from .tags import (HF_CONFIG_DIR, LOCK_FILE, MODEL_KEYS, OLD_PREFIX, PARTITION_K
 from .universal import convert_to_universal
 
 __all__ = ["SaveDir", "ResumePlan", "open_checkpoints", "resume", "plan_resume", "ensure_universal",
-           "convert_to_universal", "export_hf", "export_checkpoint", "exported_line", "write_hf", "find_resume_tag",
+           "convert_to_universal", "export_hf", "export_checkpoint", "exported_line", "write_hf", "read_tag", "fp32_weights", "find_resume_tag",
            "check_tag", "estimate_bytes", "checkpoint_bytes", "run_record", "layout_record", "batch_sizes",
            "model_facts", "rope_facts", "stage_of", "stage_start_sample", "next_stage", "tag_files", "tag_for",
            "RECORD_FILE", "HF_CONFIG_DIR", "LOCK_FILE", "TMP_PREFIX", "OLD_PREFIX", "UNIVERSAL_SUFFIX",

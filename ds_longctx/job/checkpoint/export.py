@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from typing import Optional
+from typing import Optional, Tuple
 
 from ...errors import ConfigError
 from ...models.adapters import is_peft_model
@@ -130,17 +130,8 @@ def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype:
     cast to ``dtype`` ("auto": the dtype the run trained in; "fp32"/"bf16"/"fp16"), written with the HF config
     and tokenizer saved in the tag (or ``model_config``/``tokenizer`` given). Returns the tag exported."""
     import torch
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    if tag is None:
-        tag, record, note = find_resume_tag(path, name="checkpoint")
-        if note:
-            log(f"warning: {note}")
-    else:
-        record, problem = check_tag(path, tag)
-        if problem:
-            raise ConfigError("--tag", problem, "export a complete tag (ds-longctx export DIR picks the newest)")
-    side = os.path.join(path, tag, HF_CONFIG_DIR)
+    tag, record, side = read_tag(path, tag, log=log)
     if model_config is None:
         if not os.path.isfile(os.path.join(side, "config.json")):
             raise ConfigError("--model-config", f"{os.path.join(path, tag)!r} holds no HF config (saved before ds_longctx "
@@ -162,11 +153,7 @@ def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype:
     else:
         raise ConfigError("--dtype", f"unknown dtype {dtype!r}", "use auto, fp32, bf16 or fp16")
     t0 = time.monotonic()
-    import contextlib
-    import io
-
-    with contextlib.redirect_stdout(io.StringIO()):
-        sd = get_fp32_state_dict_from_zero_checkpoint(path, tag=tag)
+    sd = fp32_weights(path, tag)
     generation_config = None
     if os.path.isfile(os.path.join(side, "generation_config.json")):
         from transformers import GenerationConfig
@@ -175,3 +162,28 @@ def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype:
     write_hf(out_dir, dict(sd), model_config, tokenizer=tokenizer, dtype=target, generation_config=generation_config)
     log(f"exported {os.path.join(path, tag)} to {out_dir} in {time.monotonic() - t0:.2f} s")
     return tag
+
+
+def read_tag(path: str, tag: Optional[str] = None, name: str = "checkpoint", log=None) -> Tuple[str, dict, str]:
+    """(the tag, its record, its HF config directory) to read from the save directory ``path``: ``tag`` checked
+    complete, or the newest complete one (a note about ``latest`` goes to ``log``)."""
+    if tag is None:
+        tag, record, note = find_resume_tag(path, name=name)
+        if note and log is not None:
+            log(f"warning: {note}")
+    else:
+        record, problem = check_tag(path, tag)
+        if problem:
+            raise ConfigError("--tag", problem, f"give a complete tag of {path!r} (default: its newest)")
+    return tag, record, os.path.join(path, tag, HF_CONFIG_DIR)
+
+
+def fp32_weights(path: str, tag: str) -> dict:
+    """The tag's fp32 master weights, gathered by DeepSpeed's ``zero_to_fp32`` (its progress prints silenced)."""
+    import contextlib
+    import io
+
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        return dict(get_fp32_state_dict_from_zero_checkpoint(path, tag=tag))

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ...data.corpus import atomic_write
+from ...data.token_cache import atomic_write
 from ...dist.layout import zero_stage
 from ...errors import ConfigError
 from ...planner.model_states import optimizer_states_per_param
