@@ -114,7 +114,7 @@ def _engines(rank, world):
     out["eval_with_grad"] = config_error(lambda: engine(**own))
     from ds_longctx.patching import sp_batch
 
-    real, seen = sp_batch.shard_in_turns, []  # hf_loader's, as sp_batch.eval_in_turns calls it
+    real, seen = sp_batch.shard_in_turns, []  # data.turns', as sp_batch.eval_in_turns calls it
 
     def recording(*a, **k):
         shards, mine = real(*a, **k)
@@ -170,18 +170,18 @@ def _trainers(rank, world):
     import arch_cases
     from eco_cases import ProcessState
 
-    from ds_longctx.hf import loader as hf_loader
+    from ds_longctx.data import turns
     from ds_longctx.patching import sp_batch
 
     state = ProcessState()
-    real, seen = hf_loader.shard_in_turns, []
+    real, seen = turns.shard_in_turns, []
 
     def recording(*a, **k):
         shards, mine = real(*a, **k)
         seen.append(len(shards))
         return shards, mine
 
-    hf_loader.shard_in_turns = sp_batch.shard_in_turns = recording  # the name each module calls
+    turns.shard_in_turns = sp_batch.shard_in_turns = recording  # the name each module calls
     out = {}
     memory = {"activation_checkpointing": {"enabled": True, "offload": "cpu", "pin_memory": False},
               "tiled_loss": {"enabled": True, "shards": 2}}
@@ -190,7 +190,7 @@ def _trainers(rank, world):
         seen.clear()
         out[key] = arch_cases.trainer_eval(name, 2, lc, rank) + (list(seen),)
         state.reset()
-    hf_loader.shard_in_turns = sp_batch.shard_in_turns = real
+    turns.shard_in_turns = sp_batch.shard_in_turns = real
     return out
 
 

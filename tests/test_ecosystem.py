@@ -227,19 +227,19 @@ def _alst_trl_mpu(rank, world):
     state.reset()
     # negative control: the same rows with the documents erased (position_ids 0..S-1) train differently,
     # so the packed equality above depends on the document structure reaching attention
-    import ds_longctx.hf.loader as hf_loader
+    from ds_longctx.data import turns
 
-    real_varlen = hf_loader._varlen_checked
+    real_varlen = turns.varlen_checked
 
     def one_document(batch):
         batch = real_varlen(batch)
         return dict(batch, position_ids=torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]))
 
-    hf_loader._varlen_checked = one_document
+    turns.varlen_checked = one_document
     try:
         out["trl_packed_one_document"] = trl_sft.train(**dict(kw, record_params=False), **TRL_CASES["trl_packed"])
     finally:
-        hf_loader._varlen_checked = real_varlen
+        turns.varlen_checked = real_varlen
     state.reset()
     out["adapter_errors"] = _adapter_errors(rank)
     state.reset()

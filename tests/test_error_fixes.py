@@ -304,7 +304,7 @@ def test_chunked_attention_at_sp1_is_exact():
 def test_varlen_keys_without_position_ids_fix():
     """TRL's cu_seq_lens_* without position_ids -> 'drop cu_seq_lens_* and give position_ids' -> the same
     document boundaries, read from position_ids."""
-    from ds_longctx.hf.loader import _varlen_checked
+    from ds_longctx.data.turns import varlen_checked as _varlen_checked
 
     ids = torch.arange(16)[None]
     cu = torch.tensor([0, 7, 16])
@@ -319,7 +319,7 @@ def test_varlen_keys_without_position_ids_fix():
 
 @pytest.mark.parametrize("key", ["completion_mask"])
 def test_unshardable_collator_key_fix_names_the_loss_mask(key):
-    from ds_longctx.hf.loader import _checked_batch
+    from ds_longctx.data.turns import checked_batch as _checked_batch
 
     b = {"input_ids": torch.ones(1, 16, dtype=torch.long), key: torch.ones(1, 16, dtype=torch.long)}
     e = config_error(_checked_batch, b, 2)

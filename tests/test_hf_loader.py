@@ -7,7 +7,7 @@ import torch
 
 from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch
-from ds_longctx.hf.loader import _checked_batch
+from ds_longctx.data.turns import checked_batch as _checked_batch
 
 
 def trl_padding_free(doc_lens, seed=0):

@@ -32,7 +32,7 @@ from ..data.batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, docu
 from ..dist.comm import all_gather_ints, control_plane, sp_rank
 from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
 from ..errors import BatchError, LongContextError, error_class
-from ..hf.loader import shard_in_turns
+from ..data.turns import shard_in_turns
 from ..loss import shift_labels_of
 from ..models import ARCHITECTURES, text_config
 from ..models.packing import mask_ignores_positions
