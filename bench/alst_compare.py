@@ -24,7 +24,7 @@ Parts (--part, in order; each has its own wall-clock cap, --cap1..--cap4; result
    Every variant: the model from --model-config, bf16, ZeRO-3 with the shipped config's optimizer and ZeRO keys,
    random init from ds_longctx.models.weights.deterministic_init(seed) (the same weights in every process), the copy
    task's samples through ds_longctx.data.SampleStream (the same token batches), tokens/s, TFLOP/s and MFU by
-   ds_longctx.measure.profiler's one formula, max_memory_allocated and max_memory_reserved per step (CUDA; on CPU
+   ds_longctx.measure.formula's one formula, max_memory_allocated and max_memory_reserved per step (CUDA; on CPU
    the process's peak RSS, reserved None), step-1 loss.
 2. Reserved bytes: a one-step run of (c)'s resolved config with long_context.profile.allocator_check (the
    caching-allocator model vs max_memory_reserved; CUDA only: skipped on CPU, said so), and the planner
@@ -98,7 +98,7 @@ def _alst_run(a, pieces: dict) -> dict:
     from transformers.models.llama import modeling_llama
 
     from ds_longctx.data import LongRangeCopy, SampleStream
-    from ds_longctx.measure.profiler import StepProfiler
+    from ds_longctx.job.profiler import StepProfiler
     from ds_longctx.job.metrics import peak_tflops
     from ds_longctx.models.loading import load_model_config
     from ds_longctx.models.weights import deterministic_init

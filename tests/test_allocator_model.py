@@ -112,7 +112,7 @@ def test_check_step_rebuilds_the_start_and_replays_the_step():
 
 
 def test_profile_allocator_check_needs_cuda():
-    from ds_longctx.measure.profiler import StepProfiler
+    from ds_longctx.job.profiler import StepProfiler
 
     with pytest.raises(ValueError, match="allocator_check .*needs a CUDA device"):
         StepProfiler({"allocator_check": True, "steps": [1]}, device="cpu")

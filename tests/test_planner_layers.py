@@ -40,7 +40,7 @@ def test_gemma4_dims_per_layer_and_the_arithmetic_sums_them():
     """Gemma 4: sliding layers 4 heads x 8 (2 kv heads), global layers 4 heads x 32 (1 kv head); the kept attention
     bytes of the first n layers and the MFU width equal the direct per-layer sums from the config, and differ from
     the largest shape's (what the planner sized before)."""
-    from ds_longctx.measure.profiler import attention_width
+    from ds_longctx.measure.formula import attention_width
     from ds_longctx.models import LayerDims, attention_dims, attention_shape
     from ds_longctx.planner.host import kept_attention_bytes
 
@@ -62,7 +62,7 @@ def test_latent_attention_dims_in_the_arithmetic():
     """DeepSeek-V3 (MLA): the attention function gets query/key heads of nope + rope = 24 and values of 16, while the
     config's head_dim is the rope part alone (8): the kept output is the values padded to 24 (untied's stage buffers),
     the MFU width heads x (24 + 16) / 2."""
-    from ds_longctx.measure.profiler import attention_width
+    from ds_longctx.measure.formula import attention_width
     from ds_longctx.models import LayerDims, attention_dims, attention_shape
     from ds_longctx.planner.host import kept_attention_bytes
 

@@ -7,7 +7,8 @@ import torch
 
 from ds_longctx.config import ProfileConfig
 from ds_longctx.measure.live_bytes import LiveBytesTracker
-from ds_longctx.measure.profiler import StepProfiler, flops_per_sample
+from ds_longctx.job.profiler import StepProfiler
+from ds_longctx.measure.formula import flops_per_sample
 from tiny_models import build, tiny_config
 
 
@@ -51,7 +52,7 @@ def test_profiler_reports_measured_flops_per_category_next_to_the_planners(tmp_p
     attention forward / recompute / backward FLOPs equal (same formulas, same calls), GEMMs within 1% (the
     planner's tiled ops run one representative tile), and the table prints every category."""
     from ds_longctx.config import parse
-    from ds_longctx.measure.profiler import format_flops
+    from ds_longctx.job.profiler import format_flops
     from tiny_models import patch
     from ds_longctx.planner import planned_work
 

@@ -2,7 +2,7 @@
 ds_config's ``tensorboard``, ``wandb``, ``csv_monitor`` and ``comet`` sections, through ``engine.monitor``), and
 the console (a progress bar on a terminal; one plain line every N steps otherwise, e.g. under SLURM or nohup).
 
-:func:`step_record` builds the record from what the step measured (measure/profiler.StepProfiler) and the
+:func:`step_record` builds the record from what the step measured (job/profiler.StepProfiler) and the
 engine; :class:`StepLog` sends it. Rank 0 writes; every rank may call.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 
 from ..config import SECTION, ConfigError, auto_keys, load_ds_config, parse
 from ..dist.layout import Layout
-from ..measure.profiler import attention_layers, attention_width, flops_per_sample
+from ..measure.formula import attention_layers, attention_width, flops_per_sample
 from ..models import text_config
 from ..models.loading import load_model_config
 from ..patching.spec import build_spec

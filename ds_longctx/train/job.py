@@ -31,7 +31,7 @@ from ..job.agreement import check_agreement
 from ..job.checkpoint import find_resume_tag
 from ..job.metrics import StepLog, peak_tflops
 from ..job.preflight import reserve_offload_storage
-from ..measure.profiler import StepProfiler
+from ..job.profiler import StepProfiler
 from ..models import text_config
 from ..models.loading import load_model_config  # --model-config's HF config (a file or a directory)
 from ..models.weights import deterministic_init

@@ -25,7 +25,7 @@ from ..job import checkpoint as ckpt
 from ..job.checkpoint import find_resume_tag
 from ..job.metrics import step_record
 from ..loss import IGNORE_INDEX
-from ..measure.profiler import format_flops
+from ..job.profiler import format_flops
 from .args import parse_args
 from .job import Job, has_checkpoint, prepare
 from .log import info

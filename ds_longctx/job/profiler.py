@@ -10,14 +10,8 @@ the steps listed in ``profile.steps`` also write, under ``profile.output_dir``:
 - ``memory_rank{r}_step{s}.png`` (and ``.csv``): device memory sampled over the step (CUDA: allocated
   bytes; CPU: process RSS). The PNG needs matplotlib; without it only the CSV is written.
 
-FLOPs (model FLOPs, i.e. without checkpoint recomputation, the MFU convention), for one sample of S
-tokens on an SP group of C ranks, N = parameters without the input embedding, L layers, and the
-attention width w = query heads x head_dim (not the hidden size: they differ, e.g. Qwen3, Gemma):
-
-    dense     = 6 * N * S                  (forward 2NS + backward 4NS)
-    attention = 6 * L * w * S^2            (QK^T and PV: 4*S^2*w forward per layer, x3 with backward,
-                                            halved by the causal mask)
-    TFLOPs per GPU = (dense + attention) * samples / C / step_seconds / 1e12
+TFLOPs per GPU = (ds_longctx.measure.formula: dense + attention) x samples / C / step_seconds / 1e12, for an SP
+group of C ranks.
 
 Where the step goes (profiled steps, when ``plan_work`` is given): the step's ops are counted as the
 planner counts its fake step (measure/flops.WorkCounter: torch's FLOP formulas + the attention ops'
@@ -27,7 +21,7 @@ config and length (``plan_work(seq_len)``, e.g. ``functools.partial(ds_longctx.p
 ds_config, model_config, world_size)``; ``rec["flops_by_category"]``: measured, planned, measured / planned per category;
 ``format_flops`` prints it). These are executed FLOPs (recompute included), not the MFU formula below.
 
-This is the one FLOPs formula of the project (train.py reports it). ``tokens`` given to ``end_step``
+train.py reports it. ``tokens`` given to ``end_step``
 is the global tokens the rank's SP group processed this step (sequence length x samples); tokens/s is
 reported per GPU (divided by C), as UPipe and ALST do.
 """
@@ -37,70 +31,14 @@ import json
 import os
 import threading
 import time
+import torch
 from typing import Any, Callable, Dict, List, Optional
 
-import torch
-
 from ..memory.checkpointing import around_checkpointed_runs
-from ..models import attention_dims, attention_shape, text_config
-from .allocator import check_step
-from .flops import WorkCounter, by_category
-
-
-def _cfg_get(cfg, key, default):
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def count_params(model) -> Dict[str, int]:
-    """Total parameters and those of the input embedding (ZeRO-3 partitioned params report ds_numel)."""
-    total = emb = 0
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
-    for p in model.parameters():
-        n = getattr(p, "ds_numel", None) or p.numel()
-        total += n
-        if id(p) in embed_ids:
-            emb += n
-    return {"total": total, "embedding": emb}
-
-
-def attention_width(tc) -> float:
-    """Query heads x head_dim: the width of QK^T and PV (equals hidden_size only when head_dim does), per layer from
-    its own heads and head dims (models.attention_dims) and averaged over the quadratic-attention layers (so
-    :func:`attention_layers` x this is their sum: Gemma 4's global layers have their own head_dim); with latent
-    attention's query/key and value head dims, heads x their mean (QK^T is heads x qk wide, PV heads x v)."""
-    dims = attention_dims(tc)
-    types = getattr(tc, "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(types) == len(dims):
-        dims = [d for d, t in zip(dims, types) if str(t) not in _NO_QUADRATIC] or dims
-    widths = [d.heads * (d.qk_dim + d.v_dim) / 2 for d in dims]
-    w = sum(widths) / len(widths)
-    return int(w) if w == int(w) else w
-
-
-# layer kinds without softmax attention over the sequence (transformers' layer_types): no S^2 term in the MFU formula
-_NO_QUADRATIC = ("linear_attention", "conv", "mamba", "mlp", "moe")
-
-
-def attention_layers(tc) -> int:
-    """The layers whose softmax attention is quadratic in the sequence: every layer, unless ``layer_types`` says
-    some are linear attention / state-space / conv mixers (Qwen3.5's 24 of 32 Gated DeltaNet layers add no S^2)."""
-    types = getattr(tc, "layer_types", None)
-    if not isinstance(types, (list, tuple)) or not types:
-        return getattr(tc, "num_hidden_layers", 0)
-    return sum(1 for t in types if str(t) not in _NO_QUADRATIC)
-
-
-def flops_per_sample(seq_len: int, n_params_no_embed: int, num_layers: int, attn_width: int) -> Dict[str, float]:
-    """MFU's numerator: 6 x non-embedding params per token plus 6 x width x S^2 per quadratic-attention layer
-    (``num_layers``: :func:`attention_layers`)."""
-    dense = 6.0 * n_params_no_embed * seq_len
-    attn = 6.0 * num_layers * attn_width * float(seq_len) ** 2
-    return {"dense": dense, "attention": attn, "total": dense + attn}
+from ..models import attention_shape, text_config
+from ..measure.allocator import check_step
+from ..measure.flops import WorkCounter, by_category
+from ..measure.formula import config_value, attention_layers, attention_width, count_params, flops_per_sample
 
 
 class _Sampler(threading.Thread):
@@ -139,9 +77,9 @@ class StepProfiler:
     def __init__(self, cfg=None, model_config=None, world_size: int = 1, sp_size: int = 1, rank: int = 0,
                  model=None, tracker=None, device: Optional[str] = None, seq_len: Optional[int] = None,
                  plan_work: Optional[Callable[[int], dict]] = None):
-        self.enabled = bool(_cfg_get(cfg, "enabled", False))
-        self.steps = set(int(s) for s in (_cfg_get(cfg, "steps", []) or []))
-        self.output_dir = _cfg_get(cfg, "output_dir", "profiles")
+        self.enabled = bool(config_value(cfg, "enabled", False))
+        self.steps = set(int(s) for s in (config_value(cfg, "steps", []) or []))
+        self.output_dir = config_value(cfg, "output_dir", "profiles")
         self.world_size, self.sp, self.rank = world_size, max(1, sp_size), rank
         self.tracker = tracker
         self.cuda = (device == "cuda") if device is not None else torch.cuda.is_available()
@@ -158,7 +96,7 @@ class StepProfiler:
         self._prof = None
         self._sampler = None
         self._snapshot = False
-        self.allocator_check = bool(_cfg_get(cfg, "allocator_check", False))
+        self.allocator_check = bool(config_value(cfg, "allocator_check", False))
         if self.allocator_check and not self.cuda:
             raise ValueError("profile.allocator_check replays CUDA allocations: it needs a CUDA device")
         self._alloc_start = None
@@ -338,6 +276,3 @@ def format_flops(by_category: Dict[str, Any]) -> List[str]:
         lines.append(f"{k:<22}{v['measured'] / 1e12:>16.6g}{v['planned'] / 1e12:>16.6g}"
                      f"{100 * v['measured'] / total:>7.1f}%{ratio:>11}")
     return lines
-
-
-__all__ = ["StepProfiler", "flops_per_sample", "attention_layers", "attention_width", "count_params", "format_flops"]
