@@ -34,6 +34,7 @@ import torch
 
 from ..config import FUSE_KEY, KERNEL_KEY
 from ..errors import ConfigError, naming
+from ..measure.simulation import holds_values
 from ..models import (AttentionFacts, AttentionShape, attention_shape, facts_for, is_llama_style_rmsnorm, rms_norm,
                       rope_bshd, text_config)
 from ..models.adapters import effective_linear, fused_adapter_problem
@@ -448,8 +449,8 @@ def _check_mask(mask, s_local, window=None, chunk=None):
     reject padding/packed masks."""
     if mask is None or is_no_mask(mask):  # ds_longctx's forward read the batch's documents (documents.no_mask)
         return
-    if isinstance(mask, torch.Tensor) and _is_fake(mask):
-        return  # the planner's simulated step (fake tensors, no values): HF built it from one contiguous sample
+    if isinstance(mask, torch.Tensor) and not holds_values(mask):
+        return  # the planner's simulated step (no values): HF built it from one contiguous sample
     block_mask = type(mask).__name__ == "BlockMask" and callable(getattr(mask, "mask_mod", None))
     if not isinstance(mask, torch.Tensor) and not block_mask:
         raise ValueError(f"untied attention got a {type(mask).__name__} mask; only causal attention is supported")
@@ -478,12 +479,6 @@ def _check_mask(mask, s_local, window=None, chunk=None):
     _LAST_MASK[:] = [weakref.ref(mask), key, ok]
     if not ok:
         raise ValueError(_BAD_MASK)
-
-
-def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
 
 
 def _block_mask_is(mask, s_local: int, window=None, chunk=None) -> bool:

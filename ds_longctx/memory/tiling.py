@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from ..dist.comm import max_int
 from ..loss import IGNORE_INDEX, fused_token_fields, lm_logits
+from ..measure.simulation import holds_values
 from ..models import layer_role, mlp_class_names, mlp_facts, mlp_form_names, pointwise_mlp_form
-from ..models.moe import (block_rows, capacity_limit, output_form, is_fake_tensor, is_moe_candidate, returns_tuple,
+from ..models.moe import (block_rows, capacity_limit, output_form, is_moe_candidate, returns_tuple,
                           token_locality_problem)
 from .checkpointing import decoder_layers, text_body
 from .tiles import each_tile
@@ -253,8 +254,8 @@ def _mlp_facts(module):
 def _probe_verdict(module, x, verdicts: dict, tap=None):
     """models.moe's token-locality probe of ``module``'s class, once per (class, mode, dtype) in one model (its layers
     share one config; ``verdicts``: the install's cache); a TilingError naming the class when its forward is not per
-    token. Skipped on fake/meta tensors (the planner measures memory only)."""
-    if is_fake_tensor(x):
+    token. Skipped where ``x`` holds no values (the planner's step: it measures memory only)."""
+    if not holds_values(x):
         return
     key = (type(module), module.training, x.dtype)
     if key not in verdicts:

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ..measure.simulation import holds_values
+
 _PROBE_ROWS = 8
 
 
@@ -103,16 +105,6 @@ def capacity_limit(module) -> Optional[str]:
             if "capacity" in k.lower() and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
                 return f"{type(m).__name__}.{k}={v}"
     return None
-
-
-def is_fake_tensor(x: torch.Tensor) -> bool:
-    if x.device.type == "meta":
-        return True
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover
-        return False
-    return is_fake(x)
 
 
 def _rng_states(device):
@@ -298,7 +290,7 @@ class RouterTap:
         return counts.detach().cpu(), probs, rows.detach().cpu().float()
 
     def hook(self, module, args, output):
-        if self.suspended or is_fake_tensor(output[self.facts.index]):  # the planner's fake run: no values to sum
+        if self.suspended or not holds_values(output[self.facts.index]):  # the planner's step: no values to sum
             return
         if self.backward_grad is not None:  # a tile's recompute in the tiled MLP's backward
             logits = output[self.facts.index].reshape(-1, self.facts.num_experts)
@@ -334,4 +326,4 @@ def install_router_tap(decoder, facts: AuxLossFacts):
     return tap, handles
 
 
-__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "block_rows", "output_form", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_fake_tensor", "is_moe_candidate", "token_locality_problem"]
+__all__ = ["AuxLossFacts", "RouterTap", "aux_loss_facts", "block_rows", "output_form", "install_router_tap", "capacity_limit", "has_stacked_experts", "is_experts_module", "returns_tuple", "is_moe_candidate", "token_locality_problem"]

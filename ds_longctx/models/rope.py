@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 
 from ..errors import ConfigError
+from ..measure.simulation import holds_values
 
 # the global sequence length (max position + 1 over the SP group) of the forward running now; None: the shard's own
 _GLOBAL_LEN: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("ds_longctx_global_len", default=None)
@@ -123,14 +124,10 @@ def group_positions(global_len: Optional[int]):
 
 
 def local_max_position(position_ids) -> int:
-    """max(position_ids) + 1 of this rank's shard, for the header (0 with none). The planner's fake tensors hold
-    no values: its positions are 0 .. S-1 on every rank, so the shard's length stands in (the header then takes
-    the MAX over the group, and the planner's fake group hands every rank rank 0's)."""
-    if position_ids is None or position_ids.numel() == 0:
-        return 0
-    from torch._subclasses.fake_tensor import is_fake
-
-    if is_fake(position_ids):
+    """max(position_ids) + 1 of this rank's shard, for the header (0 with none). In the planner's step the
+    positions hold no values (they are 0 .. S-1 on every rank there): 0 (the header takes the MAX over the group,
+    and the planner's fake group hands every rank rank 0's)."""
+    if position_ids is None or position_ids.numel() == 0 or not holds_values(position_ids):
         return 0
     return int(position_ids.max()) + 1
 

@@ -40,6 +40,7 @@ from ..dist.layout import Layout
 from ..measure import flops as _flops
 from ..memory.checkpointing import around_checkpointed_runs
 from ..memory.offload import OffloadTarget
+from ..measure.simulation import simulated_step
 from ..memory.tiles import representative
 from ..models import layer_role, text_config
 from ..patching.patch import patch_model
@@ -647,7 +648,7 @@ def _simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: 
         # its document structure as the real (host) tensor every rank receives
         cu = torch.tensor([[0, local * sp]] * batch_size, dtype=torch.long)
         try:
-            with mode, acct, around_checkpointed_runs(tagger.layer_run), representative():
+            with mode, acct, around_checkpointed_runs(tagger.layer_run), representative(), simulated_step():
                 ids = torch.zeros(batch_size, local, dtype=torch.long, device=device)
                 pos = torch.arange(local, device=device).unsqueeze(0).expand(batch_size, -1)
                 labels = torch.zeros(batch_size, local, dtype=torch.long, device=device)
