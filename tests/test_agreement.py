@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from ds_longctx.job.agreement import Member, _ranks_text, disagreement, fingerprint
+from ds_longctx.dist.verdicts import ranks_text as _ranks_text
+from ds_longctx.job.agreement import Member, disagreement, fingerprint
 from dist_utils import run_distributed
 from sp_cases import ds_config
 from tiny_models import build, tiny_config

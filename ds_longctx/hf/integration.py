@@ -76,12 +76,14 @@ from ..loss import IGNORE_INDEX
 from ..models import attention_shape, text_config
 from ..models.hybrid import runs_layer_type
 from ..patching.patch import get_patch
+from .patches import PatchTable
 
-_ORIGINALS: dict = {}  # "initialize" -> deepspeed.initialize, "sp_loss" -> transformers' SP loss,
-#                       "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter,
-#                       "register" -> UlyssesSPAttentionHF.register_with_transformers (as found in its __dict__),
-#                       "accelerate_prepare" -> accelerate.Accelerator._prepare_deepspeed,
-#                       "skip:<module>" -> that module's skip_first_batches (_SKIP_SITES)
+# every patch enable() installs, with its original (hf/patches.py): "initialize" -> deepspeed.initialize, "sp_loss" ->
+# transformers' SP loss, "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter, "register" ->
+# UlyssesSPAttentionHF.register_with_transformers (as found in its __dict__), "accelerate_prepare" ->
+# accelerate.Accelerator._prepare_deepspeed, "recurrent" / "sp_attn" -> Accelerate's two SP refusals,
+# "skip:<module>" -> that module's skip_first_batches (_SKIP_SITES); disable() undoes them all
+_ORIGINALS = PatchTable()
 _inside = threading.local()  # ds_longctx.initialize calls deepspeed.initialize: that call is DeepSpeed's
 _in_accelerate = threading.local()  # inside Accelerator._prepare_deepspeed (see _called_from_accelerate)
 _LAST = {"ds_longctx": False}  # did the last routed deepspeed.initialize build a ds_longctx engine?
@@ -104,8 +106,7 @@ def enable() -> None:
     # a launched CPU run: DeepSpeed's shared-memory all-reduce is not JIT-built when Accelerate starts deepspeed.comm
     # (two ranks building it at once hang on its lock; comm.py), as ds_longctx.initialize does for its own start
     disable_cpu_shm_allreduce()
-    _ORIGINALS["initialize"] = deepspeed.initialize
-    deepspeed.initialize = _routed_initialize
+    _ORIGINALS.install("initialize", deepspeed, "initialize", _routed_initialize)
     _LAST["ds_longctx"] = False
     _install_sp_adapter()
     _install_register()
@@ -118,47 +119,14 @@ def enable() -> None:
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there
         return
     if hasattr(hf_trainer, "deepspeed_sp_compute_loss"):
-        _ORIGINALS["sp_loss"] = hf_trainer.deepspeed_sp_compute_loss
-        hf_trainer.deepspeed_sp_compute_loss = _sp_compute_loss
+        _ORIGINALS.install("sp_loss", hf_trainer, "deepspeed_sp_compute_loss", _sp_compute_loss)
 
 
 def disable() -> None:
     """Undo :func:`enable` (no-op when not enabled). Engines already built stay as they are."""
     if not is_enabled():
         return
-    import deepspeed
-
-    deepspeed.initialize = _ORIGINALS.pop("initialize")
-    if "sp_adapter" in _ORIGINALS:
-        import importlib
-
-        importlib.import_module(_ULYSSES_MODULE).UlyssesSPDataLoaderAdapter = _ORIGINALS.pop("sp_adapter")
-    if "register" in _ORIGINALS:
-        import importlib
-
-        importlib.import_module(_ULYSSES_MODULE).UlyssesSPAttentionHF.register_with_transformers = \
-            _ORIGINALS.pop("register")
-    if "accelerate_prepare" in _ORIGINALS:
-        from accelerate import Accelerator
-
-        Accelerator._prepare_deepspeed = _ORIGINALS.pop("accelerate_prepare")
-    for site in _SKIP_SITES:
-        if f"skip:{site}" in _ORIGINALS:
-            import importlib
-
-            importlib.import_module(site).skip_first_batches = _ORIGINALS.pop(f"skip:{site}")
-    if "sp_loss" in _ORIGINALS:
-        import transformers.trainer as hf_trainer
-
-        hf_trainer.deepspeed_sp_compute_loss = _ORIGINALS.pop("sp_loss")
-    if "recurrent" in _ORIGINALS:
-        import accelerate.accelerator as acc
-
-        acc._refuse_recurrent_layers_under_sequence_parallelism = _ORIGINALS.pop("recurrent")
-    if "sp_attn" in _ORIGINALS:
-        from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
-
-        DeepSpeedSequenceParallelConfig.__post_init__ = _ORIGINALS.pop("sp_attn")
+    _ORIGINALS.undo()  # every patch enable() installed, in reverse order (hf/patches.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,8 +172,7 @@ def _install_accelerate_mark() -> None:
             _in_accelerate.depth -= 1
             _in_accelerate.accelerator = None
 
-    _ORIGINALS["accelerate_prepare"] = original
-    Accelerator._prepare_deepspeed = _prepare_deepspeed
+    _ORIGINALS.install("accelerate_prepare", Accelerator, "_prepare_deepspeed", _prepare_deepspeed, original)
 
 
 _RECURRENT_GATE = "_refuse_recurrent_layers_under_sequence_parallelism"
@@ -232,8 +199,7 @@ def _install_recurrent_gate() -> None:
             return None  # ds_longctx splits these layers by heads (attention/mixers.py); initialize checks the rest
         return original(model, *args, **kwargs)
 
-    _ORIGINALS["recurrent"] = original
-    setattr(acc, _RECURRENT_GATE, gate)
+    _ORIGINALS.install("recurrent", acc, _RECURRENT_GATE, gate, original)
 
 
 _SP_ATTN_ENV = "PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"  # Accelerate's fallback for sp_attn_implementation
@@ -269,8 +235,7 @@ def _install_sp_attn_gate() -> None:
         finally:
             self.sp_attn_implementation = "flex_attention"
 
-    _ORIGINALS["sp_attn"] = original
-    DeepSpeedSequenceParallelConfig.__post_init__ = __post_init__
+    _ORIGINALS.install("sp_attn", DeepSpeedSequenceParallelConfig, "__post_init__", __post_init__, original)
 
 
 def check_sp_attn(core_attn_implementation) -> None:
@@ -397,9 +362,8 @@ def _install_sp_adapter() -> None:
     except ImportError:  # a DeepSpeed without Ulysses SP: Accelerate cannot build the adapter either
         return
     original = mod.UlyssesSPDataLoaderAdapter
-    _ORIGINALS["sp_adapter"] = original
-    mod.UlyssesSPDataLoaderAdapter = functools.partial(RoutedSPAdapter, _deepspeed_cls=original,
-                                                       _is_ours=lambda: _LAST["ds_longctx"])
+    _ORIGINALS.install("sp_adapter", mod, "UlyssesSPDataLoaderAdapter", functools.partial(
+        RoutedSPAdapter, _deepspeed_cls=original, _is_ours=lambda: _LAST["ds_longctx"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,8 +384,7 @@ def _install_skip() -> None:
             continue
         if getattr(mod, "skip_first_batches", None) is None:
             continue
-        _ORIGINALS[f"skip:{site}"] = mod.skip_first_batches
-        mod.skip_first_batches = _skip_first_batches
+        _ORIGINALS.install(f"skip:{site}", mod, "skip_first_batches", _skip_first_batches)
 
 
 def _skip_first_batches(dataloader, num_batches=0):
@@ -540,15 +503,10 @@ def _install_register() -> None:
 
     def register_with_transformers(klass, model_name_or_path, *args, **kwargs):
         try:
-            sp = inspect.signature(bound).bind_partial(model_name_or_path, *args, **kwargs).arguments.get(
-                "sequence_parallel_size")
+            called = inspect.signature(bound).bind_partial(model_name_or_path, *args, **kwargs).arguments
         except TypeError:
-            sp = kwargs.get("sequence_parallel_size")
-        try:
-            core = inspect.signature(bound).bind_partial(model_name_or_path, *args, **kwargs).arguments.get(
-                "core_attn_implementation")
-        except TypeError:
-            core = kwargs.get("core_attn_implementation")
+            called = kwargs
+        sp, core = called.get("sequence_parallel_size"), called.get("core_attn_implementation")
         check_sp_attn(core)
         config = getattr(model_name_or_path, "config", None)
         if config is not None:
@@ -559,8 +517,8 @@ def _install_register() -> None:
         with _reusing_sp_groups(sp):
             return bound(model_name_or_path, *args, **kwargs)
 
-    _ORIGINALS["register"] = original
-    cls.register_with_transformers = classmethod(register_with_transformers)
+    _ORIGINALS.install("register", cls, "register_with_transformers", classmethod(register_with_transformers),
+                       original)
 
 
 # ---------------------------------------------------------------------------------------------
