@@ -627,15 +627,8 @@ class UntiedQKVAttention(torch.autograd.Function):
         sched = spec.schedule
         _check_shapes(q, k, v)
         sk = sinks.detach() if sinks is not None else None
-        # keep_attention_output: the recompute of a checkpointed layer takes out/lse from its first forward
-        out, lse_all = kept_or_computed(lambda: _staged_forward(
-            _QKVSource(q, k, v, sched), sched, spec.group, spec.backend, spec.causal, spec.scale, b, s, d, q.dtype,
-            q.device, sk))
-        ctx.save_for_backward(q, k, v, out, lse_all, sinks)
         ctx.spec = spec
-        ctx.mark_non_differentiable(lse_all)
-        ctx.set_materialize_grads(False)  # no zero dLSE ([stages, b, u, S] fp32) at backward
-        return out, lse_all
+        return _forward(ctx, _QKVSource(q, k, v, sched), spec, b, s, d, q, ((q, k, v), (sinks,)), sk)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -661,14 +654,9 @@ class UntiedFusedAttention(torch.autograd.Function):
         d = spec.head_dim
         _check_weights(x, wq, wk, wv, sched.heads, sched.kv_heads, d)
         b, s = x.shape[0], x.shape[1]
-        out, lse_all = kept_or_computed(lambda: _staged_forward(
-            _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched), sched, stage.group, stage.backend,
-            stage.causal, stage.scale, b, s, d, x.dtype, x.device))
-        ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, out, lse_all)
         ctx.stage = stage
-        ctx.mark_non_differentiable(lse_all)
-        ctx.set_materialize_grads(False)  # no zero dLSE ([stages, b, u, S] fp32) at backward
-        return out, lse_all
+        return _forward(ctx, _ProjSource(x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn, spec, sched), stage, b, s, d, x,
+                        ((x, cos, sin, wq, bq, wk, bk, wv, bv, qn, kn), ()))
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -680,6 +668,19 @@ class UntiedFusedAttention(torch.autograd.Function):
         dx, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn = _staged_backward(src, st.schedule, st.group, st.backend,
                                                                       st.causal, st.scale, out, dout, lse_all)
         return dx, None, None, gwq, gbq, gwk, gbk, gwv, gbv, gqn, gkn, None
+
+
+def _forward(ctx, source, stage: StageSpec, b, s, d, like, saved, sinks=None):
+    """Both Functions' forward: the staged loop over ``source``'s heads (``keep_attention_output``: the recompute of a
+    checkpointed layer takes out/LSE from its first forward), out and LSE saved between ``saved``'s inputs (before,
+    after) for backward, the LSE non-differentiable and no zero dLSE ([stages, b, u, S] fp32) materialised there."""
+    out, lse_all = kept_or_computed(lambda: _staged_forward(
+        source, stage.schedule, stage.group, stage.backend, stage.causal, stage.scale, b, s, d, like.dtype,
+        like.device, sinks))
+    ctx.save_for_backward(*saved[0], out, lse_all, *saved[1])
+    ctx.mark_non_differentiable(lse_all)
+    ctx.set_materialize_grads(False)
+    return out, lse_all
 
 
 def _check_shapes(q, k, v):
