@@ -197,22 +197,22 @@ def _fa2_22(q, k, v, dropout_p, softmax_scale, causal, return_softmax):
 
 @pytest.mark.parametrize("window,softcap", [(1, 0.0), (7, 0.0), (256, 50.0), (0, 30.0), (0, 0.0)])
 def test_flash_attn_pattern_arguments_by_release(window, softcap):
-    from ds_longctx.attention.kernels import _call_by_name, flash_pattern_kwargs
+    from ds_longctx.attention.kernels import call_by_name, flash_pattern_kwargs
 
     left = window - 1 if window else -1
     right = 0 if window else -1
-    got = _call_by_name(_fa2_27, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
+    got = call_by_name(_fa2_27, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
                         **flash_pattern_kwargs(_fa2_27, window, softcap, "fa2"))
     assert (got["window_size_left"], got["window_size_right"], got["softcap"]) == (left, right, softcap)
     assert got["causal"] is True and got["softmax_scale"] == 0.5 and got["dropout_p"] == 0.0
-    got = _call_by_name(_fa3, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
+    got = call_by_name(_fa3, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
                         **flash_pattern_kwargs(_fa3, window, softcap, "fa3"))
     assert got["window_size"] == (left, right) and got["softcap"] == softcap
     if softcap:  # FA2 before 2.6 takes no softcap: refused, never dropped
         with pytest.raises(KernelError, match="takes no softcap"):
             flash_pattern_kwargs(_fa2_25, window, softcap, "fa2")
     else:
-        got = _call_by_name(_fa2_25, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
+        got = call_by_name(_fa2_25, q=1, k=2, v=3, softmax_scale=0.5, causal=True,
                             **flash_pattern_kwargs(_fa2_25, window, softcap, "fa2"))
         assert got["window_size"] == (left, right)
     if window:
@@ -223,14 +223,14 @@ def test_flash_attn_pattern_arguments_by_release(window, softcap):
 def test_flash_attn_custom_op_functions_bind_by_their_wrapped_signature():
     """Current flash-attn wraps its private fwd/bwd in torch.library.custom_op, whose own signature is
     (*args, **kwargs): the binding reads the wrapped function's parameters (else nothing was passed)."""
-    from ds_longctx.attention.kernels import _call_by_name, flash_pattern_kwargs
+    from ds_longctx.attention.kernels import call_by_name, flash_pattern_kwargs
 
     @torch.library.custom_op("ds_longctx_test::fa_fwd", mutates_args=())
     def fa_fwd(q: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
                window_size_right: int, softcap: float) -> torch.Tensor:
         return q * softmax_scale + window_size_left * 100 + window_size_right * 10 + softcap + (1000 if causal else 0)
 
-    out = _call_by_name(fa_fwd, q=torch.zeros(1), softmax_scale=0.5, causal=True,
+    out = call_by_name(fa_fwd, q=torch.zeros(1), softmax_scale=0.5, causal=True,
                         **flash_pattern_kwargs(fa_fwd, 7, 2.0, "fa2"))
     assert out.item() == 1000 + 600 + 0 + 2.0
 

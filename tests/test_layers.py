@@ -20,7 +20,7 @@ LAYERS = (
     ("leaves", ("_version", "config.shipped", "dist.preemptible", "errors", "config", "config.schema", "loss",
                 "dist.comm", "planner.units", "planner.recurrent", "measure", "measure.fake", "measure.allocator",
                 "measure.flops", "measure.simulation", "memory.arena", "memory.keep", "memory.tiles",
-                "job.checkpoint.faults", "train.log", "dist", "eval", "hf", "job", "patching")),
+                "job.checkpoint.faults", "train.log", "hf.patches", "dist", "eval", "hf", "job", "patching")),
     ("facts", ("models", "models._common", "models.gemma", "models.llama", "models.others", "models.qwen",
                "models.windows", "models.logits", "models.loading", "models.hybrid", "models.adapters", "models.rope",
                "models.temperature", "models.moe", "models.packing", "models.weights", "config.rope_scaling",

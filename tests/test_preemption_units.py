@@ -168,11 +168,11 @@ def test_messages_that_tell_the_truth(tmp_path):
 
     sd = checkpoint.SaveDir(path=str(tmp_path / "removed"), groups=[[0, 1]])
     facts = [{"free": 0, "missing": True, "bytes": 10, "host": "h"}] * 2
-    with pytest.raises(ConfigError, match=r"^--save: '.*removed' no longer exists on h \(ranks 0,1\): it was removed "
+    with pytest.raises(ConfigError, match=r"^--save: '.*removed' no longer exists on h \(ranks 0-1\): it was removed "
                        r"or renamed while this run saved to it"):
         sd._check_space(facts, "the checkpoint of step 4")
     facts = [{"free": 15, "bytes": 10, "host": "h"}] * 2
-    with pytest.raises(ConfigError, match=r"has 15 B free on h; the checkpoint of step 4 of ranks 0,1 needs 20 B .*"
+    with pytest.raises(ConfigError, match=r"has 15 B free on h; the checkpoint of step 4 of ranks 0-1 needs 20 B .*"
                        r"--keep-last N removes older checkpoints only after each save: the filesystem needs room for "
                        r"N\+1 checkpoints, so it helps only where two fit"):
         sd._check_space(facts, "the checkpoint of step 4")

@@ -91,8 +91,8 @@ def test_patch_model_takes_a_spec_of_this_model_only():
     from ds_longctx.patching.spec import build_spec
 
     model = build(tiny_config(), seed=0)
-    with pytest.raises(TypeError, match=r"spec must be a ds_longctx\.spec\.LongContextSpec, got LongContextConfig "
-                                        r"\(build one with ds_longctx\.spec\.build_spec"):
+    with pytest.raises(TypeError, match=r"spec must be a ds_longctx\.patching\.spec\.LongContextSpec, got LongContextConfig "
+                                        r"\(build one with ds_longctx\.patching\.spec\.build_spec"):
         patch_model(model, _lc())
     with pytest.raises(ConfigError, match=r"^spec: was built for another model"):
         patch_model(model, build_spec(_lc(), tiny_config(layers=3)))
