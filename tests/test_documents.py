@@ -21,7 +21,7 @@ from ds_longctx.data.batch import document_structure
 from ds_longctx.attention.kernels import get_backend, reference_attention
 from ds_longctx.errors import BatchError
 from ds_longctx.data import shard_batch
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 from sp_cases import full_params
 from tiny_models import build, tiny_config
 
@@ -264,9 +264,7 @@ SP_CASES = {
 @pytest.fixture(scope="module")
 def sp_results():
     """The three spawns (SP 1, 2, 4) started side by side, once; each test below checks its own."""
-    sps = sorted(SP_CASES)
-    runs = run_distributed_side_by_side(*[(_worker, sp, SP_CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    return runs_per_degree(_worker, SP_CASES)
 
 
 @pytest.mark.distributed

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 from sp_cases import ds_config, full_params, sample
 from tiny_models import build, tiny_config
 
@@ -285,9 +285,7 @@ def _reference(shape, packed):
 @pytest.fixture(scope="module")
 def sp_results():
     """The SP 2 and SP 4 spawns started side by side, once; each test below checks its own."""
-    sps = sorted(CASES)
-    runs = run_distributed_side_by_side(*[(_sp_worker, sp, CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    return runs_per_degree(_sp_worker, CASES)
 
 
 @pytest.mark.distributed

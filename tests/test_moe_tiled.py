@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from arch_cases import isclose, max_delta_error
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 from moe_cases import AUX, SEQ, batch, build_moe, reference, sp_step
 
 # PhiMoE is not here: its sparse mixer samples experts in training (refused below, tiled in eval)
@@ -198,9 +198,7 @@ def _sp_worker(rank, world, cases):
 
 @pytest.fixture(scope="module")
 def sp_results():
-    sps = sorted(SP_CASES)
-    runs = run_distributed_side_by_side(*[(_sp_worker, sp, SP_CASES[sp]) for sp in sps], return_exceptions=True)
-    return dict(zip(sps, runs))
+    return runs_per_degree(_sp_worker, SP_CASES)
 
 
 @pytest.mark.distributed

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dist_utils import result_or_raise, run_distributed_side_by_side
+from dist_utils import result_or_raise, runs_per_degree
 from sp_cases import reference_step, sample, sp_step
 
 pytestmark = pytest.mark.distributed  # every test here spawns processes
@@ -74,8 +74,7 @@ def _check(results, cases):
 @pytest.fixture(scope="module")
 def sp_results():
     """The SP 2 and SP 4 spawns started side by side, once; each test below checks its own."""
-    runs = run_distributed_side_by_side(*[(_worker, sp, _cases(sp)) for sp in (2, 4)], return_exceptions=True)
-    return dict(zip((2, 4), runs))
+    return runs_per_degree(_worker, {sp: _cases(sp) for sp in (2, 4)})
 
 
 @pytest.mark.parametrize("sp", [2, 4])
