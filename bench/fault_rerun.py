@@ -876,7 +876,7 @@ error_case("host_memory_arena_over_budget", "this node's ranks need 1.00 MiB of 
 
 
 # ---- issue 38: preemption under every launcher, and the faults that lost steps or trained on the wrong tokens -------
-PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "preemptible.py")
+PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "dist", "preemptible.py")
 
 
 def _wrapped_cmd(launcher, argv, port):

@@ -32,7 +32,7 @@ from ds_longctx.job import checkpoint
 
 pytestmark = pytest.mark.distributed
 
-PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "preemptible.py")
+PREEMPTIBLE = os.path.join(ROOT, "ds_longctx", "dist", "preemptible.py")
 
 
 def _tokenizer(path, reverse=False):
