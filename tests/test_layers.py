@@ -15,7 +15,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # by job; a folder's modules may sit on several layers (job/checkpoint's low, job/agreement's above the planner).
 KERNELS = tuple(f"attention.kernels.{m}" for m in ("base", "banded", "sdpa", "flash_attn", "ops", "choice",
                                                    "reference"))
-CHECKPOINT = tuple(f"job.checkpoint.{m}" for m in ("tags", "savedir", "resume", "universal", "record", "export"))
+CHECKPOINT = tuple(f"job.checkpoint.{m}" for m in ("tags", "savedir", "resume", "universal", "record", "export",
+                                                                 "manifest"))
 LAYERS = (
     ("leaves", ("_version", "config.shipped", "dist.preemptible", "errors", "config", "config.schema", "loss",
                 "dist.comm", "planner.units", "planner.recurrent", "measure", "measure.fake", "measure.allocator",

@@ -9,7 +9,8 @@ from typing import Optional, Tuple
 
 from ...errors import ConfigError
 from ...models.adapters import is_peft_model
-from .tags import HF_CONFIG_DIR, check_tag, find_resume_tag
+from . import manifest
+from .tags import HF_CONFIG_DIR, check_tag, find_resume_tag, is_tag_dir
 from ...dist.verdicts import broadcast, raise_everywhere, rank_world
 
 
@@ -166,13 +167,17 @@ def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype:
 
 def read_tag(path: str, tag: Optional[str] = None, name: str = "checkpoint", log=None) -> Tuple[str, dict, str]:
     """(the tag, its record, its HF config directory) to read from the save directory ``path``: ``tag`` checked
-    complete, or the newest complete one (a note about ``latest`` goes to ``log``)."""
+    complete and by content (every file's checksum), or the newest such one (a note about ``latest`` goes to
+    ``log``)."""
+    if is_tag_dir(path):
+        parent, one = os.path.split(os.path.normpath(path))
+        raise ConfigError(name, f"{path!r} is one tag, not a save directory", f"give {parent!r} and --tag {one}")
     if tag is None:
-        tag, record, note = find_resume_tag(path, name=name)
+        tag, record, note = find_resume_tag(path, name=name, verify=manifest.verify_tag)
         if note and log is not None:
             log(f"warning: {note}")
     else:
-        record, problem = check_tag(path, tag)
+        record, problem = check_tag(path, tag, manifest.verify_tag)
         if problem:
             raise ConfigError("--tag", problem, f"give a complete tag of {path!r} (default: its newest)")
     return tag, record, os.path.join(path, tag, HF_CONFIG_DIR)
