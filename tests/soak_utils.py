@@ -142,6 +142,7 @@ class Start:
     last_step: Optional[int] = None
     log: str = ""
     notes: List[str] = field(default_factory=list)
+    corrupted: Optional[str] = None   # the file flipped before this start
 
 
 class Soak:
@@ -177,19 +178,21 @@ class Soak:
             cmd = [*launch, *mpirun_command(2, [TRAIN, "--deepspeed_config", config, *self.args])]
         return cmd, env
 
-    def start(self, fault: Optional[str] = None, after: int = 2, timeout: float = 300) -> Start:
+    def start(self, fault: Optional[str] = None, after: int = 2, timeout: float = 300, corrupt: bool = False) -> Start:
         """Start the run; with ``fault``, inject it once the run logged ``after`` steps past its resume point
-        (``disk_full``: the first save from there fails; ``corrupt``: before this start). Returns when every
-        process of the start has ended."""
-        if fault == "corrupt":
+        (``disk_full``: the first save from there fails). ``corrupt`` (or ``fault`` "corrupt", then no other):
+        before the start, the newest tag's rank-0 optimizer states get a byte flip. Returns when every process of
+        the start has ended."""
+        flipped = None
+        if corrupt or fault == "corrupt":
             tag = newest_tag(self.save)
-            if tag is None:
-                raise AssertionError("corrupt: no tag yet")
-            target = os.path.join(self.save, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-            flip(target)
+            if tag is not None and os.path.isdir(os.path.join(self.save, tag)):
+                flipped = os.path.join(self.save, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+                flip(flipped)
         done = metrics_steps(self.metrics)
         begin = done[-1] if done else 0
         s = Start(fault, None)
+        s.corrupted = flipped
         cmd, env = self._command(fault)
         if fault == "disk_full":
             # the first save at or after begin + after: rank 1 fills the filesystem after its first file
@@ -262,25 +265,37 @@ class Soak:
             self.problems.append(f"start {n} ({s.fault}): {len(tags)} tags {tags} > --keep-last {self.keep_last} + 1")
         if "Traceback" in s.log:
             self.problems.append(f"start {n} ({s.fault}): a traceback:\n{s.log[-2000:]}")
-        if s.fault == "corrupt" and "does not match its checksum" not in s.log:
-            self.problems.append(f"start {n} (corrupt): the flipped file was not named:\n{s.log[-2000:]}")
+        if s.corrupted and f"{s.corrupted!r} does not match its checksum" not in s.log:
+            self.problems.append(f"start {n} ({s.fault}): the flipped {s.corrupted} was not named:\n{s.log[-2000:]}")
 
     def run(self, plan: List[Tuple[Optional[str], int]], timeout: float = 300) -> None:
         """Each (fault, steps after the resume point) in turn, then starts without a fault until the run ends."""
+        pending = False  # a "corrupt" fault: applied before the next start, which carries the plan's next fault
         for fault, after in plan:
             if fault == "disk_full" and not self.can_fill:
                 self.skipped.append("disk_full: the save directory is not on a filesystem of its own (no tmpfs here)")
                 continue
+            if fault == "corrupt":
+                if newest_tag(self.save) is None:
+                    self.skipped.append("corrupt: drawn before the first save (no tag to damage)")
+                else:
+                    pending = True
+                continue
+            if metrics_steps(self.metrics)[-1:] == [self.steps]:
+                self.skipped.append(f"{fault}: the run had ended")
+                continue
             for _ in range(3):  # a start that ended before its fault (a slow box): the fault on the next start
-                s = self.start(fault, after, timeout=timeout)
+                s = self.start(fault, after, timeout=timeout, corrupt=pending)
+                pending = False
                 if not s.notes:
                     break
                 self.problems.append(f"start {len(self.starts)} ({fault}) ended (exit {s.code}) before its fault "
                                      f"could be injected:\n{s.log[-3000:]}")
         for _ in range(3):
-            if metrics_steps(self.metrics)[-1:] == [self.steps] and os.path.isdir(self.hf):
+            if not pending and metrics_steps(self.metrics)[-1:] == [self.steps] and os.path.isdir(self.hf):
                 break
-            s = self.start(None, timeout=timeout)
+            s = self.start(None, timeout=timeout, corrupt=pending)
+            pending = False
             if s.code != 0:
                 self.problems.append(f"start {len(self.starts)} (no fault) exited {s.code}:\n{s.log[-3000:]}")
 
@@ -313,11 +328,13 @@ class Soak:
         tmp = [e for e in os.listdir(self.save) if e.startswith(".tmp-")]
         if tmp:
             problems.append(f"temporary entries left in the save directory: {tmp}")
+        faults = [f for s in self.starts for f in (["corrupt"] if s.corrupted else []) + ([s.fault] if s.fault else [])]
         return {"problems": problems, "starts": len(self.starts), "skipped": self.skipped, "steps": self.steps,
-                "faults": [s.fault for s in self.starts if s.fault], "weights_bit_equal": equal,
+                "faults": faults, "weights_bit_equal": equal,
                 "seconds": sum(s.seconds for s in self.starts),
-                "per_start": [{"fault": s.fault, "at_step": s.at_step, "code": s.code, "seconds": round(s.seconds, 1),
-                               "steps": [s.first_step, s.last_step]} for s in self.starts]}
+                "per_start": [{"fault": s.fault, "corrupted_before": bool(s.corrupted), "at_step": s.at_step,
+                               "code": s.code, "seconds": round(s.seconds, 1), "steps": [s.first_step, s.last_step]}
+                              for s in self.starts]}
 
 
 def reference_run(root: str, steps: int, launcher: str = "deepspeed", timeout: float = 600) -> Tuple[str, str]:
