@@ -206,28 +206,42 @@ class Soak:
                              start_new_session=True)
         try:
             if fault in ("kill_rank", "sigusr1", "sigterm", "kill_wrapper", "freeze_rank"):
+                # the ranks are found while they start; once the run logged its target step both are stopped
+                # (SIGSTOP) while the fault is injected and continued after: a loaded box delays this process's
+                # polling by steps, the stop holds the run within one step of the target
                 target = begin + after
                 deadline = time.monotonic() + timeout
+                ranks: Dict[int, int] = {}
                 while True:
+                    for r in (0, 1):
+                        if r not in ranks:
+                            pid = rank_pid(self.root, r)
+                            if pid:
+                                ranks[r] = pid
                     steps = metrics_steps(self.metrics)
-                    if steps and steps[-1] >= target:
+                    if len(ranks) == 2 and steps and steps[-1] >= target:
                         break
                     if p.poll() is not None:  # ended on its own before the fault: said, the caller tries again
                         s.notes.append("ended before its fault")
                         break
                     assert time.monotonic() < deadline, open(log_path).read()[-3000:]
                     time.sleep(0.05)
-                s.at_step = steps[-1] if steps else None
-                if s.notes:
-                    pass
-                elif fault in ("kill_rank", "freeze_rank"):
-                    pid = rank_pid(self.root, 1)
-                    assert pid, "rank 1 not found"
-                    os.kill(pid, signal.SIGKILL if fault == "kill_rank" else signal.SIGSTOP)
-                elif fault == "kill_wrapper":
-                    os.kill(p.pid, signal.SIGKILL)
-                else:
-                    os.killpg(p.pid, signal.SIGUSR1 if fault == "sigusr1" else signal.SIGTERM)
+                if not s.notes:
+                    for pid in ranks.values():
+                        os.kill(pid, signal.SIGSTOP)
+                    s.at_step = metrics_steps(self.metrics)[-1]
+                    go_on = [ranks[0], ranks[1]]
+                    if fault in ("kill_rank", "freeze_rank"):
+                        go_on = [ranks[0]]
+                        if fault == "kill_rank":
+                            os.kill(ranks[1], signal.SIGKILL)
+                    elif fault == "kill_wrapper":
+                        os.kill(p.pid, signal.SIGKILL)
+                    else:
+                        os.killpg(p.pid, signal.SIGUSR1 if fault == "sigusr1" else signal.SIGTERM)
+                        time.sleep(0.2)  # the wrapper sends it on to the ranks (pending while they are stopped)
+                    for pid in go_on:
+                        os.kill(pid, signal.SIGCONT)
             s.code = p.wait(timeout=timeout)
             deadline = time.monotonic() + 60  # the ranks outlive a wrapper killed with -9 by a step and a save
             while procs_of(self.root) and time.monotonic() < deadline:

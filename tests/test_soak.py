@@ -21,7 +21,7 @@ from soak_utils import Soak, reference_run, tmpfs
 
 pytestmark = pytest.mark.distributed
 
-STEPS = 20
+STEPS = 24
 DEEPSPEED_PLAN = [("kill_rank", 2), ("sigusr1", 2), ("sigterm", 2), ("kill_wrapper", 2), ("disk_full", 2),
                   ("freeze_rank", 2), ("corrupt", 0)]
 MPIRUN_PLAN = [("kill_rank", 2), ("sigterm", 3), ("corrupt", 0)]
