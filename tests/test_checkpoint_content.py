@@ -3,8 +3,9 @@ step4, every file's XXH3 in the record), then a byte flip in each kind of file o
 model states and optimizer states, ds_longctx's record (invalid JSON, and one digit changed: still valid JSON) and the HF
 config. Each is detected by the check a resume runs (``verify_on_every_rank``: here one process), ``--resume DIR``
 falling back to step2 naming the file, ``--resume DIR/step4`` refused naming it, ``ds-longctx verify`` exiting 1 naming
-it, export and the universal conversion refusing it. One launched resume of the damaged tag, explicitly: every rank
-refuses it before the model is built. (``auto`` falling back in a launch: tests/test_soak.py.)"""
+it, export and the universal conversion refusing it; a damaged universal conversion is converted again. One launched
+resume of the damaged tag, explicitly: every rank refuses it before the model is built. (``auto`` falling back in a
+launch: tests/test_soak.py.)"""
 import json
 import os
 import shutil
@@ -122,3 +123,23 @@ def test_an_explicit_damaged_tag_is_refused_by_every_rank_of_a_launch(saved, tmp
         assert f"[rank {r}] ds_longctx: error: --resume: checkpoint {str(ck / 'step4')!r}: {str(target)!r} does not " \
                "match its checksum" in out, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_a_damaged_universal_conversion_is_converted_again(saved, tmp_path):
+    import glob
+
+    ck = tmp_path / "ck"
+    shutil.copytree(saved, ck)
+    assert checkpoint.convert_to_universal(str(ck), "step4") == "step4.universal"
+    marker = json.loads((ck / "step4.universal" / checkpoint.UNIVERSAL_RECORD).read_text())
+    assert marker["source_checksums"] == manifest.checksums_of(json.loads((ck / "step4" / checkpoint.RECORD_FILE)
+                                                                          .read_text()))
+    notes = []
+    assert checkpoint.convert_to_universal(str(ck), "step4", log=notes.append) == "step4.universal" and not notes
+    target = sorted(glob.glob(str(ck / "step4.universal" / "zero" / "*" / "exp_avg.pt")))[0]
+    flip(target)
+    checkpoint.convert_to_universal(str(ck), "step4", log=notes.append)
+    assert notes[0].startswith(f"warning: the universal checkpoint {str(ck / 'step4.universal')!r} is damaged "
+                               f"({target!r} does not match its checksum"), notes
+    again = json.loads((ck / "step4.universal" / checkpoint.UNIVERSAL_RECORD).read_text())
+    assert again["checksums"] == marker["checksums"]  # the same content as the first conversion
