@@ -3,6 +3,7 @@
     ds-longctx plan    --deepspeed_config CFG --model-config CONFIG.json ...   the memory planner
     ds-longctx export  CKPT_DIR OUT_DIR [--tag T] [--dtype auto|bf16|fp16|fp32]  a saved checkpoint -> a HF model
     ds-longctx convert CKPT_DIR [--tag T] [--workers N]    DeepSpeed's universal checkpoint of a tag, beside it
+    ds-longctx verify  CKPT_DIR [--tag T]                  every tag's files against their checksums (exit 1: damage)
     ds-longctx configs                                     the shipped ds_configs and model configs, and where
     ds-longctx launch  [deepspeed args] train.py ...       the deepspeed runner, preemptible: a SIGTERM, SIGUSR1 or
                                                            Ctrl-C ends with the step saved and every process exit 0
@@ -25,7 +26,7 @@ from .errors import ConfigError, command_line
 
 # each verb imports what it runs when it runs (``ds-longctx configs`` or ``launch`` load no torch)
 
-_COMMANDS = ("plan", "export", "convert", "configs", "launch", "needle")
+_COMMANDS = ("plan", "export", "convert", "verify", "configs", "launch", "needle")
 
 
 def _export(argv) -> int:
@@ -65,14 +66,28 @@ def _convert(argv) -> int:
     p.add_argument("--tag", help="the tag (default: 'latest' when complete, else the newest complete)")
     p.add_argument("--workers", type=int, default=4, help="processes extracting and merging (default 4)")
     a = p.parse_args(argv)
-    from .job.checkpoint import convert_to_universal, find_resume_tag
+    from .job.checkpoint import convert_to_universal, find_resume_tag, verify_tag
 
     if a.workers < 1:
         raise ConfigError("--workers", f"must be >= 1, got {a.workers}", "give a number of processes")
-    tag = a.tag or find_resume_tag(a.checkpoint, name="checkpoint")[0]
-    out = convert_to_universal(a.checkpoint, tag, workers=a.workers)
+    tag = a.tag or find_resume_tag(a.checkpoint, name="checkpoint", verify=verify_tag)[0]
+    out = convert_to_universal(a.checkpoint, tag, workers=a.workers, verified=not a.tag)
     print(os.path.join(a.checkpoint, out))
     return 0
+
+
+def _verify(argv) -> int:
+    p = argparse.ArgumentParser(prog="ds-longctx verify", description="Check a checkpoint offline: every file of "
+                                "every tag (or --tag's) against the size and checksum its save recorded, one line "
+                                "per tag, then the tag --resume would load. Exit 1 when a checked tag is damaged.")
+    p.add_argument("checkpoint", help="the --save directory, or one of its tags (ck/step40)")
+    p.add_argument("--tag", help="check only this tag")
+    a = p.parse_args(argv)
+    from .job.checkpoint import verify_report
+
+    lines, ok = verify_report(a.checkpoint, a.tag)
+    print("\n".join(lines))
+    return 0 if ok else 1
 
 
 def _configs(argv) -> int:
@@ -114,7 +129,8 @@ def main(argv=None) -> int:
         from .eval.needle_cli import cli as needle_cli
 
         return needle_cli(rest)
-    return command_line(f"ds-longctx {cmd}", {"export": _export, "convert": _convert, "configs": _configs}[cmd], rest)
+    verbs = {"export": _export, "convert": _convert, "verify": _verify, "configs": _configs}
+    return command_line(f"ds-longctx {cmd}", verbs[cmd], rest)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .job import agreement, watchdog
+from .job.adam import step_only_bias_correction_of
 from .patching import compat
 from .dist import comm
 from .config import auto_keys, check_train_batch_size, load_ds_config, parse, with_values
@@ -190,6 +191,7 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
         distributed_port=master_port(distributed_port), mpu=ds_mpu, dist_init_required=dist_init_required,
         config=ds_config, mesh_param=mesh_param)
     watchdog.after_initialize(ds_config, spec.config, model_config, world)  # DeepSpeed's groups get the timeout
+    step_only_bias_correction_of(engine)  # DeepSpeed's CPU Adam: a resumed run's updates equal the uninterrupted one's
     engine.long_context = spec.config
     engine.long_context_layout = layout
     engine.long_context_spec = spec

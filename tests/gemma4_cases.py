@@ -55,8 +55,9 @@ def batch(kind: str, seed: int = 0):
     return token_batch(kind, VOCAB, SEQ, DOC_LENS, seed)
 
 
-def reference(b: dict, attn: str = "sdpa", **cfg):
-    model = build_gemma4(**cfg)
+def reference(b: dict, attn: str = "sdpa", dtype=torch.float32, **cfg):
+    """One process: (loss, SGD deltas, parameters); ``dtype``: the float32 model cast (float64: the same weights)."""
+    model = build_gemma4(**cfg).to(dtype)
     if attn != "sdpa":
         model.set_attn_implementation(attn)
     loss = model(**b, use_cache=False).loss  # HF masks packed documents only without a cache

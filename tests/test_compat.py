@@ -187,3 +187,18 @@ def test_repeated_third_party_warnings_are_shown_once_by_rank_0():
         other = logging.LogRecord("DeepSpeed", logging.WARNING, "engine.py", 1, "untested optimizer", (), None)
         assert quiet.filter(other) and quiet.filter(other)
     assert logging.getLogger("DeepSpeed").filters and compat._QUIET  # installed at import
+
+
+def test_an_sp_degree_past_the_head_count_says_the_limit():
+    """Issue 52: SP above the model's heads (the length fits) is not "a config sized for a larger model": the message
+    says the limit and what runs."""
+    from ds_longctx.models import loading
+    from ds_longctx.config import shipped
+
+    cfg = loading.load_model_config(shipped.default_model_config())
+    lc = json.load(open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")))
+    heads = cfg.num_attention_heads
+    with pytest.raises(ConfigError, match=rf"^sequence_parallel_size: {2 * heads} is more ranks than the tiny default "
+                       rf"preset .* has attention heads \({heads}\).*at most {heads} ranks\. Fix: set "
+                       rf"sequence_parallel_size to at most {heads}"):
+        compat.check_model_scale(parse(dict(lc, sequence_parallel_size=2 * heads)), cfg, 512)

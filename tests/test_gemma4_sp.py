@@ -9,9 +9,15 @@ the keys/values of layers 0 and 1, across activation checkpointing) and final-lo
 checks read each layer's shape (models.AttentionShape.layers), 'ulysses' builds DeepSpeed's wrapper per shape, the
 untied function level a head schedule per call.
 
-Tolerance: SGD deltas within 1e-5 (arch_cases.max_delta_error's measure) per tensor, or, for a tensor whose one-process
-gradient itself moves more between two kernels (transformers' eager vs sdpa attention: the q-norm weights of this model,
-4e-5), within 3x that one-process spread: summation order, nothing else."""
+Tolerance, derived in the test from this box's own arithmetic (issue 52: an absolute 1e-5, tuned on one box, failed on
+another at 1.3e-5): the truth is the one-process step in float64; the float32 rounding of this model and batch is
+measured as the largest error (arch_cases.max_delta_error's measure, per tensor) of the one-process float32 steps,
+sdpa and eager, against it; the SP step's deltas must be within 8x that of the truth, per tensor, and its loss within 8x
+the float32 losses' distance to the truth's (plus one float32 ulp). Measured on a 2-core EPYC (2026-11-29): the SP
+steps' largest error 0.8-1.8x that float32 rounding (1.8x: the multimodal model with packed documents, whose layer 0
+and embeddings of the last document have the most cancelling gradients; there, per tensor, up to 4x the one-process
+float32 error of the same tensor), where a real mistake (a mask, a window, a shared key/value layer) moves the loss by
+> 2e-4 (test_the_features_change_the_one_process_loss) and the deltas by orders of magnitude more."""
 import math
 
 import pytest
@@ -96,22 +102,42 @@ def sp_results():
     return runs_per_degree(_worker, CASES)
 
 
+ROUNDING_FACTOR = 8  # the SP step's error vs float64, in units of the one-process float32 steps' error (see above)
+
+
+def truth_and_rounding(kind: str, **mm):
+    """(float64 loss, float64 deltas as float32, the float32 parameters, the float32 loss error, the float32 deltas'
+    error): the one-process truth and the float32 rounding measured against it (sdpa and eager, the larger)."""
+    import torch
+
+    loss64, deltas64, _ = reference(batch(kind), dtype=torch.float64, **mm)
+    truth = {n: d.float() for n, d in deltas64.items()}
+    loss_err, delta_err, params = 0.0, 0.0, None
+    for attn in ("sdpa", "eager"):
+        loss32, deltas32, p32 = reference(batch(kind), attn=attn, **mm)
+        params = params if params is not None else p32
+        loss_err = max(loss_err, abs(loss32 - loss64))
+        delta_err = max(delta_err, max(tensor_errors(truth, deltas32, params).values()))
+    return loss64, truth, params, loss_err, delta_err
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sp", sorted(CASES))
 def test_gemma4_under_sp_equals_one_process(sp, sp_results):
     results = result_or_raise(sp_results[sp])
     for model, kind in sorted({(m, k) for m, _, k in CASES[sp]}):
         mm = dict(CFG, multimodal=model == "gemma4")
-        ref_loss, ref_deltas, params = reference(batch(kind), **mm)
-        spread = tensor_errors(ref_deltas, reference(batch(kind), attn="eager", **mm)[1], params)
+        loss64, truth, params, loss_err, delta_err = truth_and_rounding(kind, **mm)
+        assert 0 < delta_err < 1e-4, delta_err  # the float32 rounding measured, small: the references agree
         for case in CASES[sp]:
             if (case[0], case[2]) != (model, kind):
                 continue
             impl = case[1]
             for rank, r in enumerate(results):
                 loss, deltas = r[case]
-                errs = tensor_errors(ref_deltas, deltas, params)
-                bad = {n: (e, spread[n]) for n, e in errs.items() if e >= max(1e-5, 3 * spread[n])}
-                print(sp, rank, model, impl, kind, ref_loss, loss, max(errs.values()))
-                assert math.isclose(loss, ref_loss, rel_tol=1e-5), (impl, kind, loss, ref_loss)
-                assert not bad, (impl, kind, bad)
+                errs = tensor_errors(truth, deltas, params)
+                bad = {n: e for n, e in errs.items() if e > ROUNDING_FACTOR * delta_err}
+                print(sp, rank, model, impl, kind, loss64, loss, max(errs.values()) / delta_err)
+                ulp32 = math.ulp(loss64) * 2 ** 29  # float32's ulp at the loss (52 - 23 mantissa bits)
+                assert abs(loss - loss64) <= ROUNDING_FACTOR * loss_err + ulp32, (impl, kind, loss, loss64, loss_err)
+                assert not bad, (impl, kind, delta_err, bad)

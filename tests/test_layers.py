@@ -15,7 +15,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 # by job; a folder's modules may sit on several layers (job/checkpoint's low, job/agreement's above the planner).
 KERNELS = tuple(f"attention.kernels.{m}" for m in ("base", "banded", "sdpa", "flash_attn", "ops", "choice",
                                                    "reference"))
-CHECKPOINT = tuple(f"job.checkpoint.{m}" for m in ("tags", "savedir", "resume", "universal", "record", "export"))
+CHECKPOINT = tuple(f"job.checkpoint.{m}" for m in ("tags", "savedir", "resume", "universal", "record", "export",
+                                                                 "manifest"))
 LAYERS = (
     ("leaves", ("_version", "config.shipped", "dist.preemptible", "errors", "config", "config.schema", "loss",
                 "dist.comm", "planner.units", "planner.recurrent", "measure", "measure.fake", "measure.allocator",
@@ -27,7 +28,7 @@ LAYERS = (
                "dist.layout", "dist.launch", "dist.verdicts", "data.batch", "data.sources", "data.token_cache",
                "data.corpus", "measure.formula", "planner.model_states", "planner.rates")),
     ("process and data", ("dist.runtime", "data", "data.loaders", "data.turns", "hf.loader", "eval.evaluate",
-                          "measure.live_bytes", "job.checkpoint", "job.metrics") + CHECKPOINT),
+                          "measure.live_bytes", "job.checkpoint", "job.metrics", "job.adam") + CHECKPOINT),
     ("ops", ("attention.kernels", "attention.documents", "attention.untied", "attention.block", "attention.registry",
              "memory.offload", "memory.nvme", "memory.norm", "memory.checkpointing", "memory.tiling") + KERNELS),
     ("checks and spec", ("patching.checks", "patching.spec", "patching.compat")),

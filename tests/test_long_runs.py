@@ -127,6 +127,8 @@ def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
     assert [ref[s] for s in after] != [ref[s - 1] for s in after]  # the steps really train
     resumed = _losses(tmp_path / "c.jsonl")
     assert sorted(resumed) == after and all(resumed[s] == ref[s] for s in after), (resumed, ref)  # same arithmetic
+    norms = {r["step"]: r["grad_norm"] for r in read_metrics(tmp_path / "a.jsonl")}  # (job/adam.py: bit-equal too)
+    assert all(r["grad_norm"] == norms[r["step"]] for r in read_metrics(tmp_path / "c.jsonl"))
     for name, proc in (("d", one), ("e", four)):
         out = proc.stdout + proc.stderr
         assert f"resumed from {ck.parent / ('ck1' if name == 'd' else 'ck4') / tag} (step {saved}, {4 * saved} " \

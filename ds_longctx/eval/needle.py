@@ -60,9 +60,19 @@ class ByteTokenizer:
         return [b % self.vocab_size for b in text.encode("utf-8")]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        """The bytes as text; ids that are no byte (a model's vocabulary past 256 predicts them too) as ``<id>``."""
         if self.vocab_size < 256:
             return " ".join(str(int(i)) for i in ids)
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        out, run = [], bytearray()
+        for i in (int(i) for i in ids):
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            out.append(f"<{i}>")
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 @dataclass

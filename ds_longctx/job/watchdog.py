@@ -162,7 +162,7 @@ def describe_stack(stack) -> Tuple[str, tuple]:
         return f"torch.distributed.{name}, called from {at}", (name, caller)
     # a collective started with async_op=True is waited on in C++ (Work.wait): no Python frame of torch's, the
     # innermost one is the caller's `handle.wait()` line (DeepSpeed's ZeRO-3 gathers)
-    if re.search(r"\.wait\(\s*\)", linecache.getline(stack[0][0], stack[0][1])):
+    if re.search(r"\.wait\(\s*\)", linecache.getline(stack[0][0], stack[0][1] or 0)):  # (3.11: a line may be None)
         return (f"a wait() on an asynchronous handle (torch.distributed's Work.wait, for a collective started with "
                 f"async_op=True), called from {at}", ("wait", caller))
     return f"code outside torch.distributed, at {at}", (None, caller)

@@ -397,6 +397,12 @@ def check_model_scale(lc, model_config, seq_len: int, model_flag: Optional[str] 
         problems.append(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
     if sp > heads:
         problems.append(f"sequence_parallel_size {sp} exceeds the model's {heads} attention heads")
+        if len(problems) == 1:  # the length fits: the SP degree alone is past what this model's heads allow
+            raise ConfigError("sequence_parallel_size", f"{sp} is more ranks than {which} has attention heads "
+                              f"({heads}): Ulysses gives each rank of an SP group whole heads, so an SP group of "
+                              f"this model has at most {heads} ranks",
+                              f"set sequence_parallel_size to at most {heads} (the rest of the world data-parallel),"
+                              " or train a model with more heads (--model / --model-config)")
     if problems:
         raise ConfigError("--model", f"this config is sized for a larger model than {which}: "
                           + "; ".join(problems),

@@ -42,7 +42,9 @@ from .record import (batch_sizes, layout_record, next_stage, rope_facts, run_rec
 from .resume import ResumePlan, ensure_universal, plan_resume, resume
 from .savedir import SaveDir, checkpoint_bytes, estimate_bytes, open_checkpoints
 from .tags import (HF_CONFIG_DIR, LOCK_FILE, MODEL_KEYS, OLD_PREFIX, PARTITION_KEYS, RECORD_FILE, TMP_PREFIX,
-                   UNIVERSAL_RECORD, UNIVERSAL_SUFFIX, check_tag, find_resume_tag, model_facts, tag_files, tag_for)
+                   UNIVERSAL_RECORD, UNIVERSAL_SUFFIX, check_tag, find_resume_tag, is_tag_dir, model_facts, save_dir_of,
+                   tag_files, tag_for, verify_report)
+from .manifest import verify_tag
 from .universal import convert_to_universal
 
 __all__ = ["SaveDir", "ResumePlan", "open_checkpoints", "resume", "plan_resume", "ensure_universal",
@@ -51,4 +53,5 @@ __all__ = ["SaveDir", "ResumePlan", "open_checkpoints", "resume", "plan_resume",
            "model_facts", "rope_facts", "stage_of", "stage_start_sample", "next_stage", "tag_files", "tag_for",
            "RECORD_FILE", "HF_CONFIG_DIR", "LOCK_FILE", "TMP_PREFIX", "OLD_PREFIX", "UNIVERSAL_SUFFIX",
            "UNIVERSAL_RECORD", "PARTITION_KEYS", "MODEL_KEYS", "SAVE_POINTS", "TEST_KILL_ENV", "TEST_FILL_ENV",
-           "TEST_FILLER"]
+           "TEST_FILLER", "is_tag_dir", "save_dir_of", "verify_report",
+           "verify_tag"]

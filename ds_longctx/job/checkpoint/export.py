@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import socket
 import time
 from typing import Optional, Tuple
 
+from ...dist.runtime import proc_stat
 from ...errors import ConfigError
 from ...models.adapters import is_peft_model
-from .tags import HF_CONFIG_DIR, check_tag, find_resume_tag
+from . import manifest
+from .tags import HF_CONFIG_DIR, TMP_PREFIX, check_tag, find_resume_tag, fsync_dir, is_tag_dir
 from ...dist.verdicts import broadcast, raise_everywhere, rank_world
 
 
@@ -97,19 +101,34 @@ def export_hf(engine, out_dir: str, tokenizer=None, dtype=None, max_shard_size: 
         sd = engine.module.state_dict() if rank == 0 else None
     outcome = None
     if rank == 0:
+        # written beside out_dir under a temporary name and renamed when complete: an export killed midway (the
+        # job's end, a preemption) leaves no half model in out_dir, which would refuse the same command line's
+        # next start ("--save-hf ... is not empty"); the temporary directories of dead exports are removed first
+        out_dir = os.path.abspath(out_dir)
+        parent, base = os.path.split(out_dir)
+        prefix = f"{TMP_PREFIX}{base}-{socket.gethostname()}-"
+        tmp = f"{os.path.join(parent, prefix)}{os.getpid()}"
         try:
+            for entry in os.listdir(parent):
+                pid = entry[len(prefix):]
+                if entry.startswith(prefix) and pid.isdigit() and proc_stat(int(pid)) is None:
+                    shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
             sd = {k: v.detach().to("cpu") for k, v in sd.items()}
             if is_peft_model(engine.module):  # an adapter run: the adapter directory PeftModel.from_pretrained loads
-                _write_peft(out_dir, sd, engine.module, tokenizer=tokenizer, dtype=dtype)
+                _write_peft(tmp, sd, engine.module, tokenizer=tokenizer, dtype=dtype)
             else:
-                write_hf(out_dir, sd, engine.module.config, tokenizer=tokenizer, dtype=dtype,
-                          generation_config=getattr(engine.module, "generation_config", None),
-                          max_shard_size=max_shard_size)
+                write_hf(tmp, sd, engine.module.config, tokenizer=tokenizer, dtype=dtype,
+                         generation_config=getattr(engine.module, "generation_config", None),
+                         max_shard_size=max_shard_size)
+            os.replace(tmp, out_dir)  # (out_dir: absent or empty, checked before step 1)
+            fsync_dir(parent)
         except ConfigError as e:
             outcome = (e.key, e.problem, e.fix)
         except OSError as e:
             outcome = ("--save-hf", f"writing {out_dir!r} failed ({e.strerror}: {e.filename})",
                        "give a writable directory with free space")
+        if outcome is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     raise_everywhere(broadcast(outcome))
     if rank == 0:
         log(exported_line(out_dir, tokenizer, time.monotonic() - t0))
@@ -166,13 +185,17 @@ def export_checkpoint(path: str, out_dir: str, tag: Optional[str] = None, dtype:
 
 def read_tag(path: str, tag: Optional[str] = None, name: str = "checkpoint", log=None) -> Tuple[str, dict, str]:
     """(the tag, its record, its HF config directory) to read from the save directory ``path``: ``tag`` checked
-    complete, or the newest complete one (a note about ``latest`` goes to ``log``)."""
+    complete and by content (every file's checksum), or the newest such one (a note about ``latest`` goes to
+    ``log``)."""
+    if is_tag_dir(path):
+        parent, one = os.path.split(os.path.normpath(path))
+        raise ConfigError(name, f"{path!r} is one tag, not a save directory", f"give {parent!r} and --tag {one}")
     if tag is None:
-        tag, record, note = find_resume_tag(path, name=name)
+        tag, record, note = find_resume_tag(path, name=name, verify=manifest.verify_tag)
         if note and log is not None:
             log(f"warning: {note}")
     else:
-        record, problem = check_tag(path, tag)
+        record, problem = check_tag(path, tag, manifest.verify_tag)
         if problem:
             raise ConfigError("--tag", problem, f"give a complete tag of {path!r} (default: its newest)")
     return tag, record, os.path.join(path, tag, HF_CONFIG_DIR)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 from ...errors import ConfigError
-from .tags import MODEL_KEYS, PARTITION_KEYS, UNIVERSAL_RECORD, UNIVERSAL_SUFFIX, find_resume_tag
+from . import manifest
+from .tags import MODEL_KEYS, PARTITION_KEYS, UNIVERSAL_RECORD, UNIVERSAL_SUFFIX, find_resume_tag, save_dir_of
 from .universal import convert_to_universal
 from ...dist.verdicts import all_gather, broadcast, raise_everywhere, rank_world, ranks_text
 
@@ -119,6 +120,21 @@ def _saved_zero_stages(saved: dict) -> Tuple[int, ...]:
     return ()
 
 
+def verify_on_every_rank(path: str, tag: str, record: dict, problem: Optional[str]) -> Optional[str]:
+    """The content check of a tag in a job (every rank, a collective: called for each tag a resume looks at, with
+    this rank's structural ``problem``): the tag's files split over the ranks (``manifest.shares``: each byte read
+    once per job), each rank hashes its share, every rank gets the first problem any rank found (the same verdict
+    everywhere, so that ``auto`` falls back to the same tag on every rank)."""
+    mine = problem
+    if mine is None:
+        sums = manifest.checksums_of(record)
+        if sums:
+            rank, world = rank_world()
+            share = manifest.shares(manifest.sizes_of(record, sums), world)[rank]
+            mine = manifest.verify(os.path.join(path, tag), sums, share)
+    return next((p for p in all_gather(mine) if p), None)
+
+
 def plan_resume(path: str, current: dict, name: str = "--resume", log=print,
                 new_stage: Optional[str] = None) -> ResumePlan:
     """Decide what resuming from ``path`` means for this run (every rank, same files, same verdict; before
@@ -131,7 +147,8 @@ def plan_resume(path: str, current: dict, name: str = "--resume", log=print,
     --concat-documents (a stage may train on another mixture)."""
     if new_stage not in (None, "restart", "keep"):
         raise ValueError(f"new_stage: {new_stage!r}")
-    tag, saved, note = find_resume_tag(path, name)
+    tag, saved, note = find_resume_tag(path, name, verify=verify_on_every_rank)
+    path = save_dir_of(path)  # ``path`` may name one tag (ck/step40): the tag is relative to its directory
     where = os.path.join(path, tag)
     saved_model, now_model = saved.get("model"), current.get("model")
     if isinstance(saved_model, dict) and isinstance(now_model, dict):
@@ -224,7 +241,7 @@ def ensure_universal(plan: ResumePlan, log=print) -> None:
     outcome = None
     if rank == 0:
         try:
-            convert_to_universal(plan.path, plan.tag, log=log)
+            convert_to_universal(plan.path, plan.tag, log=log, verified=True)  # by every rank: plan_resume
         except ConfigError as e:
             outcome = (plan.name, e.problem, e.fix)
         except OSError as e:

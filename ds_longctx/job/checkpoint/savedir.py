@@ -19,8 +19,8 @@ from ...dist.layout import zero_stage
 from ...errors import ConfigError
 from ...planner.model_states import optimizer_states_per_param
 from ...planner.units import fmt_bytes
-from . import faults
-from .tags import HF_CONFIG_DIR, LOCK_FILE, OLD_PREFIX, RECORD_FILE, TMP_PREFIX, UNIVERSAL_SUFFIX, exchange, free_bytes, fsync_dir, fsync_file, step_of, check_tag, tag_files, tag_for
+from . import faults, manifest
+from .tags import HF_CONFIG_DIR, LOCK_FILE, OLD_PREFIX, RECORD_FILE, TMP_PREFIX, UNIVERSAL_SUFFIX, exchange, free_bytes, fsync_dir, step_of, check_tag, tag_files, tag_for
 from ...dist.verdicts import all_gather, broadcast, raise_everywhere, rank_world, ranks_text
 
 
@@ -257,13 +257,16 @@ class SaveDir:
         written, errors = _save_files(engine, self.path, tmp, dict(client_state or {}, step=step,
                                                                    ds_longctx_layout=record), rank)
         faults.point(rank, "after_files")
-        for path in written:  # durable before the rename makes the tag visible
+        tmp_dir = os.path.join(self.path, tmp)
+        sums = {}
+        for path in written:  # durable before the rename makes the tag visible; read once for its checksum there
             try:
-                fsync_file(path)
+                sums[os.path.relpath(path, tmp_dir)] = manifest.digest_file(path, fsync=True)[1]
             except OSError as e:
-                errors.append(f"{path}: fsync failed ({e.strerror})")
+                errors.append(f"{path}: reading it back for its checksum and fsync failed ({e.strerror})")
         gathered = all_gather({"errors": errors, "bytes": sum(os.path.getsize(p) for p in written
-                                                              if os.path.exists(p)), "free": facts[rank]["free"]})
+                                                              if os.path.exists(p)), "free": facts[rank]["free"],
+                               "checksums": sums})
         failed = [(r, g["errors"][0]) for r, g in enumerate(gathered) if g["errors"]]
         outcome = None
         if rank == 0:
@@ -272,7 +275,8 @@ class SaveDir:
                 group = next(g for g in self.groups if failed[0][0] in g)
                 outcome = self._failure(step, failed, facts[failed[0][0]]["free"], sum(facts[r]["bytes"] for r in group))
             else:
-                outcome = self._publish(tag, tmp, dict(record, step=step), hf_config, tokenizer, rank)
+                checksums = {rel: h for g in gathered for rel, h in g["checksums"].items()}
+                outcome = self._publish(tag, tmp, dict(record, step=step), hf_config, tokenizer, rank, checksums)
         outcome = broadcast(outcome)
         raise_everywhere(outcome)
         self.per_rank_bytes = max(gathered[rank]["bytes"], 1)  # the next save writes what this one wrote
@@ -292,15 +296,27 @@ class SaveDir:
                   f"else filled the filesystem meanwhile, or it failed); the partial save is removed; {keep}",
                 "free space on that filesystem (or save elsewhere), then resume")
 
-    def _publish(self, tag: str, tmp: str, record: dict, hf_config, tokenizer, rank: int):
-        """Rank 0, after every rank's files are durable: record, rename, latest, prune."""
+    def _publish(self, tag: str, tmp: str, record: dict, hf_config, tokenizer, rank: int,
+                 checksums: Optional[dict] = None):
+        """Rank 0, after every rank's files are durable: record (with every file's checksum: ``checksums``, what
+        each rank computed of its files, the HF side files' and any other file's here), rename, latest, prune."""
         tmp_dir, tag_dir = os.path.join(self.path, tmp), os.path.join(self.path, tag)
+        checksums = dict(checksums or {})
         try:
             if hf_config is not None or tokenizer is not None:
-                _save_hf_side_files(os.path.join(tmp_dir, HF_CONFIG_DIR), hf_config, tokenizer)
+                hf_dir = os.path.join(tmp_dir, HF_CONFIG_DIR)
+                _save_hf_side_files(hf_dir, hf_config, tokenizer)
+                for root, _, names in os.walk(hf_dir):
+                    for n in names:
+                        full = os.path.join(root, n)
+                        checksums[os.path.relpath(full, tmp_dir)] = manifest.digest_file(full, fsync=True)[1]
+            files = tag_files(tmp_dir)
+            unknown = sorted(set(files) - set(checksums))  # a file no rank reported writing (DeepSpeed's own)
+            checksums.update(manifest.digest_files(tmp_dir, unknown))
             faults.point(rank, "before_record")
-            atomic_write(os.path.join(tmp_dir, RECORD_FILE),
-                          json.dumps(dict(record, files=tag_files(tmp_dir)), indent=1, default=str))
+            atomic_write(os.path.join(tmp_dir, RECORD_FILE), manifest.sealed_record_text(
+                dict(record, files=files, checksums={"algorithm": manifest.ALGORITHM, "files": dict(sorted(
+                    checksums.items()))})))
             faults.point(rank, "after_record")
             old = None
             if os.path.exists(tag_dir):  # the same step saved again: never write in place of a complete tag

@@ -12,6 +12,7 @@ import time
 
 from ...dist.runtime import proc_stat
 from ...errors import ConfigError
+from . import manifest
 from .tags import TMP_PREFIX, UNIVERSAL_RECORD, UNIVERSAL_SUFFIX, fsync_dir, check_tag
 
 
@@ -60,22 +61,42 @@ def _remove_dead_conversions(path: str, out_tag: str) -> None:
             shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
 
 
-def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> str:
+def _reusable(out: str, marker: str, record: dict, log) -> bool:
+    """An existing conversion is of this tag's content and its own files match the checksums it recorded (one
+    process reads them all: a damaged conversion is converted again, said)."""
+    try:
+        with open(marker) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if saved.get("source_files") != record.get("files") or \
+            saved.get("source_checksums") != manifest.checksums_of(record):
+        return False
+    sums = saved.get("checksums")
+    problem = manifest.verify(out, sums) if isinstance(sums, dict) else None
+    if problem:
+        log(f"warning: the universal checkpoint {out!r} is damaged ({problem}): converting again")
+        return False
+    return True
+
+
+def convert_to_universal(path: str, tag: str, workers: int = 1, log=print, verified: bool = False) -> str:
     """DeepSpeed's ``ds_to_universal`` of ``path/tag`` into ``path/tag.universal`` (written under a temporary
-    name, renamed when complete; reused when already there). Returns the universal tag. One process."""
+    name, renamed when complete; reused when already there and intact). The source tag is verified by content
+    first (``verified``: the caller did, on every rank); the output's checksums go into its marker
+    (:data:`UNIVERSAL_RECORD`). Returns the universal tag. One process."""
     from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
     out_tag = tag + UNIVERSAL_SUFFIX
     out = os.path.join(path, out_tag)
     src = os.path.join(path, tag)
     marker = os.path.join(out, UNIVERSAL_RECORD)
-    record, problem = check_tag(path, tag)
+    record, problem = check_tag(path, tag, None if verified else manifest.verify_tag)
     if problem:
         raise ConfigError("checkpoint", problem, "convert a complete checkpoint")
     if os.path.isfile(marker):
-        with open(marker) as f:
-            if json.load(f).get("source_files") == record.get("files"):
-                return out_tag
+        if _reusable(out, marker, record, log):
+            return out_tag
         shutil.rmtree(out)
     _remove_dead_conversions(path, out_tag)
     tmp = os.path.join(path, f"{TMP_PREFIX}{out_tag}-{socket.gethostname()}-{os.getpid()}")
@@ -104,8 +125,15 @@ def convert_to_universal(path: str, tag: str, workers: int = 1, log=print) -> st
             os.remove(os.path.join(path, "latest_universal"))
         except OSError:
             pass
+    sums = {}
+    for root, _, names in os.walk(tmp):
+        for n in names:
+            full = os.path.join(root, n)
+            sums[os.path.relpath(full, tmp)] = manifest.digest_file(full, fsync=True)[1]
     with open(os.path.join(tmp, UNIVERSAL_RECORD), "w") as f:
-        json.dump({"source_tag": tag, "source_files": record.get("files"), "seconds": time.monotonic() - t0}, f)
+        json.dump({"source_tag": tag, "source_files": record.get("files"),
+                   "source_checksums": manifest.checksums_of(record), "algorithm": manifest.ALGORITHM,
+                   "checksums": sums, "seconds": time.monotonic() - t0}, f)
     try:
         os.rename(tmp, out)
     except OSError as e:  # another job converted the same tag meanwhile: theirs is complete (renamed last)
