@@ -37,7 +37,7 @@ LAYERS = (
     ("planner and profiler", ("planner", "planner.simulate", "planner.host", "planner.search", "planner.core",
                               "planner.cli", "job.profiler")),
     ("orchestration", ("", "initialize", "hf.integration", "job.agreement", "job.hostmem", "job.watchdog",
-                       "job.preflight", "objectives.logprobs")),
+                       "job.preflight", "objectives.logprobs", "hf.rl")),
     ("the commands", ("train", "train.__main__", "train.args", "train.stages", "train.job", "train.loop",
                       "eval.needle", "eval.needle_cli", "cli")),
 )

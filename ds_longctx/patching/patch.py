@@ -21,7 +21,7 @@ from ..attention.hf import install_untied
 from ..attention.mixers import install_mixers
 from ..attention.ulysses import install_ulysses
 from ..data.batch import REAL_KEY
-from .compat import causal_lm_output, fused_lm_head_output
+from .compat import causal_lm_output, fused_lm_head_output, replace_deepspeed_ulysses_registration
 from ..errors import BatchError, ConfigError
 from ..loss import causal_lm_loss_sum, shift_labels_of
 from ..memory import apply_memory_stack
@@ -433,6 +433,9 @@ def suspended(model):
         return
     target, spec = handle.model, handle.spec
     handle.remove()
+    # releasing our attention puts back a DeepSpeed Ulysses wrapper that register_with_transformers (Accelerate) had
+    # written in transformers' table: keep it out while the model runs unpatched (it would all-to-all whole sequences)
+    replace_deepspeed_ulysses_registration()
     try:
         yield model
     finally:
