@@ -53,6 +53,15 @@ class TokenLogprobs:
     def _rows(self) -> torch.Tensor:
         return self.packing.token_rows()[self.shard].to(self.mask.device)
 
+    def per_token(self, row_values: torch.Tensor) -> torch.Tensor:
+        """``[1, n]``: each of this shard's tokens given its batch row's value (``row_values`` ``[B]``: an advantage,
+        a sequence-level weight); 0 on the packing's padding."""
+        rows = self._rows()
+        out = row_values.new_zeros(rows.shape[0])
+        keep = rows >= 0
+        out[keep] = row_values[rows[keep]]
+        return out[None]
+
     def sequence_sums(self, values: torch.Tensor) -> torch.Tensor:
         """``[B]``: per batch row, the sum of ``values`` (``[1, n]``, this shard's tokens) over its scored tokens,
         summed over the group."""
