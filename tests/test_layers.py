@@ -27,7 +27,7 @@ LAYERS = (
                "dist.layout", "dist.launch", "dist.verdicts", "data.batch", "data.sources", "data.token_cache",
                "data.corpus", "measure.formula", "planner.model_states", "planner.rates")),
     ("process and data", ("dist.runtime", "data", "data.loaders", "data.turns", "hf.loader", "eval.evaluate",
-                          "measure.live_bytes", "job.checkpoint", "job.metrics", "objectives.pack", "objectives.reduce") + CHECKPOINT),
+                          "measure.live_bytes", "job.checkpoint", "job.metrics", "objectives.pack", "objectives.reduce", "objectives.distill") + CHECKPOINT),
     ("ops", ("attention.kernels", "attention.documents", "attention.untied", "attention.block", "attention.registry",
              "memory.offload", "memory.nvme", "memory.norm", "memory.checkpointing", "memory.tiling") + KERNELS),
     ("checks and spec", ("patching.checks", "patching.spec", "patching.compat")),

@@ -54,7 +54,8 @@ from ..config import SECTION
 from ..dist.comm import sp_group
 from ..errors import BatchError, ConfigError
 from ..models import text_config
-from ..patching.patch import FUSED_SETTINGS, suspended
+from ..objectives.distill import sharded_compute_loss
+from ..patching.patch import FUSED_SETTINGS, get_patch, suspended
 
 _TRL = "trl.trainer"
 _RL_MODULES = ("grpo_trainer", "rloo_trainer", "distillation_trainer")
@@ -139,6 +140,11 @@ def install(table) -> None:
         if "_calculate_rewards" in klass.__dict__:
             table.install(f"rl:{cls}._calculate_rewards", klass, "_calculate_rewards",
                           _group_rewards(klass.__dict__["_calculate_rewards"]), klass.__dict__["_calculate_rewards"])
+    m = _module("distillation_trainer")
+    klass = getattr(m, "DistillationTrainer", None) if m is not None else None
+    if klass is not None and "_compute_loss" in klass.__dict__:
+        table.install("rl:DistillationTrainer._compute_loss", klass, "_compute_loss",
+                      sharded_compute_loss(klass.__dict__["_compute_loss"], _sp_layout), klass.__dict__["_compute_loss"])
     table.install("rl:active_view", _STATE, "view", None)  # disable() forgets the layout of the last RL trainer
 
 
@@ -539,6 +545,16 @@ def _sp_group_of(trainer):
         return None
     group = sp_group()
     return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def _sp_layout(trainer):
+    """(sp, group, grad_scale) when ``trainer`` runs under the SP view (objectives/distill.py), else None."""
+    group = _sp_group_of(trainer)
+    if group is None:
+        return None
+    patch = get_patch(trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model)
+    grad_scale = patch.spec.grad_scale if patch is not None else 1.0
+    return dist.get_world_size(group), group, grad_scale
 
 
 def _from_sp_rank0(obj, group):

@@ -125,6 +125,9 @@ def _install_temperature(model, attention, spec: LongContextSpec) -> Optional[_T
 # FUSED_SETTINGS: ``{"temperature": T}``), else 1
 TEMPERATURE_KWARG = "logit_temperature"
 FUSED_SETTINGS = "_ds_longctx_fused_head"
+# ``model(**shard, ds_longctx_hidden=True)``: the decoder's last hidden state of this shard (objectives/distill.py
+# projects the student's and the teacher's through their lm_heads itself)
+HIDDEN_KWARG = "ds_longctx_hidden"
 
 
 def with_temperature(logit_fn, temperature: float):
@@ -164,6 +167,7 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
             return orig_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **kwargs)
         fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's fused LM head (SFTTrainer's loss and metrics)
+        hidden_only = bool(kwargs.pop(HIDDEN_KWARG, False))
         temperature = kwargs.pop(TEMPERATURE_KWARG, None)
         if temperature is None:
             temperature = (getattr(self, FUSED_SETTINGS, None) or {}).get("temperature", 1.0)
@@ -186,6 +190,8 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
         out = decoder_of(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False, **kwargs)
         hidden = out.last_hidden_state
+        if hidden_only:
+            return out
         logits = None
         if fused:  # TRL's per-token fields, tile by tile (as TRL's own fused head: no [b, s, vocab] logits)
             fields = tiled_token_fields(hidden, self.lm_head, shift_labels, spec.loss_shards if tiled.enabled else None,
