@@ -25,7 +25,7 @@ LAYERS = (
                "models.windows", "models.logits", "models.loading", "models.hybrid", "models.adapters", "models.rope",
                "models.temperature", "models.moe", "models.packing", "models.weights", "config.rope_scaling",
                "dist.layout", "dist.launch", "dist.verdicts", "data.batch", "data.sources", "data.token_cache",
-               "data.corpus", "measure.formula", "planner.model_states", "planner.rates")),
+               "data.corpus", "measure.formula", "planner.model_states", "planner.rates", "planner.objectives")),
     ("process and data", ("dist.runtime", "data", "data.loaders", "data.turns", "hf.loader", "eval.evaluate",
                           "measure.live_bytes", "job.checkpoint", "job.metrics", "objectives.pack", "objectives.reduce", "objectives.distill") + CHECKPOINT),
     ("ops", ("attention.kernels", "attention.documents", "attention.untied", "attention.block", "attention.registry",
