@@ -129,6 +129,11 @@ def test_config_gate_and_refusals():
             rl.check_rl_trainer(trainer(lc, use_vllm=True), 2)
         with pytest.raises(ConfigError, match="ds3_gather_for_generation.*keep ds3_gather_for_generation=True"):
             rl.check_rl_trainer(trainer(lc, ds3_gather_for_generation=False), 2)
+        moe = trainer(lc)
+        moe.model.config = types.SimpleNamespace(model_type="qwen3_next", output_router_logits=False,
+                                                 router_aux_loss_coef=0.001)
+        with pytest.raises(ConfigError, match="router_aux_loss_coef: is 0.001.*set router_aux_loss_coef=0.0"):
+            rl.check_rl_trainer(moe, 2)
         with pytest.raises(ConfigError, match="precompute_ref_log_probs"):
             rl.check_rl_trainer(trainer(lc, precompute_ref_log_probs=True), 2)
         rl.check_rl_trainer(trainer(lc), 2)  # what runs exactly passes

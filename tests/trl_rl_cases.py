@@ -33,28 +33,40 @@ def reward_t7(completions, **kwargs):
     return [sum(w in ("t7", "t8") for w in c.split()) - 0.1 * len(c.split()) for c in completions]
 
 
-_DIRS: list = []
+_DIRS: dict = {}
 
 
-def model_dir(rank: int) -> str:
-    """The tiny Llama (examples/_common.tiny_model, seed 0) saved once per spawn by rank 0 (transformers' save_pretrained
-    writes on rank 0 only) in a fresh shared directory, removed at exit."""
-    if not _DIRS:
+def _build(family: str):
+    import eco_cases  # noqa: F401  (examples/ on sys.path)
+    from _common import tiny_model
+
+    if family == "llama":
+        return tiny_model(seed=0)
+    import rl_cases  # the hybrid (Qwen3-Next: Gated DeltaNet + attention, MoE) and MLA (DeepSeek-V3) of item 1
+
+    model = rl_cases.build(family)
+    model.config.eos_token_id, model.config.pad_token_id = 1, 0  # the word-level tokenizer's
+    return model
+
+
+def model_dir(rank: int, family: str = "llama") -> str:
+    """The family's tiny model (Llama: examples/_common.tiny_model, seed 0) saved once per spawn by rank 0
+    (transformers' save_pretrained writes on rank 0 only) in a fresh shared directory, removed at exit."""
+    if family not in _DIRS:
         import atexit
         import shutil
 
         import torch.distributed as dist
 
         import eco_cases
-        from _common import tiny_model
 
         path = eco_cases.shared_tmpdir(rank)
         if rank == 0:
-            tiny_model(seed=0).save_pretrained(path)
+            _build(family).save_pretrained(path)
             atexit.register(shutil.rmtree, path, ignore_errors=True)
         dist.barrier()
-        _DIRS.append(path)
-    return _DIRS[0]
+        _DIRS[family] = path
+    return _DIRS[family]
 
 
 def ds_config(sp: int, long_context: bool = True, impl: str = "untied_ulysses", stack: bool = True) -> dict:
@@ -79,6 +91,12 @@ CASES = {
     "lora": ("grpo", dict(loss_type="grpo", beta=0.04, num_iterations=2), True),
     "rloo": ("rloo", dict(beta=0.04, num_iterations=2), False),
     "rloo_b0": ("rloo", dict(beta=0.0, num_iterations=1), False),
+    # the families of 2026 beyond Llama: a hybrid (Gated DeltaNet) and multi-head latent attention, whole stack
+    # (MoE models: router_aux_loss_coef 0, the load-balancing loss is refused under SP: hf/rl.check_rl_trainer)
+    "hybrid": ("grpo", dict(loss_type="dapo", beta=0.04, num_iterations=2, router_aux_loss_coef=0.0), False,
+               "qwen3_next"),
+    "mla": ("grpo", dict(loss_type="grpo", beta=0.04, num_iterations=1, router_aux_loss_coef=0.0), False,
+            "deepseek_v3"),
 }
 
 
@@ -91,12 +109,12 @@ def train(case: str, sp: int, rank: int, use_ds_longctx: bool = True, impl: str 
 
     import ds_longctx
 
-    kind, overrides, lora = CASES[case]
+    kind, overrides, lora, *family = CASES[case]
     if kind == "grpo":
         from trl import GRPOConfig as Config, GRPOTrainer as Trainer
     else:
         from trl import RLOOConfig as Config, RLOOTrainer as Trainer
-    path = model_dir(rank)  # saved before the DeepSpeed config exists (ZeRO-3 would build it partitioned)
+    path = model_dir(rank, *family)  # saved before the DeepSpeed config exists (ZeRO-3 would build it partitioned)
     if use_ds_longctx:
         ds_longctx.enable()
     kw = {}

@@ -487,11 +487,16 @@ def check_rl_trainer(trainer, sp: int) -> None:
                           "keep ds3_gather_for_generation=True (TRL's default)")
     model = getattr(trainer, "model", None)
     config = getattr(model, "config", None)
-    if config is not None and getattr(text_config(config), "output_router_logits", False):
-        raise ConfigError("model.config.output_router_logits", f"is true for {name} under sequence parallelism: TRL "
-                          "adds the router's load-balancing loss through its fused LM head, which ds_longctx's "
-                          "per-token path does not compute", "set output_router_logits=False (a different objective: "
-                          "no load-balancing loss), or train with sp_size=1")
+    tc = text_config(config) if config is not None else None
+    coef = getattr(args, "router_aux_loss_coef", None)
+    coef = getattr(tc, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if tc is not None and hasattr(tc, "output_router_logits") and coef:
+        # TRL's rule (aux_loss_enabled): a mixture-of-experts config and a non-zero coefficient
+        raise ConfigError("router_aux_loss_coef", f"is {coef} for {name}'s mixture-of-experts model under sequence "
+                          "parallelism: TRL then adds the router's load-balancing loss through its fused LM head, "
+                          "which ds_longctx's per-token path does not compute yet",
+                          f"set router_aux_loss_coef=0.0 in {type(args).__name__} (no load-balancing loss: a different "
+                          "objective), or train with sp_size=1")
     if getattr(args, "precompute_ref_log_probs", False):
         raise ConfigError("precompute_ref_log_probs", f"is true for {name} under sequence parallelism: TRL computes "
                           "them before training on an engine it builds around the policy itself, which ds_longctx "
