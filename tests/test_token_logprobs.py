@@ -50,10 +50,14 @@ def test_token_logprobs_equal_one_process(sp, case, runs):
         for kind in KINDS:
             lp, ent, kl, loss = out[kind]
             rlp, rent, rkl, rloss = ref[kind]
-            print(sp, case, kind, rank, _rel(lp, rlp), _rel(ent, rent), _rel(kl, rkl), loss, rloss)
+            print(f"RESULT sp={sp} {family} {impl} {kind} rank={rank} lp={_rel(lp, rlp):.1e} ent={_rel(ent, rent):.1e} "
+                  f"kl_abs={float((kl - rkl).abs().max()):.1e} loss={loss:.7f} ref={rloss:.7f}")
             assert _rel(lp, rlp) < 1e-6 and _rel(ent, rent) < 1e-6, (sp, case, kind)
             assert float((kl - rkl).abs().max()) < 1e-6 * float(rlp.abs().max()), (sp, case, kind)
             assert math.isclose(loss, rloss, rel_tol=1e-5), (sp, case, kind, loss, rloss)
+        print(f"RESULT sp={sp} {family} {impl} rank={rank} delta_err="
+              f"{max(float((deltas[n] - ref_deltas[n]).abs().max()) for n in ref_deltas):.1e} delta_max="
+              f"{max(float(d.abs().max()) for d in ref_deltas.values()):.1e}")
         bad = {n: float((deltas[n] - ref_deltas[n]).abs().max()) for n in ref_deltas
                if not torch.allclose(deltas[n], ref_deltas[n], rtol=1e-4, atol=1e-6)}
         assert not bad, (sp, case, bad)

@@ -48,7 +48,9 @@ def test_preference_and_distillation_equal_one_process(case, runs):
     assert max(float(d.abs().max()) for d in moved.values()) > 0, case
     for rank, r in enumerate(result_or_raise(runs[0])):
         got = r[case]
-        print(case, rank, got["losses"], want["losses"])
+        err = max(float((got["after"][n] - got["before"][n] - moved[n]).abs().max()) for n in moved)
+        print(f"RESULT {case} rank={rank} losses={got['losses']} ref={want['losses']} delta_err={err:.2e} "
+              f"delta_max={max(float(d.abs().max()) for d in moved.values()):.2e}")
         assert len(got["losses"]) == len(want["losses"]) == 2, (case, got["losses"])
         for a, b in zip(got["losses"], want["losses"]):
             assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), (case, got["losses"], want["losses"])

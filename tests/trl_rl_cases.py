@@ -101,10 +101,11 @@ CASES = {
 
 
 def train(case: str, sp: int, rank: int, use_ds_longctx: bool = True, impl: str = "untied_ulysses",
-          stack: bool = True) -> dict:
+          stack: bool = True, dp: int = 1) -> dict:
     """``case`` trained ``STEPS`` steps; returns per-step losses, the completions generated (in order), the
     parameters before/after (gathered; LoRA: the adapters), and what the packing saw (documents crossing a shard edge).
-    ``use_ds_longctx=False``: TRL alone (the one-process reference, sp must be 1)."""
+    ``use_ds_longctx=False``: TRL alone (the reference, sp must be 1); ``dp``: data-parallel replicas of the SP groups
+    (world = sp x dp)."""
     from peft import LoraConfig
 
     import ds_longctx
@@ -122,7 +123,8 @@ def train(case: str, sp: int, rank: int, use_ds_longctx: bool = True, impl: str 
         from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
 
         kw["parallelism_config"] = ParallelismConfig(
-            sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
+            sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+            **({"dp_replicate_size": dp} if dp > 1 else {}))
     args = Config(output_dir=f"/tmp/ds_longctx_rl_{case}_{rank}", per_device_train_batch_size=4, num_generations=2,
                   max_completion_length=6, max_steps=STEPS, learning_rate=LR, optim="sgd", bf16=False,
                   lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,

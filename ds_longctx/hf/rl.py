@@ -32,6 +32,7 @@ What ``install`` patches, each through the PatchTable enable() owns (undone by `
 * ``_generate`` (GRPO, RLOO, distillation): every rank of the group starts from SP rank 0's random state and ends with
   SP rank 0's completions and random state (TRL seeds each process differently); ``_calculate_rewards`` (GRPO,
   RLOO): SP rank 0's rewards (a non-deterministic reward function cannot split the group).
+* ``set_seed`` in those modules: ``device_specific`` seeds by the data-parallel rank (TRL at ``world / sp`` processes).
 * ``prepare_deepspeed`` in the GRPO and RLOO modules: a reward model (no lm_head) is prepared without the
   ``long_context`` section and the SP degree (it scores whole texts on each rank).
 * ``DistillationTrainer._compute_loss`` (it calls the backbones itself): see objectives/distill.py.
@@ -121,6 +122,8 @@ def install(table) -> None:
         if hasattr(m, "prepare_deepspeed"):
             table.install(f"rl:{mod}.prepare_deepspeed", m, "prepare_deepspeed",
                           _prepare_reward_models(m.prepare_deepspeed))
+        if hasattr(m, "set_seed"):
+            table.install(f"rl:{mod}.set_seed", m, "set_seed", _dp_seeded(m.set_seed))
     utils = _module("utils")
     original_fused = getattr(utils, "add_fused_lm_head", None)
     if original_fused is not None:
@@ -560,6 +563,19 @@ def _sp_layout(trainer):
     patch = get_patch(trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model)
     grad_scale = patch.spec.grad_scale if patch is not None else 1.0
     return dist.get_world_size(group), group, grad_scale
+
+
+def _dp_seeded(original):
+    """TRL's ``set_seed(seed, device_specific=True)`` adds the process index: under the SP view, the data-parallel
+    rank (the group is one process), so an SP run draws what TRL at ``world / sp`` processes draws."""
+    @functools.wraps(original)
+    def set_seed(seed, device_specific: bool = False, *args, **kwargs):
+        view = _STATE.view
+        if device_specific and view is not None:
+            return original(seed + view.dp_rank, False, *args, **kwargs)
+        return original(seed, device_specific, *args, **kwargs)
+
+    return set_seed
 
 
 def _from_sp_rank0(obj, group):
