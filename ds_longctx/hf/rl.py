@@ -45,7 +45,6 @@ import hashlib
 import importlib
 import pickle
 import random
-import weakref
 from typing import Optional
 
 import torch
