@@ -8,7 +8,9 @@ partitioned construction), ``LongContextConfig`` and ``plan`` (the memory planne
 ``main_guard``/``run`` (an error on any rank ends the whole job); for runs of days, ``resume`` (before
 ``initialize``: what a checkpoint continues, on any layout), ``open_checkpoints`` (after it: the checked, locked save
 directory whose ``save`` writes a tag that cannot be lost), ``export_hf`` (a model ``from_pretrained`` loads) and
-``reserve_offload_storage`` (NVMe offload's bytes, before step 1).
+``reserve_offload_storage`` (NVMe offload's bytes, before step 1); for RL and preference objectives,
+``token_logprobs`` (per-token log-probabilities of given tokens on this rank's shard, and their reductions over the
+SP group) and ``suspended`` (the model as transformers built it, for generation on whole sequences).
 """
 from ._version import __version__
 from .job.checkpoint import export_hf, open_checkpoints, resume
@@ -17,9 +19,10 @@ from .errors import BatchError, ConfigError, LongContextError
 # Imported eagerly (initialize.py imports no DeepSpeed at import time): binding the function here, after
 # the submodule of the same name loaded, keeps `ds_longctx.initialize` the function for good.
 from .initialize import initialize, model_init
-from .patching.patch import patch_model
+from .patching.patch import patch_model, suspended
 from .dist.runtime import main_guard, run, shutdown
 from .job.preflight import reserve_offload_storage
+from .objectives.logprobs import TokenLogprobs, token_logprobs
 from .patching.spec import LongContextSpec
 
 
@@ -56,5 +59,5 @@ def plan(*args, **kwargs):
 
 __all__ = ["initialize", "model_init", "enable", "disable", "plan", "shutdown", "main_guard", "run", "LongContextConfig",
            "ConfigError", "BatchError", "LongContextError", "LongContextSpec", "patch_model", "resume",
-           "open_checkpoints", "export_hf", "reserve_offload_storage",
+           "open_checkpoints", "export_hf", "reserve_offload_storage", "token_logprobs", "TokenLogprobs", "suspended",
            "__version__"]

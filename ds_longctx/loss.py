@@ -41,10 +41,12 @@ def shift_labels_of(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
-def fused_token_fields(logits: torch.Tensor, shift_labels: torch.Tensor) -> dict:
+def fused_token_fields(logits: torch.Tensor, shift_labels: torch.Tensor, metrics: bool = True) -> dict:
     """TRL's fused LM head's per-token fields (``trl.trainer.utils.add_fused_lm_head``) from fp32 logits
     [b, s, vocab] and pre-shifted labels [b, s]: the label's log-probability, the entropy of the next-token
-    distribution, whether the label is its first arg-max, and the label mask; zero where the label is ignored."""
+    distribution, whether the label is its first arg-max, and the label mask; with ``metrics`` also the mean logit
+    over the vocabulary and ``log(sum_v p_v^2)`` (DPO's logit metrics and WPO weights), without gradient; zero where
+    the label is ignored."""
     labels = shift_labels.to(logits.device)
     mask = labels != IGNORE_INDEX
     logp = torch.log_softmax(logits, dim=-1)
@@ -52,4 +54,9 @@ def fused_token_fields(logits: torch.Tensor, shift_labels: torch.Tensor) -> dict
     log_probs = logp.gather(-1, safe).squeeze(-1).masked_fill(~mask, 0.0)
     entropy = -(logp.exp() * logp).sum(-1).masked_fill(~mask, 0.0)
     is_top1 = (logits.detach().argmax(-1) == labels) & mask
-    return {"log_probs": log_probs, "entropy": entropy, "is_top1": is_top1, "label_mask": mask}
+    out = {"log_probs": log_probs, "entropy": entropy, "is_top1": is_top1, "label_mask": mask}
+    if metrics:
+        with torch.no_grad():
+            out["mean_logits"] = logits.detach().mean(-1).masked_fill(~mask, 0.0)
+            out["log_sum_sq_probs"] = torch.logsumexp(2 * logp.detach(), dim=-1).masked_fill(~mask, 0.0)
+    return out

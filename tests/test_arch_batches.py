@@ -105,7 +105,11 @@ def _engines(rank, world):
     hand_cut = {k: v for k, v in shard.items() if k != "doc_cu_seqlens"}
     mask4d = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
     out["mask_4d"] = config_error(lambda: engine(**hand_cut, attention_mask=mask4d))
-    out["full_train"] = config_error(lambda: engine(**dict(full, position_ids=torch.arange(16)[None])))
+    # a full batch in training: refused where the ranks hold different ones; the same on every rank (after generation)
+    # is sharded by the forward itself (objectives/replicated.py)
+    own_full = sample(16, seed=20 + rank)
+    out["full_train"] = config_error(lambda: engine(**dict(own_full, position_ids=torch.arange(16)[None])))
+    out["full_same_train"] = engine(**dict(full, position_ids=torch.arange(16)[None])).loss.item()
     out["full_no_labels"] = config_error(lambda: engine(input_ids=full["input_ids"],
                                                         position_ids=torch.arange(16)[None]))
     # evaluation, plain loop: every rank its own full-length batch, sharded over the group in turns
@@ -163,6 +167,7 @@ def test_architectures_and_batch_faults_at_sp2(spawns):
         assert r["eval_turns"] == [[(1, 8), (1, 8)], [(1, 8)]], r["eval_turns"]
         assert isclose(r["eval_own"], r["eval_ref"][rank], 1e-5), (rank, r["eval_own"], r["eval_ref"])
         assert isclose(r["eval_same"], r["eval_ref_same"], 1e-5)
+        assert isclose(r["full_same_train"], r["eval_ref_same"], 1e-5)
     assert res[0]["eval_own"] != res[1]["eval_own"]
 
 

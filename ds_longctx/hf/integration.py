@@ -58,7 +58,10 @@ before any collective, every rank alike) unless the accelerator's DeepSpeed conf
 checks.check_sp_attention_pattern). 'eager' stays refused when the config is built (ds_longctx does not run it
 under SP either), with the fix named.
 
-All eight patches are process-global; this module is their one owner. ``disable()`` undoes them.
+TRL's RL and preference trainers (GRPO, RLOO, DPO, distillation) under SP: hf/rl.py's patches, installed into the
+same table (the SP group as one TRL process; the batch built after generation sharded inside the model call).
+
+All these patches are process-global; this module is their one owner. ``disable()`` undoes them.
 """
 from __future__ import annotations
 
@@ -77,6 +80,7 @@ from ..models import attention_shape, text_config
 from ..models.hybrid import runs_layer_type
 from ..patching.patch import get_patch
 from .patches import PatchTable
+from . import rl
 
 # every patch enable() installs, with its original (hf/patches.py): "initialize" -> deepspeed.initialize, "sp_loss" ->
 # transformers' SP loss, "sp_adapter" -> DeepSpeed's UlyssesSPDataLoaderAdapter, "register" ->
@@ -114,6 +118,7 @@ def enable() -> None:
     _install_skip()
     _install_recurrent_gate()
     _install_sp_attn_gate()
+    rl.install(_ORIGINALS)  # TRL's RL and preference trainers under SP (hf/rl.py)
     try:
         import transformers.trainer as hf_trainer
     except ImportError:  # no transformers Trainer in this environment: nothing to patch there

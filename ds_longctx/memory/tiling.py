@@ -481,20 +481,21 @@ class TiledTokenFields(torch.autograd.Function):
     def forward(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, *anchors):
         _save_tiling(ctx, hidden, labels, lm_head, shards, params, shared, logit_fn, anchors)
         ctx.set_materialize_grads(False)
-        parts = {"log_probs": [], "entropy": [], "is_top1": []}
+        names = ("log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs")
+        parts = {k: [] for k in names}
         with torch.no_grad():
             for xp, yp in _row_tiles(hidden, labels, shards):
                 f = fused_token_fields(lm_logits(lm_head, xp, logit_fn), yp)
                 for k, v in parts.items():
                     v.append(f[k])
-        lp, ent, top1 = (torch.cat(parts[k]).view(labels.shape) for k in ("log_probs", "entropy", "is_top1"))
-        ctx.mark_non_differentiable(top1)
-        return lp, ent, top1
+        lp, ent, top1, mean, sq = (torch.cat(parts[k]).view(labels.shape) for k in names)
+        ctx.mark_non_differentiable(top1, mean, sq)
+        return lp, ent, top1, mean, sq
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent, _g_top1):
+    def backward(ctx, g_lp, g_ent, _g_top1, _g_mean, _g_sq):
         def tile(xp, yp, rows):
-            f = fused_token_fields(lm_logits(ctx.lm_head, xp, ctx.logit_fn), yp)
+            f = fused_token_fields(lm_logits(ctx.lm_head, xp, ctx.logit_fn), yp, metrics=False)
             outs, grads = [], []
             for out, g in ((f["log_probs"], g_lp), (f["entropy"], g_ent)):
                 if g is not None and out.requires_grad:
@@ -526,12 +527,13 @@ def _apply_tiled(function, name, hidden, lm_head, shift_labels, shards, logit_fn
 
 def tiled_token_fields(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,
                        shards: Optional[int] = None, logit_fn=None, shared: Sequence[torch.Tensor] = ()) -> dict:
-    """TRL's fused LM head fields ({log_probs, entropy, is_top1, label_mask}, each [b, s_local]) without
-    [seq, vocab] logits: what ``loss.fused_token_fields`` gives from full logits, tile by tile. Arguments as
+    """TRL's fused LM head fields ({log_probs, entropy, is_top1, label_mask, mean_logits, log_sum_sq_probs}, each
+    [b, s_local]) without [seq, vocab] logits: what ``loss.fused_token_fields`` gives from full logits, tile by tile. Arguments as
     :func:`tiled_causal_lm_loss_sum`."""
-    (lp, ent, top1), labels = _apply_tiled(TiledTokenFields, "tiled_token_fields", hidden, lm_head, shift_labels,
-                                           shards, logit_fn, shared)
-    return {"log_probs": lp, "entropy": ent, "is_top1": top1, "label_mask": labels != IGNORE_INDEX}
+    (lp, ent, top1, mean, sq), labels = _apply_tiled(TiledTokenFields, "tiled_token_fields", hidden, lm_head,
+                                                     shift_labels, shards, logit_fn, shared)
+    return {"log_probs": lp, "entropy": ent, "is_top1": top1, "label_mask": labels != IGNORE_INDEX,
+            "mean_logits": mean, "log_sum_sq_probs": sq}
 
 
 def tiled_causal_lm_loss_sum(hidden: torch.Tensor, lm_head: torch.nn.Module, shift_labels: torch.Tensor,

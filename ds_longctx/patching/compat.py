@@ -252,7 +252,7 @@ def causal_lm_output(loss, logits, tiled_loss: bool, evaluating: bool = False):
 
 
 # per-token fields of TRL's fused LM head (trl.trainer.utils.FusedCausalLMOutput), which ds_longctx computes
-FUSED_FIELDS = ("log_probs", "entropy", "is_top1", "label_mask")
+FUSED_FIELDS = ("log_probs", "entropy", "is_top1", "label_mask", "mean_logits", "log_sum_sq_probs")
 
 
 def fused_lm_head_output(loss, fields: dict):

@@ -8,6 +8,7 @@ installs last is sp_batch.install_document_forward (the batch rules live there).
 """
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import List, Optional
 
@@ -20,7 +21,7 @@ from ..attention.hf import install_untied
 from ..attention.mixers import install_mixers
 from ..attention.ulysses import install_ulysses
 from ..data.batch import REAL_KEY
-from .compat import causal_lm_output, fused_lm_head_output
+from .compat import causal_lm_output, fused_lm_head_output, replace_deepspeed_ulysses_registration
 from ..errors import BatchError, ConfigError
 from ..loss import causal_lm_loss_sum, shift_labels_of
 from ..memory import apply_memory_stack
@@ -52,13 +53,17 @@ class PatchHandle:
         self.temperature = None  # _Temperature: query scaling by global token index (Llama 4's NoPE layers)
         self.router_hooks = []  # models.moe.RouterTap's hooks (the router auxiliary loss)
         self.swapped: List[str] = []  # what was swapped in, for print(model)
+        # an instance forward set before ours (TRL's add_fused_lm_head sets one): put back by remove()
+        self.prior_forward = model.__dict__.get("forward")
 
     def remove(self) -> None:
         model = self.model
         if self.loss_forward or self.document_forward:
             # both are instance attributes (the document wrapper around the loss forward): popping
-            # it lets the class's forward show through again
+            # it lets the class's forward (or the instance forward that was there before) show through again
             model.__dict__.pop("forward", None)
+            if self.prior_forward is not None:
+                model.__dict__["forward"] = self.prior_forward
             self.loss_forward = self.document_forward = False
         for h in self.router_hooks:
             h.remove()
@@ -115,6 +120,33 @@ def _install_temperature(model, attention, spec: LongContextSpec) -> Optional[_T
     return _Temperature(inst, registry.wrap(routed, inst.modules, wrapper))
 
 
+# ``model(..., fused_lm_head=True, logit_temperature=T)``: TRL's fused head's per-token fields under temperature T;
+# without the keyword, the temperature TRL gave ``add_fused_lm_head`` (hf/rl.py records it on the model under
+# FUSED_SETTINGS: ``{"temperature": T}``), else 1
+TEMPERATURE_KWARG = "logit_temperature"
+FUSED_SETTINGS = "_ds_longctx_fused_head"
+# ``model(**shard, ds_longctx_hidden=True)``: the decoder's last hidden state of this shard (objectives/distill.py
+# projects the student's and the teacher's through their lm_heads itself)
+HIDDEN_KWARG = "ds_longctx_hidden"
+
+
+def with_temperature(logit_fn, temperature: float):
+    """The model's logit transform, then TRL's temperature: ``logits * (1 / T)`` in fp32
+    (``trl.kernels.ChunkedLogProbFunction``'s order and arithmetic); ``logit_fn`` itself at T = 1."""
+    t = float(temperature)
+    if t == 1.0:
+        return logit_fn
+    if not t > 0:
+        raise ConfigError("temperature", f"is {temperature!r}; the log-probabilities of logits / T need T > 0",
+                          "give a positive temperature (TRL's GRPOConfig.temperature)")
+    inv = 1.0 / t
+
+    def fn(logits):
+        return (logit_fn(logits) if logit_fn is not None else logits).float() * inv
+
+    return fn
+
+
 def _install_loss_forward(model, spec: LongContextSpec) -> None:
     """Make ``model(**batch).loss`` the SP-global token-mean loss computed from hidden states."""
     logit_fn = logit_transform(model)  # the model's own lm_head -> loss transform (ConfigError if unknown)
@@ -135,6 +167,13 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
             return orig_forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **kwargs)
         fused = bool(kwargs.pop("fused_lm_head", False))  # TRL's fused LM head (SFTTrainer's loss and metrics)
+        hidden_only = bool(kwargs.pop(HIDDEN_KWARG, False))
+        temperature = kwargs.pop(TEMPERATURE_KWARG, None)
+        if temperature is None:
+            temperature = (getattr(self, FUSED_SETTINGS, None) or {}).get("temperature", 1.0)
+        elif not fused:
+            raise ConfigError(TEMPERATURE_KWARG, "is given without fused_lm_head=True; the loss is the model's own "
+                              "cross entropy (temperature 1)", "ask for the per-token fields: fused_lm_head=True")
         unshifted = shift_labels is None
         if shift_labels is None:
             if sp > 1:
@@ -151,10 +190,12 @@ def _install_loss_forward(model, spec: LongContextSpec) -> None:
         out = decoder_of(self)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                  use_cache=False, **kwargs)
         hidden = out.last_hidden_state
+        if hidden_only:
+            return out
         logits = None
         if fused:  # TRL's per-token fields, tile by tile (as TRL's own fused head: no [b, s, vocab] logits)
             fields = tiled_token_fields(hidden, self.lm_head, shift_labels, spec.loss_shards if tiled.enabled else None,
-                                        logit_fn, shared=tied)
+                                        with_temperature(logit_fn, temperature), shared=tied)
             if unshifted:  # TRL's shape for unshifted labels: [b, seq - 1] (the last token has no target)
                 fields = {k: v[:, :-1] for k, v in fields.items()}
             loss = sp_loss(-fields["log_probs"].sum(), fields["label_mask"].sum())
@@ -385,4 +426,26 @@ def get_patch(model) -> Optional[PatchHandle]:
     return getattr(model, "_ds_longctx_patch", None) or getattr(hf_model_of(model), "_ds_longctx_patch", None)
 
 
-__all__ = ["patch_model", "PatchHandle", "get_patch"]
+@contextlib.contextmanager
+def suspended(model):
+    """The model as transformers built it for the duration (generation: whole sequences on one rank, no SP
+    attention, no memory stack, no loss forward), patched again after with the same spec. Every install is undone by
+    its handle and patch_model issues no collectives, so this is local to the rank. A model ds_longctx did not patch
+    is left as it is. Under ZeRO-3 enter it where DeepSpeed's hooks are off (TRL's ``unwrap_model_for_generation``):
+    the untied attention marks its modules as ZeRO-3 leaves, unmarked and marked again here."""
+    handle = get_patch(model)
+    if handle is None:
+        yield model
+        return
+    target, spec = handle.model, handle.spec
+    handle.remove()
+    # releasing our attention puts back a DeepSpeed Ulysses wrapper that register_with_transformers (Accelerate) had
+    # written in transformers' table: keep it out while the model runs unpatched (it would all-to-all whole sequences)
+    replace_deepspeed_ulysses_registration()
+    try:
+        yield model
+    finally:
+        patch_model(target, spec)
+
+
+__all__ = ["patch_model", "PatchHandle", "get_patch", "suspended"]

@@ -17,6 +17,12 @@ A full-length batch in evaluation (eval mode, ``labels``, no ``doc_cu_seqlens``,
 the HF Trainer's eval loop, ``engine.eval()`` in a plain loop) is sharded here in turns, as the training
 adapter (hf_loader) does: each rank's batch is cut over the group, so an eval step's memory is a training
 step's forward, and each rank returns the loss of its own batch (one turn when every rank holds the same).
+
+A full-length batch that every rank of the group holds (checked by one all-gather of a digest), in training or with
+gradients, or padded on the left (TRL's prompt + completion batches: the RL and preference trainers, the reference
+and old-policy forwards), is packed (left and right padding dropped, one document per row), sharded, run, and its
+per-token outputs gathered back on every rank: ``objectives.replicated``. At SP 1 a left-padded labelled batch takes
+the same path (``document_structure`` reads right padding only).
 """
 from __future__ import annotations
 
@@ -37,13 +43,20 @@ from ..loss import shift_labels_of
 from ..models import ARCHITECTURES, text_config
 from ..models.packing import mask_ignores_positions
 from ..models.rope import group_positions, local_max_position, sequence_dependent_rotaries
+from ..objectives.pack import has_left_padding
+from ..objectives.replicated import batch_digest, group_differs, replicated_forward
 
 _LOADER_FIX = ("feed batches from the loader returned by ds_longctx.initialize, or shard each full batch with "
                "ds_longctx.data.shard_batch(batch, sp_rank, sp_size)")
 
 
 def is_full_eval_batch(training: bool, labels, shift_labels, cu) -> bool:
-    return not training and cu is None and labels is not None and shift_labels is None
+    return not training and is_full_batch(labels, shift_labels, cu)
+
+
+def is_full_batch(labels, shift_labels, cu) -> bool:
+    """Unshifted labels and no ``doc_cu_seqlens``: a whole batch (no rank's shard carries unshifted labels)."""
+    return cu is None and labels is not None and shift_labels is None
 
 
 def documents_of(cu, attention_mask, input_ids, sp: int) -> Documents:
@@ -71,20 +84,19 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
     try:
         if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
             raise custom_mask_error(attention_mask)
-        if is_full_eval_batch(training, labels, shift_labels, cu):
-            if torch.is_grad_enabled():
-                raise BatchError("batch.labels", "are unshifted and the batch has no 'doc_cu_seqlens': a full-length "
-                                  "batch, which in eval mode is sharded over the SP group in turns, but gradients are "
-                                  "enabled (each rank's backward would pair with another rank's turn)",
-                                  "evaluate under torch.no_grad(); to train, " + _LOADER_FIX)
+        if is_full_batch(labels, shift_labels, cu):
+            # whether it runs (every rank holds it, or evaluation in turns) is decided over the group: full_batch_route
             tensors = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
             if input_ids is None or tensors:
                 what = tensors[0] if tensors else "inputs_embeds"
-                raise BatchError(f"batch.{what}", "cannot be sharded with a full-length eval batch",
+                raise BatchError(f"batch.{what}", "cannot be sharded with a full-length batch",
                                  "give input_ids, labels, position_ids and attention_mask only (a loss mask "
                                  "belongs in labels as -100); a per-token input the model needs has no SP path yet: "
                                  "evaluate at sequence_parallel_size 1")
-            return None, None  # sharded in turns: shard_batch checks it
+            if doc_lens is not None:
+                raise BatchError(f"batch.{LENS_KEY}", "given with a full-length batch under SP", "mark the documents "
+                                 "with position_ids restarting at 0 per document instead")
+            return None, None  # sharded in turns or as a replicated batch: shard_batch and pack check it
         if doc_lens is not None:
             raise BatchError(f"batch.{LENS_KEY}", "given on a sequence shard", "pass the full batch through "
                               "ds_longctx.data.shard_batch (or the loader of initialize), which carries them")
@@ -123,9 +135,8 @@ def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, in
         raise error_class(kind)(key, f"(SP rank {r}'s shard) {problem}", fix)
     if len({r[4] for r in rows}) > 1:
         which = [i for i, r in enumerate(rows) if r[4]]
-        raise BatchError("batch", f"SP ranks {which} hold full-length eval batches (labels, no doc_cu_seqlens, eval "
-                          "mode) and the others sequence shards", "give every rank of the SP group the same kind "
-                          "of batch")
+        raise BatchError("batch", f"SP ranks {which} hold full-length batches (labels, no doc_cu_seqlens) and the "
+                          "others sequence shards", "give every rank of the SP group the same kind of batch")
     if full_eval:
         return None
     if len({r[3] for r in rows}) > 1:
@@ -173,6 +184,29 @@ def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
         problem = "position_ids do not continue from one SP rank's shard to the next (packed documents)"
     raise BatchError("batch", f"{problem}, but the batch has no '{BATCH_KEY}': document boundaries are global and a "
                       "rank cannot see one on a shard edge", _LOADER_FIX)
+
+
+def full_batch_route(forward, training: bool, group, sp: int, grad_scale: float, input_ids, attention_mask,
+                     position_ids, labels, kwargs):
+    """A full-length batch on every rank of the group (agreed by :func:`agree`): the same batch everywhere (one
+    all-gather of a digest) in training, with gradients, or left-padded -> ``objectives.replicated`` (module doc); in
+    evaluation without gradients -> each rank's own batch in turns (:func:`eval_in_turns`; one turn when it is the
+    same); else the same BatchError on every rank."""
+    differ = group_differs(batch_digest(input_ids, attention_mask, position_ids, labels), group, sp)
+    grad = torch.is_grad_enabled()
+    if not differ and (training or grad or has_left_padding(attention_mask)):
+        return replicated_forward(forward, group, sp, grad_scale, input_ids, attention_mask, position_ids, labels,
+                                  kwargs, evaluating=not training)
+    if not training and not grad:
+        return eval_in_turns(forward, group, sp, input_ids, attention_mask, position_ids, labels, kwargs)
+    why = ("gradients are enabled in eval mode" if not training else "the model is in training mode")
+    raise BatchError("batch.labels", f"are unshifted and the batch has no 'doc_cu_seqlens': a full-length batch, not "
+                     f"this rank's sequence shard, and SP ranks {differ} hold another batch than SP rank 0 while "
+                     f"{why} (the target of a shard's last token lives on the next rank; a full batch is sharded "
+                     "here only when every rank of the group holds it, or in evaluation, in turns)",
+                     _LOADER_FIX + "; or give every rank of the SP group the same full batch (it is then sharded "
+                     "here, e.g. after generation); for evaluation, call the model in eval mode under "
+                     "torch.no_grad(), which shards each rank's own full-length batch in turns")
 
 
 def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_ids, labels, kwargs):
@@ -267,16 +301,19 @@ def install_document_forward(model, spec) -> None:
         doc_lens = kwargs.pop(LENS_KEY, None)
         docs = None
         global_len = None
+        if sp == 1 and is_full_batch(labels, shift_labels, cu) and has_left_padding(attention_mask):
+            return replicated_forward(types.MethodType(forward, self), None, 1, spec.grad_scale, input_ids,
+                                      attention_mask, position_ids, labels, kwargs, evaluating=not self.training)
         if sp > 1:
             # every rank's verdict on its shard, agreed over the group before any collective
-            full_eval = is_full_eval_batch(self.training, labels, shift_labels, cu)
+            full = is_full_batch(labels, shift_labels, cu)
             fault, docs = local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp,
                                       self.training, kwargs)
-            global_len = agree(group, sp, fault, full_eval, input_ids, position_ids, attention_mask, cu, kwargs,
+            global_len = agree(group, sp, fault, full, input_ids, position_ids, attention_mask, cu, kwargs,
                                positions=global_rope)
-            if full_eval:
-                return eval_in_turns(types.MethodType(forward, self), group, sp, input_ids, attention_mask,
-                                     position_ids, labels, kwargs)
+            if full:
+                return full_batch_route(types.MethodType(forward, self), self.training, group, sp, spec.grad_scale,
+                                        input_ids, attention_mask, position_ids, labels, kwargs)
         with group_positions(global_len):
             return _inner(self, input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, docs,
                           kwargs)

@@ -56,6 +56,9 @@ def _parser():
     q.add_argument("--seq-len", type=int, default=None, help="global tokens per sample (default: "
                    "long_context.sequence_length)")
     q.add_argument("--max-context", action="store_true", help="find the longest sequence that fits")
+    q.add_argument("--objective", choices=("sft", "grpo"), default="sft", help="the step planned: 'sft' (default) or "
+                   "'grpo' (TRL + enable(): the SFT step plus the reference model and the per-token values, and the "
+                   "rollout's generation on one rank as a separate limit: planner/objectives.py)")
     q.add_argument("--compare", action="store_true", help="the stack's configurations side by side")
     q.add_argument("--plot", default=None, help="PNG of stacked bars (needs matplotlib)")
     q.add_argument("--json", action="store_true", help="one JSON object on stdout")
@@ -364,7 +367,8 @@ def _run_plan(a, out) -> int:
     def planner(cfg):
         nonlocal params
         p = Planner(cfg, mc, a.gpus, gpu_mem, host_mem, a.reserve, gpus_per_node, a.device, a.full_depth,
-                    params=params, target=a.target, host_budget_source=host_source, nvme_mem=nvme_mem)
+                    params=params, target=a.target, host_budget_source=host_source, nvme_mem=nvme_mem,
+                    objective=a.objective)
         params = p.params
         return p
 

@@ -21,6 +21,7 @@ from ..models.loading import load_model_config
 from ..patching.spec import build_spec
 from . import host as host_plan
 from . import model_states as ms
+from .objectives import OBJECTIVES, grpo_extras
 from .rates import step_time, target_rates
 from .simulate import CATEGORIES, build_model, simulate_step, with_layers
 from .units import fmt_bytes, fmt_over, parse_bytes
@@ -290,7 +291,10 @@ class Planner:
     def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
                  reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
                  full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100",
-                 host_budget_source: Optional[str] = None, nvme_mem=None):
+                 host_budget_source: Optional[str] = None, nvme_mem=None, objective: str = "sft"):
+        if objective not in OBJECTIVES:
+            raise ConfigError("--objective", f"is {objective!r}", f"use one of {', '.join(OBJECTIVES)}")
+        self.objective = objective  # "grpo": planner/objectives.py's reference model, token fields and generation
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
         self.model_config = model_config
         self.world = int(world_size)
@@ -343,6 +347,11 @@ class Planner:
         br, host_act, layers, extrap, secs, work = _steps(self.model_config, self.ds_config, self.sim_lc, self.spec,
                                                           self.world, seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
+        rl = None
+        if self.objective == "grpo":
+            rl = grpo_extras(self.model_config, self.params.total, 4 if self.states.model_dtype == "fp32" else 2,
+                             self.states.zero_stage, self.world, seq_len, _micro_batch(self.ds_config))
+            breakdown.update(rl["breakdown"])
         act_peak = sum(breakdown.values())
         # the activations are gone before optimizer.step() allocates its step-only buffers
         peak = max(act_peak, self.step_peak)
@@ -376,6 +385,16 @@ class Planner:
                            "source": self.host_budget_source},
                   "nvme": {"need": nvme_node, "budget": self.nvme_budget, "per": "node",
                            "source": "not checked (no --nvme-mem)" if self.nvme_budget is None else "--nvme-mem"}}
+        if rl is not None:
+            gen = rl["generation"]
+            limits["generation"] = {"need": gen["bytes"], "budget": int(self.budget - self.reserve), "per": "device",
+                                    "what": "the rollout's generation on one rank"}
+            fits = fits and gen["bytes"] + self.reserve <= self.budget
+            notes.append(f"GRPO: generation on one rank (TRL's transformers generate, whole sequences): "
+                         f"{fmt_bytes(gen['bytes'])} (weights gathered {fmt_bytes(gen['weights'])}, KV cache of "
+                         f"{gen['rows']} rollout row(s) {fmt_bytes(gen['kv_cache'])}); the training step adds the "
+                         f"reference model {fmt_bytes(rl['breakdown']['rl_reference_model'])} and the per-token "
+                         f"values {fmt_bytes(rl['breakdown']['rl_token_fields'])} (planner/objectives.py)")
         binding, detail = binding_limit(limits)
         return PlanResult(fits=fits, sequence_length=seq_len, world_size=self.world, sequence_parallel_size=sp,
                           peak_device_bytes=int(peak), device_budget_bytes=self.budget, reserve_bytes=self.reserve,
@@ -485,7 +504,8 @@ class Planner:
         return n, _bound_by(best, stop if best.fits else best, n)
 
 
-_LIMIT_NAMES = {"device": "device memory", "host": "host memory", "nvme": "NVMe"}
+_LIMIT_NAMES = {"device": "device memory", "host": "host memory", "nvme": "NVMe",
+                "generation": "generation (device memory, one rank)"}
 
 
 def _usable(v: dict) -> str:
