@@ -26,6 +26,7 @@ def _worker(rank, world, cases, use_ds_longctx):
         state = ProcessState()
         out[case] = trl_preference_cases.train(case, world, rank, use_ds_longctx=use_ds_longctx)
         state.reset()
+    trl_preference_cases.cleanup(rank)
     return out
 
 

@@ -15,6 +15,7 @@ whose sum nearly cancels, e.g. -0.00745 at LoRA's second step: its error is the 
 error, at most 5e-7 in tests/test_token_logprobs.py; measured here 1.2e-7); deltas elementwise rtol 1e-4, atol 1e-6
 (measured at most 1.2e-7 absolute against deltas of 3e-3..4.8e-2; 2-core CPU box, 2026-11-29)."""
 import math
+import os
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ def _sp_worker(rank, world, cases):
         state = ProcessState()
         out[case] = trl_rl_cases.train(case, world, rank)
         state.reset()  # the next trainer starts as in a fresh process
+    trl_rl_cases.cleanup(rank)
     return out
 
 
@@ -46,6 +48,7 @@ def _reference_worker(rank, world, cases):
         state = ProcessState()
         out[case] = trl_rl_cases.train(case, 1, rank, use_ds_longctx=False)
         state.reset()
+    trl_rl_cases.cleanup(rank)
     return out
 
 
@@ -104,6 +107,7 @@ def _sp_dp_worker(rank, world, cases):
         state = ProcessState()
         out[case] = trl_rl_cases.train(case, 2, rank, dp=world // 2)
         state.reset()
+    trl_rl_cases.cleanup(rank)
     return out
 
 
@@ -196,7 +200,14 @@ def _example_worker(rank, world):
     import eco_cases  # noqa: F401  (examples/ on sys.path)
     import grpo
 
-    return grpo.train(world, steps=14, output_dir=f"/tmp/ds_longctx_grpo_example_{rank}")
+    import shutil
+    import tempfile
+
+    out = os.path.join(tempfile.gettempdir(), f"ds_longctx_grpo_example_{rank}")
+    try:
+        return grpo.train(world, steps=14, output_dir=out)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 @pytest.mark.distributed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from trl_rl_cases import LR, STEPS, VOCAB, model_dir, prompts, tokenizer
+from trl_rl_cases import LR, STEPS, VOCAB, model_dir, out_dir, prompts, tokenizer
 
 # (name, trainer, config overrides, ZeRO stage): DPO's sigmoid and IPO losses and the RPO term (the chosen
 # completions' NLL: loss_type [sigmoid, sft]); the distillation trainer (generalised JSD, the teacher under SP too;
@@ -37,9 +37,6 @@ _TEACHER: list = []
 
 def teacher_dir(rank: int) -> str:
     if not _TEACHER:
-        import shutil
-        import atexit
-
         import torch.distributed as dist
 
         import eco_cases
@@ -48,7 +45,6 @@ def teacher_dir(rank: int) -> str:
         path = eco_cases.shared_tmpdir(rank)
         if rank == 0:
             tiny_model(seed=1).save_pretrained(path)
-            atexit.register(shutil.rmtree, path, ignore_errors=True)
         dist.barrier()
         _TEACHER.append(path)
     return _TEACHER[0]
@@ -71,7 +67,7 @@ def train(case: str, sp: int, rank: int, use_ds_longctx: bool = True) -> dict:
             sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))
     config = ds_config(sp, use_ds_longctx)
     config["zero_optimization"] = {"stage": stage}
-    common = dict(output_dir=f"/tmp/ds_longctx_pref_{case}_{rank}", per_device_train_batch_size=4, max_steps=STEPS,
+    common = dict(output_dir=out_dir(case, rank), per_device_train_batch_size=4, max_steps=STEPS,
                   learning_rate=LR, optim="sgd", bf16=False, lr_scheduler_type="constant", max_grad_norm=0.0,
                   logging_steps=1, report_to=[], seed=0, save_strategy="no", use_cpu=not torch.cuda.is_available(),
                   dataloader_num_workers=0, deepspeed=config, **overrides, **kw)
@@ -115,3 +111,18 @@ def train(case: str, sp: int, rank: int, use_ds_longctx: bool = True) -> dict:
         if use_ds_longctx:
             ds_longctx.disable()
     return {"losses": seen["losses"], "before": before, "after": after, "sharded": seen.get("sharded", 0)}
+
+
+def cleanup(rank: int) -> None:
+    import trl_rl_cases
+
+    import shutil
+
+    import torch.distributed as dist
+
+    trl_rl_cases.cleanup(rank, *[out_dir(c, rank) for c in CASES])
+    if rank == 0:
+        for path in _TEACHER:
+            shutil.rmtree(path, ignore_errors=True)
+    _TEACHER.clear()
+    dist.barrier()

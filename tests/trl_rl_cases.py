@@ -4,6 +4,8 @@ tokenizer, prompts of 2 to 5 tokens, a verifiable toy reward, seeded sampling (t
 recorded and compared), SGD, 2 optimizer steps, fp32, ZeRO-3."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 VOCAB = 64
@@ -51,11 +53,8 @@ def _build(family: str):
 
 def model_dir(rank: int, family: str = "llama") -> str:
     """The family's tiny model (Llama: examples/_common.tiny_model, seed 0) saved once per spawn by rank 0
-    (transformers' save_pretrained writes on rank 0 only) in a fresh shared directory, removed at exit."""
+    (transformers' save_pretrained writes on rank 0 only) in a fresh shared directory (removed by :func:`cleanup`)."""
     if family not in _DIRS:
-        import atexit
-        import shutil
-
         import torch.distributed as dist
 
         import eco_cases
@@ -63,10 +62,33 @@ def model_dir(rank: int, family: str = "llama") -> str:
         path = eco_cases.shared_tmpdir(rank)
         if rank == 0:
             _build(family).save_pretrained(path)
-            atexit.register(shutil.rmtree, path, ignore_errors=True)
         dist.barrier()
         _DIRS[family] = path
     return _DIRS[family]
+
+
+def out_dir(case: str, rank: int) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"ds_longctx_rl_{case}_{rank}")
+
+
+def cleanup(rank: int, *more) -> None:
+    """Remove this rank's output directories (and ``more``), and on rank 0 the saved models once every rank is done with
+    them (the spawned ranks end with os._exit: no atexit)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    for case in CASES:  # this rank's trainer output directories
+        shutil.rmtree(out_dir(case, rank), ignore_errors=True)
+    for path in more:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    if rank == 0:
+        for path in _DIRS.values():
+            shutil.rmtree(path, ignore_errors=True)
+    _DIRS.clear()
 
 
 def ds_config(sp: int, long_context: bool = True, impl: str = "untied_ulysses", stack: bool = True) -> dict:
@@ -125,7 +147,7 @@ def train(case: str, sp: int, rank: int, use_ds_longctx: bool = True, impl: str 
         kw["parallelism_config"] = ParallelismConfig(
             sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
             **({"dp_replicate_size": dp} if dp > 1 else {}))
-    args = Config(output_dir=f"/tmp/ds_longctx_rl_{case}_{rank}", per_device_train_batch_size=4, num_generations=2,
+    args = Config(output_dir=out_dir(case, rank), per_device_train_batch_size=4, num_generations=2,
                   max_completion_length=6, max_steps=STEPS, learning_rate=LR, optim="sgd", bf16=False,
                   lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0,
                   temperature=0.9, save_strategy="no", use_cpu=not torch.cuda.is_available(),
