@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         soak.run(plan, timeout=900)
         res = soak.final(ref_metrics, ref_hf)
         soak_s = time.monotonic() - t1
-    trained = sum(max(0, (s["steps"][1] or 0) - s["steps"][0] + 1) for s in res["per_start"])
+    # steps trained in all: each start from the tag it resumed to the last step it logged (a fallback re-trains)
+    trained = sum(max(0, (s["steps"][1] or 0) - (s["resumed_at"] or 0)) for s in res["per_start"])
     figure = {
         "command": "python bench/chaos_soak.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d %H:%M UTC",

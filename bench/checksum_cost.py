@@ -1,6 +1,6 @@
 """What content-verified checkpoints cost per GB (issue 52; job/checkpoint/manifest.py), one process on this machine.
 
-    python bench/checksum_cost.py --gb 1 --dir /path/on/the/checkpoint/filesystem --json bench/results/checksum_cost.json
+    python bench/checksum_cost.py --gb 1 --dir /the/checkpoint/filesystem --json bench/results/checksum_cost.json
 
 Measured on a file of ``--gb`` GiB written by torch.save (a tensor of random floats, as an optimizer-states file):
 * the hashes alone, in memory (XXH3-64, the one used; zlib's CRC-32 and SHA-256 for comparison), GB/s;

@@ -143,6 +143,7 @@ class Start:
     log: str = ""
     notes: List[str] = field(default_factory=list)
     corrupted: Optional[str] = None   # the file flipped before this start
+    resumed_at: Optional[int] = None  # the step of the tag this start resumed from (None: from step 1)
 
 
 class Soak:
@@ -268,6 +269,10 @@ class Soak:
                                      f"{s.at_step} did not fill the disk")
         steps = metrics_steps(self.metrics)
         s.first_step, s.last_step = begin + 1, (steps[-1] if steps else 0)
+        import re
+
+        m = re.search(r"resumed from \S+ \(step (\d+),", s.log)
+        s.resumed_at = int(m.group(1)) if m else (0 if "starting at step 1" in s.log else None)
         self.starts.append(s)
         self.check_start(s)
         return s
@@ -347,6 +352,7 @@ class Soak:
                 "faults": faults, "weights_bit_equal": equal,
                 "seconds": sum(s.seconds for s in self.starts),
                 "per_start": [{"fault": s.fault, "corrupted_before": bool(s.corrupted), "at_step": s.at_step,
+                               "resumed_at": s.resumed_at,
                                "code": s.code, "seconds": round(s.seconds, 1), "steps": [s.first_step, s.last_step]}
                               for s in self.starts]}
 

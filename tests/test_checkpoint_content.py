@@ -1,7 +1,7 @@
 """Issue 52, item 1: checkpoints verified by content. One real save (2 ranks, tiny-cpu.json, ZeRO-3: tags step2 and
 step4, every file's XXH3 in the record), then a byte flip in each kind of file of the newest tag, same size: DeepSpeed's
-model states and optimizer states, ds_longctx's record (invalid JSON, and one digit changed: still valid JSON) and the HF
-config. Each is detected by the check a resume runs (``verify_on_every_rank``: here one process), ``--resume DIR``
+model states and optimizer states, ds_longctx's record (invalid JSON, and one digit changed: still valid JSON) and the
+HF config. Each is detected by the check a resume runs (``verify_on_every_rank``: here one process), ``--resume DIR``
 falling back to step2 naming the file, ``--resume DIR/step4`` refused naming it, ``ds-longctx verify`` exiting 1 naming
 it, export and the universal conversion refusing it; a damaged universal conversion is converted again. One launched
 resume of the damaged tag, explicitly: every rank refuses it before the model is built. (``auto`` falling back in a

@@ -2,8 +2,8 @@
 the uninterrupted run's bit for bit (issue 52).
 
 DeepSpeed's CPU Adam kernel (``csrc/includes/cpu_adam.h``, ``Adam_Optimizer::IncrementStep``), behind ``FusedAdam`` on
-the CPU accelerator and ``DeepSpeedCPUAdam`` (``offload_optimizer``), keeps ``beta1^t`` and ``beta2^t`` in the C++ object
-of the process: ``pow(beta, step)`` at a process's first step (or after the betas change), then a running product
+the CPU accelerator and ``DeepSpeedCPUAdam`` (``offload_optimizer``), keeps ``beta1^t`` and ``beta2^t`` in the C++
+object of the process: ``pow(beta, step)`` at a process's first step (or after the betas change), then a running product
 ``beta^t *= beta`` for each following step. The product of N float multiplications differs from ``pow(beta, N)`` in the
 last bit for most N (float32, beta 0.9: 139 of steps 1-200), so a run resumed at step N-1 updates its weights by a
 different last bit than the run that went on, from the first resumed step to the end, and through gradient clipping
