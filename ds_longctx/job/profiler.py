@@ -128,7 +128,7 @@ class StepProfiler:
         if self.allocator_check and step in self.steps:
             # the allocator's state before the step, then its trace over the step (measure/allocator.check_step)
             self._alloc_start = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None, stacks="python")
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc", stacks="python")
         if self._profiled(step):
             os.makedirs(self.output_dir, exist_ok=True)
             if self.cuda:

@@ -28,12 +28,19 @@ Not modelled (say so where it matters): CUDA graph pools, ``max_split_size_mb`` 
 ``roundup_power2_divisions``, and allocations made outside the caching allocator (CUDA context, NCCL,
 cuBLAS/cuDNN handles): those are the planner's fixed ``--reserve``.
 
-Pure Python, no torch: events are ``("+", key, nbytes)`` or ``("+", key, nbytes, stream)``, and ``("-", key)``.
+What strands memory (:meth:`CachingAllocatorModel.growth` / :func:`explain`): every time the model maps new
+memory (a classic segment, or pages at an expandable range's end) while its pool holds free cached bytes, up to
+that many of the new bytes are "stranded": the request was refused by free blocks that were each too small.
+Charged to the request's label (its op, its category; in a recorded CUDA trace, its innermost frame outside
+torch), summed over the trace, that names the allocations whose sizes strand the reserved bytes.
+
+Pure Python, no torch: events are ``("+", key, nbytes)``, ``("+", key, nbytes, stream)`` or
+``("+", key, nbytes, stream, label)``, and ``("-", key)``.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 MIN_BLOCK = 512                 # kMinBlockSize
@@ -90,15 +97,55 @@ class _Pool:
 
 
 @dataclass
+class Growth:
+    """One mapping of new memory: ``request`` (rounded) bytes for ``label`` on ``stream`` mapped ``mapped`` new
+    bytes while its pool held ``free`` cached bytes (its largest free block ``largest``, the range's free end
+    block excluded when it was grown); ``stranded`` = min(mapped, free): new bytes the free ones could not serve."""
+    label: object
+    stream: object
+    request: int
+    mapped: int
+    free: int
+    largest: int
+    allocated: int          # bytes held just before the request
+
+    @property
+    def stranded(self) -> int:
+        return min(self.mapped, self.free)
+
+
+@dataclass
 class ReplayResult:
     peak_allocated: int     # max over the trace of the rounded bytes held (max_memory_allocated)
     peak_reserved: int      # max over the trace of the bytes taken from the driver (max_memory_reserved)
     reserved: int           # at the end
     events: int
+    reserved_by_stream: Dict[object, int] = field(default_factory=dict)   # bytes mapped per stream at the end
+    growth: List[Growth] = field(default_factory=list)
 
     @property
     def slack(self) -> int:
         return self.peak_reserved - self.peak_allocated
+
+    @property
+    def ratio(self) -> float:
+        return self.peak_reserved / self.peak_allocated if self.peak_allocated else 1.0
+
+    def stranded_by_label(self) -> Dict[object, int]:
+        """Stranded bytes (:class:`Growth`) summed per label, largest first."""
+        out: Dict[object, int] = {}
+        for g in self.growth:
+            if g.stranded:
+                out[g.label] = out.get(g.label, 0) + g.stranded
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def summary(self, top: int = 8) -> dict:
+        """JSON-able figures: peaks, ratio, reserved per stream, the labels that stranded the most."""
+        return {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+                "ratio": round(self.ratio, 4), "events": self.events,
+                "reserved_by_stream": {str(k): v for k, v in self.reserved_by_stream.items()},
+                "stranded": sum(g.stranded for g in self.growth),
+                "stranded_by_label": [[str(k), v] for k, v in list(self.stranded_by_label().items())[:top]]}
 
 
 class CachingAllocatorModel:
@@ -114,6 +161,9 @@ class CachingAllocatorModel:
         self.peak_reserved = 0
         self._next_addr = 0
         self._segments = 0
+        self.reserved_by_stream: Dict[object, int] = {}
+        self.growth: List[Growth] = []
+        self._pending: Optional[tuple] = None   # (label, stream, request, free, largest, allocated) of the request
 
     # --- driver side ----------------------------------------------------------------------------
     def _new_range(self, size: int) -> int:
@@ -139,7 +189,7 @@ class CachingAllocatorModel:
         if tail.prev is not None:
             tail.prev.next = new
         tail.prev = new
-        self.reserved += need
+        self._mapped(need)
         if last is not None:
             pool.remove(last)
             self._merge(new, last)
@@ -148,8 +198,15 @@ class CachingAllocatorModel:
     def _new_segment(self, pool: _Pool, size: int) -> _Block:
         seg = segment_size(size)
         b = _Block(self._new_range(seg), seg, pool)
-        self.reserved += seg
+        self._mapped(seg)
         return b
+
+    def _mapped(self, nbytes: int) -> None:
+        """``nbytes`` newly taken from the driver for the pending request."""
+        self.reserved += nbytes
+        label, stream, request, free, largest, allocated = self._pending
+        self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
+        self.growth.append(Growth(label, stream, request, nbytes, free, largest, allocated))
 
     # --- blocks -----------------------------------------------------------------------------------
     @staticmethod
@@ -183,7 +240,7 @@ class CachingAllocatorModel:
                 i, b = i + 1, nxt
         return b
 
-    def alloc(self, key, nbytes: int, stream=0) -> None:
+    def alloc(self, key, nbytes: int, stream=0, label=None) -> None:
         if key in self.live:
             raise ValueError(f"allocator model: key {key!r} is already live")
         size = round_size(int(nbytes))
@@ -194,10 +251,16 @@ class CachingAllocatorModel:
         b = self._best_fit(pool, size)
         if b is not None:
             pool.remove(b)
-        elif self.expandable:
-            b = self._grow(pool, size)
         else:
-            b = self._new_segment(pool, size)
+            # what the pool held free when it had to map more (the range's free end block, which growing
+            # absorbs, excluded): the figures of the Growth this request records
+            end = pool.unmapped.prev if self.expandable and pool.unmapped is not None else None
+            sizes = [sz for sz, _, i in pool.free if end is None or pool.by_id[i] is not end]
+            self._pending = (label, stream, size, sum(sizes), max(sizes, default=0), self.allocated)
+            if self.expandable:
+                b = self._grow(pool, size)
+            else:
+                b = self._new_segment(pool, size)
         rest = b.size - size
         split = rest >= MIN_BLOCK if (small or self.expandable) else rest > SMALL_SIZE
         if split:
@@ -230,10 +293,11 @@ class CachingAllocatorModel:
         for ev in events:
             n += 1
             if ev[0] == "+":
-                self.alloc(ev[1], ev[2], ev[3] if len(ev) > 3 else 0)
+                self.alloc(ev[1], ev[2], ev[3] if len(ev) > 3 else 0, ev[4] if len(ev) > 4 else None)
             else:
                 self.free(ev[1])
-        return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n)
+        return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n, dict(self.reserved_by_stream),
+                            list(self.growth))
 
 
 def replay(events: Iterable[tuple], expandable_segments: bool = True) -> ReplayResult:
@@ -241,10 +305,22 @@ def replay(events: Iterable[tuple], expandable_segments: bool = True) -> ReplayR
     return CachingAllocatorModel(expandable_segments).replay(events)
 
 
+def frame_label(frames) -> Optional[str]:
+    """``file:line function`` of the innermost frame of a snapshot trace entry outside torch itself (the
+    caller that asked for the memory: ds_longctx, DeepSpeed, transformers, a script), or None without frames."""
+    for f in frames or ():
+        name = str(f.get("filename", ""))
+        if not name or name.startswith("??") or "/torch/" in name or name.startswith("<"):
+            continue
+        short = "/".join(name.replace("\\", "/").split("/")[-2:])
+        return f"{short}:{f.get('line', 0)} {f.get('name', '')}"
+    return None
+
+
 def events_from_snapshot(snapshot: dict, device: int = 0) -> List[tuple]:
     """The alloc/free events of ``torch.cuda.memory._snapshot()``'s trace (recorded with
-    ``torch.cuda.memory._record_memory_history``) as replay events keyed by address. Every stream's events
-    are kept: the model has one stream (see the module docstring)."""
+    ``torch.cuda.memory._record_memory_history``) as replay events keyed by address, each with its stream and,
+    when the history recorded stacks (``context="alloc"``), its :func:`frame_label`."""
     out = []
     live = {}
     for i, e in enumerate(snapshot.get("device_traces", [[]])[device]):
@@ -252,7 +328,7 @@ def events_from_snapshot(snapshot: dict, device: int = 0) -> List[tuple]:
         if act == "alloc":
             key = (e["addr"], i)
             live[e["addr"]] = key
-            out.append(("+", key, int(e["size"]), e.get("stream", 0)))
+            out.append(("+", key, int(e["size"]), e.get("stream", 0), frame_label(e.get("frames"))))
         elif act == "free_completed" and e["addr"] in live:
             out.append(("-", live.pop(e["addr"])))
     return out
@@ -285,15 +361,28 @@ def check_step(start: dict, end: dict, expandable_segments: bool = True, device:
     m.replay(seed)
     seed_reserved, seed_allocated = m.reserved, m.allocated
     m.peak_reserved, m.peak_allocated = m.reserved, m.allocated   # the step's peaks start here
+    m.growth = []                                                  # what the step itself mapped
     step = events_from_snapshot(end, device)
-    m.replay(step)
-    real_start_reserved = sum(int(s.get("total_size", 0)) for s in start.get("segments", [])
-                              if s.get("device", device) == device)
+    res = m.replay(step)
+
+    def by_stream(snap):
+        out: Dict[str, int] = {}
+        for seg in snap.get("segments", []):
+            if seg.get("device", device) == device:
+                k = str(seg.get("stream", 0))
+                out[k] = out.get(k, 0) + int(seg.get("total_size", 0))
+        return out
+
+    real_start = by_stream(start)
     return {"seed_reserved": seed_reserved, "seed_allocated": seed_allocated,
-            "real_start_reserved": real_start_reserved, "peak_reserved": m.peak_reserved,
+            "real_start_reserved": sum(real_start.values()), "peak_reserved": m.peak_reserved,
             "peak_allocated": m.peak_allocated, "seed_events": len(seed), "step_events": len(step),
-            "expandable_segments": expandable_segments}
+            "expandable_segments": expandable_segments,
+            # where the reserved bytes are (the real allocator's segments per stream, before and after the step;
+            # the model's), and which requests mapped memory while the pool held free blocks too small for them
+            "real_reserved_by_stream_start": real_start, "real_reserved_by_stream_end": by_stream(end),
+            "explain": res.summary(top=12)}
 
 
-__all__ = ["CachingAllocatorModel", "ReplayResult", "replay", "events_from_snapshot", "seed_events", "check_step",
-           "round_size", "segment_size"]
+__all__ = ["CachingAllocatorModel", "Growth", "ReplayResult", "replay", "events_from_snapshot", "frame_label",
+           "seed_events", "check_step", "round_size", "segment_size"]
