@@ -180,3 +180,15 @@ def test_check_step_explains_by_stream_and_frame():
     # the compute stream could not use stream 7's freed block: the model maps 20 MiB on each stream
     assert r["explain"]["reserved_by_stream"] == {"0": 60 * MiB, "7": 20 * MiB}
     assert r["peak_reserved"] == 80 * MiB and r["explain"]["stranded"] == 0
+
+
+def test_floor_is_what_no_retry_can_release():
+    # expandable: live blocks pin the 20 MiB pages they touch; the free hole's pages could be unmapped
+    a = CachingAllocatorModel(expandable_segments=True)
+    a.replay([("+", "A", 100 * MiB), ("+", "B", 30 * MiB), ("-", "A"), ("+", "C", 120 * MiB)])
+    # at the allocated peak (B + C = 150 MiB): B [100, 130) MiB touches pages 5-6, C [130, 250) pages 6-12: 8 pages
+    assert a.peak_allocated == 150 * MiB and a.floor_at_peak == 160 * MiB and a.peak_reserved == 260 * MiB
+    # classic: a segment with any live block stays; free whole segments go back
+    c = CachingAllocatorModel(expandable_segments=False)
+    c.replay([("+", "A", 100 * MiB), ("+", "B", 30 * MiB), ("-", "A"), ("+", "C", 120 * MiB)])
+    assert c.peak_reserved == 250 * MiB and c.floor_at_peak == 150 * MiB

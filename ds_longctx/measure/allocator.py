@@ -67,10 +67,10 @@ def segment_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "pool")
+    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "pool", "seg")
 
-    def __init__(self, addr: int, size: int, pool: "_Pool", mapped: bool = True):
-        self.addr, self.size, self.pool, self.mapped = addr, size, pool, mapped
+    def __init__(self, addr: int, size: int, pool: "_Pool", mapped: bool = True, seg: int = 0):
+        self.addr, self.size, self.pool, self.mapped, self.seg = addr, size, pool, mapped, seg
         self.allocated = False
         self.prev: Optional[_Block] = None
         self.next: Optional[_Block] = None
@@ -84,6 +84,7 @@ class _Pool:
         self.free: List[Tuple[int, int, int]] = []   # (size, addr, id) sorted
         self.by_id: Dict[int, _Block] = {}
         self.unmapped: Optional[_Block] = None       # expandable: the range's unmapped tail
+        self.base = 0                                # expandable: the range's first address
 
     def add(self, b: _Block) -> None:
         bisect.insort(self.free, (b.size, b.addr, id(b)))
@@ -122,6 +123,7 @@ class ReplayResult:
     events: int
     reserved_by_stream: Dict[object, int] = field(default_factory=dict)   # bytes mapped per stream at the end
     growth: List[Growth] = field(default_factory=list)
+    floor: int = 0          # at the allocated peak, what no out-of-memory retry could release (CachingAllocatorModel.floor)
 
     @property
     def slack(self) -> int:
@@ -142,7 +144,7 @@ class ReplayResult:
     def summary(self, top: int = 8) -> dict:
         """JSON-able figures: peaks, ratio, reserved per stream, the labels that stranded the most."""
         return {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
-                "ratio": round(self.ratio, 4), "events": self.events,
+                "ratio": round(self.ratio, 4), "floor": self.floor, "events": self.events,
                 "reserved_by_stream": {str(k): v for k, v in self.reserved_by_stream.items()},
                 "stranded": sum(g.stranded for g in self.growth),
                 "stranded_by_label": [[str(k), v] for k, v in list(self.stranded_by_label().items())[:top]]}
@@ -163,6 +165,8 @@ class CachingAllocatorModel:
         self._segments = 0
         self.reserved_by_stream: Dict[object, int] = {}
         self.growth: List[Growth] = []
+        self._seg_size: Dict[int, int] = {}
+        self.floor_at_peak = 0      # bytes the allocator could not give back at the allocated peak (:meth:`floor`)
         self._pending: Optional[tuple] = None   # (label, stream, request, free, largest, allocated) of the request
 
     # --- driver side ----------------------------------------------------------------------------
@@ -178,7 +182,7 @@ class CachingAllocatorModel:
         tail = pool.unmapped
         if tail is None:  # the range is created on first use, as large as anything could need
             tail = _Block(self._new_range(1 << 50), 1 << 50, pool, mapped=False)
-            pool.unmapped = tail
+            pool.unmapped, pool.base = tail, tail.addr
         last = tail.prev if tail.prev is not None and not tail.prev.allocated else None
         have = last.size if last is not None else 0
         need = -(-(size - have) // page) * page
@@ -198,6 +202,8 @@ class CachingAllocatorModel:
     def _new_segment(self, pool: _Pool, size: int) -> _Block:
         seg = segment_size(size)
         b = _Block(self._new_range(seg), seg, pool)
+        b.seg = b.addr
+        self._seg_size[b.addr] = seg
         self._mapped(seg)
         return b
 
@@ -264,7 +270,7 @@ class CachingAllocatorModel:
         rest = b.size - size
         split = rest >= MIN_BLOCK if (small or self.expandable) else rest > SMALL_SIZE
         if split:
-            r = _Block(b.addr + size, rest, b.pool)
+            r = _Block(b.addr + size, rest, b.pool, seg=b.seg)
             r.prev, r.next = b, b.next
             if b.next is not None:
                 b.next.prev = r
@@ -274,8 +280,34 @@ class CachingAllocatorModel:
         b.allocated = True
         self.live[key] = b
         self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated >= self.peak_allocated:
+            self.peak_allocated = self.allocated
+            self.floor_at_peak = self.floor()
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def floor(self) -> int:
+        """Device bytes the allocator cannot return now, however short the device: on an out-of-memory retry it
+        releases every cached block it can (release_cached_blocks), which with expandable segments unmaps every
+        page no live block touches (2 MiB pages small, 20 MiB large), with classic segments frees every segment
+        holding no live block. So a step whose reserved peak (no pressure) exceeds the device still runs (slower:
+        each retry synchronizes and remaps) while this floor, at the allocated peak, fits."""
+        if not self.expandable:
+            return sum(self._seg_size[s] for s in {b.seg for b in self.live.values()})
+        total = 0
+        by_pool: Dict[int, List[_Block]] = {}
+        for b in self.live.values():
+            by_pool.setdefault(id(b.pool), []).append(b)
+        for blocks in by_pool.values():
+            pool = blocks[0].pool
+            page = SMALL_BUFFER if pool.small else LARGE_PAGE
+            last = -1
+            for b in sorted(blocks, key=lambda x: x.addr):
+                lo, hi = (b.addr - pool.base) // page, (b.addr + b.size - 1 - pool.base) // page
+                lo = max(lo, last + 1)
+                if hi >= lo:
+                    total += (hi - lo + 1) * page
+                    last = hi
+        return total
 
     def free(self, key) -> None:
         b = self.live.pop(key)
@@ -297,7 +329,7 @@ class CachingAllocatorModel:
             else:
                 self.free(ev[1])
         return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n, dict(self.reserved_by_stream),
-                            list(self.growth))
+                            list(self.growth), self.floor_at_peak)
 
 
 def replay(events: Iterable[tuple], expandable_segments: bool = True) -> ReplayResult:

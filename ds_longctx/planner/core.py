@@ -34,10 +34,10 @@ EXTRAPOLATE_FROM = (2, 3)
 H100_USABLE = "79.1GiB"
 # Device memory the step cannot use though the planner's simulation does not see it: CUDA context (outside
 # the allocator on some drivers), NCCL communicator buffers (DeepSpeed creates several groups), cuBLAS
-# workspaces, and caching-allocator fragmentation (the simulation counts live bytes, i.e.
-# max_memory_allocated; max_memory_reserved is higher).
+# workspaces, and the fragmentation of allocations the simulation does not trace (DeepSpeed's own streams beyond
+# the model-state arithmetic). The fragmentation of the step's own allocations is predicted (reserved_device_bytes).
 DEFAULT_RESERVE = "2GiB"
-RESERVE_WHAT = "CUDA context, NCCL communicators, cuBLAS workspaces, allocator fragmentation"
+RESERVE_WHAT = "CUDA context, NCCL communicators, cuBLAS workspaces, untraced fragmentation"
 _NAMED_DEVICES = {"h100": H100_USABLE}
 
 
@@ -98,6 +98,13 @@ class PlanResult:
     # max-context answer: the limit the next length exceeds); binding_detail says which it is, with the figures
     binding: str = ""
     binding_detail: str = ""
+    # what max_memory_reserved will show: peak_device_bytes plus the caching allocator's stranded bytes (the step's
+    # device allocations replayed through measure/allocator.py in ``allocator["mode"]``); "fits" and the device limit
+    # use it. allocator: {"mode", "activation_slack_bytes", "reserved_by_mode": {mode: bytes}, "floor_bytes" (what no
+    # out-of-memory retry releases: the least the device must hold), "stranded": [[label, bytes], ...] (the requests
+    # that mapped memory while free blocks were too small, in the deepest simulated step)}
+    reserved_device_bytes: int = 0
+    allocator: Dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +179,8 @@ def _micro_batch(ds_config: dict) -> int:
 
 
 def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) -> tuple:
-    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work). ``lc``:
+    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work, allocator:
+    {mode: {"slack": reserved beyond the activation peak, "stranded": [[label, bytes], ...]}}). ``lc``:
     the section simulated (planner/host.simulation_lc); ``spec``: the run's resolved counts (its keep_on_device and
     kept_attention_layers, for the model's full depth)."""
     L = spec.model.layers
@@ -182,7 +190,7 @@ def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) ->
     lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
     if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
-        return r.breakdown, r.peak_host, [L], False, r.seconds, r.work
+        return r.breakdown, r.peak_host, [L], False, r.seconds, r.work, _slack([(1, None, r)], r)
     n = spec.kept_attention_layers
     off = L - shift  # the offloaded layers: the first ones
     if 0 < n < L:
@@ -200,7 +208,7 @@ def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) ->
         work = {k: tuple(y + f * (x - y) for x, y in zip(full[5].get(k, (0.0,) * 3), none[5].get(k, (0.0,) * 3)))
                 for k in sorted(set(full[5]) | set(none[5]))}  # (sorted: one summation order, any hash seed)
         host = none[1] + min(1.0, n / off) * (full[1] - none[1]) if off > 0 else none[1]
-        return full[0], host, full[2], True, full[4] + none[4], work
+        return full[0], host, full[2], True, full[4] + none[4], work, full[6]
     return _affine(model_config, ds_config, lambda d: lc, world, seq, device, bs, lo, hi, L)
 
 
@@ -281,7 +289,41 @@ def _affine(model_config, ds_config, lc_at, world, seq, device, bs, lo, hi, L) -
                                         ((n, x.work.get(key, zero), y.work.get(key, zero)) for n, x, y in growth)))
                        for i, v in enumerate(a.work.get(key, zero)))
             for key in keys}
-    return br, host, [lo, hi], True, secs, work
+    return br, host, [lo, hi], True, secs, work, _slack(growth, a)
+
+
+def _slack(growth, a) -> Dict[str, dict]:
+    """Per allocator mode: the reserved bytes beyond the activation peak (simulate.StepMemory.reserved_slack),
+    extrapolated in depth as the categories are (``growth``: (layers, shallow, deeper) steps; ``a``: the step they
+    grow from; one full-depth step: ``[(1, None, step)]``), never below 0, and the labels that stranded the most in
+    the deepest step simulated."""
+    from .simulate import ALLOCATOR_MODES
+
+    deepest = growth[-1][2]
+    out = {}
+    for mode in ALLOCATOR_MODES:
+        out[mode] = {"stranded": list(deepest.allocator.get(mode, {}).get("stranded", []))}
+        for what, key in (("reserved", "slack"), ("floor", "floor_slack")):
+            slack = a.reserved_slack(mode, what)
+            if growth[0][1] is not None:
+                slack += sum(n * (y.reserved_slack(mode, what) - x.reserved_slack(mode, what)) for n, x, y in growth)
+            out[mode][key] = max(0, int(slack))
+    return out
+
+
+def allocator_mode(value=None) -> str:
+    """"expandable" or "classic": ``value`` when given (--allocator), else what PYTORCH_CUDA_ALLOC_CONF says in this
+    environment, else "expandable" (what launch/*.sh export for every run)."""
+    import os
+
+    if value is not None:
+        key = str(value).strip().lower()
+        if key not in ("expandable", "classic"):
+            raise ConfigError("--allocator", f"{value!r} is not an allocator mode",
+                              "use expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or classic")
+        return key
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "classic" if conf and "expandable_segments:true" not in conf else "expandable"
 
 
 class Planner:
@@ -290,8 +332,9 @@ class Planner:
     def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
                  reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
                  full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100",
-                 host_budget_source: Optional[str] = None, nvme_mem=None):
+                 host_budget_source: Optional[str] = None, nvme_mem=None, allocator: Optional[str] = None):
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
+        self.allocator = allocator_mode(allocator)
         self.model_config = model_config
         self.world = int(world_size)
         if self.world < 1:
@@ -340,23 +383,38 @@ class Planner:
     def run(self, seq_len: int, label: str = "", full_depth: Optional[bool] = None) -> PlanResult:
         sp = self.lc.sequence_parallel_size
         fd = self.full_depth if full_depth is None else full_depth
-        br, host_act, layers, extrap, secs, work = _steps(self.model_config, self.ds_config, self.sim_lc, self.spec,
-                                                          self.world, seq_len, self.device, fd)
+        br, host_act, layers, extrap, secs, work, alloc = _steps(self.model_config, self.ds_config, self.sim_lc,
+                                                                 self.spec, self.world, seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
         act_peak = sum(breakdown.values())
         # the activations are gone before optimizer.step() allocates its step-only buffers
         peak = max(act_peak, self.step_peak)
+        # what the caching allocator holds at the backward's peak: the live bytes plus the step's stranded slack (its
+        # device allocations replayed through measure/allocator.py; model states are allocated once, or on their own
+        # streams' pools by arithmetic, and add as they are); the optimizer step reuses the activations' cached blocks
+        # (a simulated CPU run, device "cpu": no CUDA caching allocator, nothing added)
+        slack = alloc[self.allocator]["slack"] if self.device == "meta" else 0
+        floor_slack = alloc[self.allocator]["floor_slack"] if self.device == "meta" else 0
+        act_reserved = act_peak + slack
+        reserved = max(act_reserved, self.step_peak)
         num_layers = self.spec.model.layers
         hs = host_plan.host_side(self.spec, self.states, int(host_act), host_plan.offloaded_bytes_per_layer(
-            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_peak,
+            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_reserved,
             self.budget, self.reserve, self.host_budget, self.gpus_per_node, step_peak=self.step_peak)
         host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node
         nvme_node = int(sum(hs.nvme.values()) * self.gpus_per_node)
-        fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
+        fits = reserved + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
             and (self.nvme_budget is None or nvme_node <= self.nvme_budget)
         notes = list(self.states.notes)
+        if not fits and max(act_peak + floor_slack, self.step_peak) + self.reserve <= self.budget and \
+                (self.host_budget is None or host_node <= self.host_budget) and \
+                (self.nvme_budget is None or nvme_node <= self.nvme_budget):
+            notes.append(f"the reserved peak {fmt_bytes(reserved)} is over the budget but the allocator's floor "
+                         f"{fmt_bytes(max(act_peak + floor_slack, self.step_peak))} is not: the step would run with "
+                         "the caching allocator releasing its cache on failed allocations (each a device sync: "
+                         "slower); counted as not fitting")
         if self.states.step_transient_device:
             notes.append(f"optimizer step: {fmt_bytes(self.step_peak)} (model states + "
                          f"{fmt_bytes(self.states.step_transient_device)} fp32 sub-group grad, no activations)"
@@ -369,9 +427,9 @@ class Planner:
                          + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
                             f"/node)" if rec else "; no offload target fits"))
         timing = self._step_time(work, hs, seq_len) if self.rates is not None else None
-        limits = {"device": {"need": int(peak), "budget": int(self.budget - self.reserve), "per": "device",
-                             "what": f"the peak against the {fmt_bytes(self.budget)} budget less the "
-                                     f"{fmt_bytes(self.reserve)} reserve"},
+        limits = {"device": {"need": int(reserved), "budget": int(self.budget - self.reserve), "per": "device",
+                             "what": f"the reserved peak ({self.allocator} segments) against the "
+                                     f"{fmt_bytes(self.budget)} budget less the {fmt_bytes(self.reserve)} reserve"},
                   "host": {"need": int(host_node), "budget": self.host_budget, "per": "node",
                            "source": self.host_budget_source},
                   "nvme": {"need": nvme_node, "budget": self.nvme_budget, "per": "node",
@@ -388,7 +446,12 @@ class Planner:
                           activation_peak_bytes=int(act_peak), step_peak_bytes=int(self.step_peak),
                           budget_source=self.budget_source, time=timing.to_dict() if timing else {},
                           host_budget_source=self.host_budget_source, limits=limits, binding=binding,
-                          binding_detail=detail)
+                          binding_detail=detail, reserved_device_bytes=int(reserved),
+                          allocator={"mode": self.allocator, "activation_slack_bytes": int(slack),
+                                     "reserved_by_mode": {m: int(max(act_peak + v["slack"], self.step_peak))
+                                                          for m, v in alloc.items()},
+                                     "floor_bytes": int(max(act_peak + floor_slack, self.step_peak)),
+                                     "stranded": alloc[self.allocator]["stranded"]})
 
     def _step_time(self, work, hs, seq_len: int):
         """Predicted step seconds, MFU and tokens/s on ``self.rates`` (planner/rates.py)."""
@@ -530,12 +593,12 @@ def _bound_by(best: "PlanResult", stop: "PlanResult", n: int) -> "PlanResult":
 
 def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem=None,
          host_mem=None, seq_len: Optional[int] = None, reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None,
-         device: str = "meta", full_depth: bool = False, nvme_mem=None) -> PlanResult:
+         device: str = "meta", full_depth: bool = False, nvme_mem=None, allocator: Optional[str] = None) -> PlanResult:
     """Plan one training step (see module doc). ``seq_len`` defaults to long_context.sequence_length; ``host_mem``
     and ``nvme_mem``: per node, checked when given."""
     mc = load_model_config(model_config, model)
     p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, full_depth,
-                nvme_mem=nvme_mem)
+                nvme_mem=nvme_mem, allocator=allocator)
     seq = seq_len if seq_len is not None else p.lc.sequence_length
     if seq is None:
         raise ConfigError("--seq-len", "no sequence length was given",
@@ -544,7 +607,9 @@ def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_siz
 
 
 def max_context(ds_config, model_config=None, *, model=None, world_size: int = 8, gpu_mem=None, host_mem=None,
-                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta", nvme_mem=None) -> tuple:
+                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta", nvme_mem=None,
+                allocator: Optional[str] = None) -> tuple:
     mc = load_model_config(model_config, model)
-    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, nvme_mem=nvme_mem)
+    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, nvme_mem=nvme_mem,
+                allocator=allocator)
     return p.max_context()
