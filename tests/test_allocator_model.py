@@ -192,3 +192,16 @@ def test_floor_is_what_no_retry_can_release():
     c = CachingAllocatorModel(expandable_segments=False)
     c.replay([("+", "A", 100 * MiB), ("+", "B", 30 * MiB), ("-", "A"), ("+", "C", 120 * MiB)])
     assert c.peak_reserved == 250 * MiB and c.floor_at_peak == 150 * MiB
+
+
+def test_events_round_trip_through_a_file(tmp_path):
+    from ds_longctx.measure.allocator import load_events, save_events
+
+    ev = [("+", ("a", 1), 100 * MiB, 7, "x.py:1 f"), ("+", "b", 10, 0), ("-", ("a", 1)), ("+", "c", 3 * MiB, 7, None)]
+    save_events(ev, str(tmp_path / "t.json.gz"), {"seed_events": 1})
+    back, meta = load_events(str(tmp_path / "t.json.gz"))
+    assert meta == {"seed_events": 1}
+    assert [e[0] for e in back] == ["+", "+", "-", "+"] and back[0][2:] == (100 * MiB, "7", "x.py:1 f")
+    a, b = replay(back), replay(ev)  # (streams come back as their names)
+    assert (a.peak_allocated, a.peak_reserved, a.floor, a.stranded_by_label()) == \
+        (b.peak_allocated, b.peak_reserved, b.floor, b.stranded_by_label())

@@ -380,14 +380,49 @@ def seed_events(snapshot: dict, device: int = 0) -> List[tuple]:
     return out + frees
 
 
-def check_step(start: dict, end: dict, expandable_segments: bool = True, device: int = 0) -> dict:
+def save_events(events: List[tuple], path: str, meta: Optional[dict] = None) -> None:
+    """Write replay events to ``path`` (gzip JSON: keys renumbered, labels in one table), small enough to bring back
+    from a device call: a 75,000-event step is about a megabyte. :func:`load_events` reads it."""
+    import gzip
+    import json
+
+    keys: Dict[object, int] = {}
+    labels: Dict[object, int] = {}
+    rows = []
+    for ev in events:
+        if ev[0] == "+":
+            k = keys.setdefault(ev[1], len(keys))
+            lab = ev[4] if len(ev) > 4 else None
+            rows.append([k, int(ev[2]), str(ev[3] if len(ev) > 3 else 0), labels.setdefault(lab, len(labels))])
+        else:
+            rows.append([keys[ev[1]]])
+    with gzip.open(path, "wt") as f:
+        json.dump({"meta": meta or {}, "labels": [k for k, _ in sorted(labels.items(), key=lambda kv: kv[1])],
+                   "events": rows}, f, separators=(",", ":"))
+
+
+def load_events(path: str) -> tuple:
+    """(events, meta) from :func:`save_events`' file."""
+    import gzip
+    import json
+
+    with gzip.open(path, "rt") as f:
+        d = json.load(f)
+    labels = d["labels"]
+    out = [("+", r[0], r[1], r[2], labels[r[3]]) if len(r) > 1 else ("-", r[0]) for r in d["events"]]
+    return out, d.get("meta", {})
+
+
+def check_step(start: dict, end: dict, expandable_segments: bool = True, device: int = 0,
+               save_to: Optional[str] = None) -> dict:
     """The model against the real allocator over one recorded step.
 
     ``start``: ``torch.cuda.memory._snapshot()`` taken before the step (and before
     ``_record_memory_history`` starts); ``end``: the snapshot after it, whose trace holds the step's
     allocations and frees. Returns the model's reserved/allocated bytes right after rebuilding the start
     state (``seed_*``: to compare with the real start, which says how well the layout was rebuilt) and at
-    the step's peak (``peak_*``: to compare with max_memory_reserved/allocated over the step)."""
+    the step's peak (``peak_*``: to compare with max_memory_reserved/allocated over the step). ``save_to``: also
+    write the seed and step events there (:func:`save_events`; ``meta["seed_events"]`` says where the step starts)."""
     m = CachingAllocatorModel(expandable_segments)
     seed = seed_events(start, device)
     m.replay(seed)
@@ -396,6 +431,8 @@ def check_step(start: dict, end: dict, expandable_segments: bool = True, device:
     m.growth = []                                                  # what the step itself mapped
     step = events_from_snapshot(end, device)
     res = m.replay(step)
+    if save_to:
+        save_events(seed + step, save_to, {"seed_events": len(seed), "expandable_segments": expandable_segments})
 
     def by_stream(snap):
         out: Dict[str, int] = {}
@@ -417,4 +454,4 @@ def check_step(start: dict, end: dict, expandable_segments: bool = True, device:
 
 
 __all__ = ["CachingAllocatorModel", "Growth", "ReplayResult", "replay", "events_from_snapshot", "frame_label",
-           "seed_events", "check_step", "round_size", "segment_size"]
+           "seed_events", "check_step", "save_events", "load_events", "round_size", "segment_size"]
