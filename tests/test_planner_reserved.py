@@ -43,12 +43,19 @@ def test_plan_reports_reserved_and_fits_on_it():
     assert al["activation_slack_bytes"] > 0
     assert r.reserved_device_bytes == max(r.activation_peak_bytes + al["activation_slack_bytes"], r.step_peak_bytes)
     assert r.reserved_device_bytes == al["reserved_by_mode"]["expandable"] > r.peak_device_bytes
-    assert r.peak_device_bytes <= al["floor_bytes"] <= r.reserved_device_bytes
-    assert r.limits["device"]["need"] == r.reserved_device_bytes and r.fits
+    assert r.peak_device_bytes <= al["floor_bytes"] < r.reserved_device_bytes
+    # expandable segments: what must fit is the floor (cached pages are given back when a mapping fails)
+    assert r.limits["device"]["need"] == al["need_bytes"] == al["floor_bytes"] and r.fits
     assert r.to_dict()["reserved_device_bytes"] == r.reserved_device_bytes
-    # a budget between the allocated and the reserved peak: the allocated peak would fit, the plan does not
-    budget = r.peak_device_bytes + (1 << 30) + al["activation_slack_bytes"] // 2
-    tight = Planner(DS, _mc(), 1, str(budget), reserve="1GiB", allocator="expandable").run(SEQ)
+    # a budget between the floor and the reserved peak: fits, and says the allocator will flush its cache
+    budget = (al["floor_bytes"] + r.reserved_device_bytes) // 2 + (1 << 30)
+    mid = Planner(DS, _mc(), 1, str(budget), reserve="1GiB", allocator="expandable").run(SEQ)
+    assert mid.fits and any("over the budget" in n and "floor" in n for n in mid.notes), mid.notes
+    # classic segments: the reserved peak must fit; a budget between the allocated and the reserved peak does not
+    c = Planner(DS, _mc(), 1, "80GiB", reserve="1GiB", allocator="classic").run(SEQ)
+    assert c.limits["device"]["need"] == c.reserved_device_bytes == c.allocator["need_bytes"]
+    budget = c.peak_device_bytes + (1 << 30) + c.allocator["activation_slack_bytes"] // 2
+    tight = Planner(DS, _mc(), 1, str(budget), reserve="1GiB", allocator="classic").run(SEQ)
     assert tight.peak_device_bytes + tight.reserve_bytes <= budget and not tight.fits
     assert tight.binding == "device"
 

@@ -117,8 +117,10 @@ def _detail(r: PlanResult, max_context: bool = False) -> str:
         lines.append(f"reserved (max_memory_reserved, predicted: the step's allocations replayed through the caching "
                      f"allocator, {al['mode']} segments): {fmt_bytes(r.reserved_device_bytes)} = allocated "
                      f"{fmt_bytes(r.peak_device_bytes)} x {r.reserved_device_bytes / max(1, r.peak_device_bytes):.3f}"
-                     f" ({modes}); \"fits\" uses it; at least {fmt_bytes(al.get('floor_bytes', 0))} (what no "
-                     "out-of-memory retry of the allocator can release)")
+                     f" ({modes}); at least {fmt_bytes(al.get('floor_bytes', 0))} (what no out-of-memory retry of "
+                     f"the allocator releases); \"fits\" uses {fmt_bytes(al.get('need_bytes', 0))} (" +
+                     ("the floor: expandable segments give cached pages back" if al["mode"] == "expandable" else
+                      "reserved: classic segments give back only wholly free ones") + ")")
         if al.get("stranded"):
             lines.append("  stranded by (request that mapped memory while free blocks were too small): " + ", ".join(
                 f"{k} {fmt_bytes(v)}" for k, v in al["stranded"][:4]))

@@ -98,11 +98,12 @@ class PlanResult:
     # max-context answer: the limit the next length exceeds); binding_detail says which it is, with the figures
     binding: str = ""
     binding_detail: str = ""
-    # what max_memory_reserved will show: peak_device_bytes plus the caching allocator's stranded bytes (the step's
-    # device allocations replayed through measure/allocator.py in ``allocator["mode"]``); "fits" and the device limit
-    # use it. allocator: {"mode", "activation_slack_bytes", "reserved_by_mode": {mode: bytes}, "floor_bytes" (what no
-    # out-of-memory retry releases: the least the device must hold), "stranded": [[label, bytes], ...] (the requests
-    # that mapped memory while free blocks were too small, in the deepest simulated step)}
+    # what max_memory_reserved will show with room to spare: peak_device_bytes plus the caching allocator's stranded
+    # bytes (the step's device allocations replayed through measure/allocator.py in ``allocator["mode"]``).
+    # allocator: {"mode", "activation_slack_bytes", "reserved_by_mode": {mode: bytes}, "floor_bytes" (what no
+    # out-of-memory retry releases: the least the device must hold), "need_bytes" (what "fits" and the device limit
+    # use: the floor with expandable segments, reserved with classic ones), "stranded": [[label, bytes], ...] (the
+    # requests that mapped memory while free blocks were too small, in the deepest simulated step)}
     reserved_device_bytes: int = 0
     allocator: Dict = field(default_factory=dict)
 
@@ -397,24 +398,29 @@ class Planner:
         floor_slack = alloc[self.allocator]["floor_slack"] if self.device == "meta" else 0
         act_reserved = act_peak + slack
         reserved = max(act_reserved, self.step_peak)
+        floor = max(act_peak + floor_slack, self.step_peak)
+        # what must fit: with expandable segments the allocator, when a mapping fails, unmaps every page no live block
+        # touches and retries (CUDACachingAllocator release_cached_blocks -> unmap_block), so the floor must fit (the
+        # H200's (c) ran with an unpressured reserved prediction over its 150 GB: it reserved 148.6 GB, 1.05x its
+        # allocated); with classic segments only wholly free segments go back, so the reserved peak must
+        need = floor if self.allocator == "expandable" else reserved
+        act_need = act_peak + (floor_slack if self.allocator == "expandable" else slack)
         num_layers = self.spec.model.layers
         hs = host_plan.host_side(self.spec, self.states, int(host_act), host_plan.offloaded_bytes_per_layer(
-            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_reserved,
+            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_need,
             self.budget, self.reserve, self.host_budget, self.gpus_per_node, step_peak=self.step_peak)
         host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node
         nvme_node = int(sum(hs.nvme.values()) * self.gpus_per_node)
-        fits = reserved + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
+        fits = need + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
             and (self.nvme_budget is None or nvme_node <= self.nvme_budget)
         notes = list(self.states.notes)
-        if not fits and max(act_peak + floor_slack, self.step_peak) + self.reserve <= self.budget and \
-                (self.host_budget is None or host_node <= self.host_budget) and \
-                (self.nvme_budget is None or nvme_node <= self.nvme_budget):
-            notes.append(f"the reserved peak {fmt_bytes(reserved)} is over the budget but the allocator's floor "
-                         f"{fmt_bytes(max(act_peak + floor_slack, self.step_peak))} is not: the step would run with "
-                         "the caching allocator releasing its cache on failed allocations (each a device sync: "
-                         "slower); counted as not fitting")
+        if need < reserved and need + self.reserve <= self.budget < reserved + self.reserve:
+            notes.append(f"reserved {fmt_bytes(reserved)} (predicted max_memory_reserved with room to spare) is over "
+                         f"the budget; the allocator's floor {fmt_bytes(floor)} is not: with expandable segments the "
+                         "step runs, the caching allocator releasing its cached pages when a mapping fails (a device "
+                         "sync each time: slower)")
         if self.states.step_transient_device:
             notes.append(f"optimizer step: {fmt_bytes(self.step_peak)} (model states + "
                          f"{fmt_bytes(self.states.step_transient_device)} fp32 sub-group grad, no activations)"
@@ -427,8 +433,9 @@ class Planner:
                          + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
                             f"/node)" if rec else "; no offload target fits"))
         timing = self._step_time(work, hs, seq_len) if self.rates is not None else None
-        limits = {"device": {"need": int(reserved), "budget": int(self.budget - self.reserve), "per": "device",
-                             "what": f"the reserved peak ({self.allocator} segments) against the "
+        limits = {"device": {"need": int(need), "budget": int(self.budget - self.reserve), "per": "device",
+                             "what": ("the allocator's floor (expandable segments)" if self.allocator == "expandable"
+                                      else "the reserved peak (classic segments)") + f" against the "
                                      f"{fmt_bytes(self.budget)} budget less the {fmt_bytes(self.reserve)} reserve"},
                   "host": {"need": int(host_node), "budget": self.host_budget, "per": "node",
                            "source": self.host_budget_source},
@@ -450,7 +457,7 @@ class Planner:
                           allocator={"mode": self.allocator, "activation_slack_bytes": int(slack),
                                      "reserved_by_mode": {m: int(max(act_peak + v["slack"], self.step_peak))
                                                           for m, v in alloc.items()},
-                                     "floor_bytes": int(max(act_peak + floor_slack, self.step_peak)),
+                                     "floor_bytes": int(floor), "need_bytes": int(need),
                                      "stranded": alloc[self.allocator]["stranded"]})
 
     def _step_time(self, work, hs, seq_len: int):
