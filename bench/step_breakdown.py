@@ -167,7 +167,8 @@ def main(argv=None):
               "measured": dict(MEASURED, step_s=a.measured_step),
               "planner": {"step_s": t["seconds"], "mfu": t["mfu"], "parts": t["parts"],
                           "peak_device_bytes": plan.peak_device_bytes,
-                          "reserved_device_bytes": plan.reserved_device_bytes},
+                          "reserved_device_bytes": plan.reserved_device_bytes, "allocator": plan.allocator,
+                          "fits": plan.fits},
               "breakdown_s": {k: round(v, 4) for k, v in rows}, "breakdown_total_s": round(total, 3),
               "host_issue_s": t["parts"].get("host_overhead", 0.0),
               "model_tflop": model_flops / 1e12}
@@ -212,8 +213,9 @@ def main(argv=None):
             alt[name] = r
             saved = t["seconds"] - r.time["seconds"]
             add(name, saved, how + f" (planner step {r.time['seconds']:.2f} s vs {t['seconds']:.2f} s)",
-                memory=f"reserved {r.reserved_device_bytes / 2**30:.1f} GiB of {plan.device_budget_bytes / 2**30:.1f}"
-                       f" GiB ({'fits' if r.fits else 'does NOT fit'})")
+                memory=f"needs {r.allocator['need_bytes'] / 2**30:.1f} GiB (reserved {r.reserved_device_bytes / 2**30:.1f}"
+                       f" GiB) of {(plan.device_budget_bytes - plan.reserve_bytes) / 2**30:.1f} GiB usable "
+                       f"({'fits' if r.fits else 'does NOT fit'})")
         except Exception as e:  # a config the planner refuses: said so
             cands.append({"change": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     add("CUDA graphs / fewer small ops (host issue time)", 0.0,

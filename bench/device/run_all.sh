@@ -45,13 +45,13 @@ if [ $DRY = 0 ]; then
     { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nproc; free -g; df -h /tmp; } \
         >> "$LOG" 2>&1
     S512=524288; S256=262144; S128=131072; ATT="--seq 32768 131072 --hpc 1 8 --steps 2 --minimal"
-    HYB="--seq3 32768"; HYBCFG=bench/device/family_stack.json
+    HYB="--seq3 32768 --depth3 4"; HYBCFG=bench/device/family_stack.json
 else
     export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch_extensions}
     PY=python; DRYF=--dry-run
     export RUN_ALL_DEVICE="CPU dry run on $(hostname) ($(nproc) cores)"
     S512=256; S256=128; S128=256; ATT="--dry-run"
-    HYB="--seq3 256"; HYBCFG=/tmp/run_all_family_fp32.json
+    HYB="--seq3 128 --depth3 4"; HYBCFG=/tmp/run_all_family_fp32.json
     python -c "import json; c = json.load(open('bench/device/family_stack.json')); c['bf16']['enabled'] = False; json.dump(c, open('$HYBCFG', 'w'))"
 fi
 export DS_LONGCTX_ALLOCATOR_TRACE_DIR=$TRACES
@@ -87,14 +87,14 @@ for s in $ORDER; do
     case $s in
     mem8b_512k)
         A4=""; [ $DRY = 0 ] && A4="--alloc-check4 1"
-        step mem8b_512k 175 "$MEM" - $PY bench/alst_compare.py $DRYF --out "$MEM" --part 4 --seq4 $S512 --steps4 1 \
-            $A4 --no-plan4 --cap4 170 ;;
+        step mem8b_512k 165 "$MEM" - $PY bench/alst_compare.py $DRYF --out "$MEM" --part 4 --seq4 $S512 --steps4 1 \
+            $A4 --no-plan4 --cap4 160 ;;
     mem8b_256k)
         A4=""; [ $DRY = 0 ] && A4="--alloc-check4 1,2"
         step mem8b_256k 125 "$MEM" - $PY bench/alst_compare.py $DRYF --out "$MEM" --part 4 --seq4 $S256 --steps4 2 \
             $A4 --no-plan4 --cap4 120 ;;
     attention)
-        step attention 80 "$OUT/issue48_attention.json" - $PY bench/gpu_checks.py --part attention $ATT \
+        step attention 75 "$OUT/issue48_attention.json" - $PY bench/gpu_checks.py --part attention $ATT \
             --out "$OUT/issue48_attention.json" ;;
     mfu_1b)
         step mfu_1b 170 "$OUT/issue48_mfu_1b.json" - $PY bench/alst_compare.py $DRYF --out "$OUT/issue48_mfu_1b.json" \
@@ -109,7 +109,7 @@ for s in $ORDER; do
                 /tmp/hybrid_fla.json "$NEW"
         else
             step hybrid_fla 100 /tmp/hybrid_fla.json "$NEW" $PY bench/alst_compare.py --part 3 --cap3 95 \
-                --config $HYBCFG --model-config bench/device/models/qwen3_5-small.json $HYB --depth3 4 \
+                --config $HYBCFG --model-config bench/device/models/qwen3_5-small.json $HYB \
                 --out /tmp/hybrid_fla.json
         fi ;;
     rl_logprob|ring_ulysses)

@@ -1,5 +1,5 @@
 """run_all.sh's bookkeeping after each step: the step's JSON gets the device, the date and the command at its top level
-(and the step's name, exit code and seconds under "call"); a step that wrote none gets one holding its log's tail, so
+(and, per step that wrote into it, the step's name, exit code and seconds under "calls"); a step that wrote none gets one holding its log's tail, so
 every step leaves a record. ``--merge-into``: the step's record goes under its name in a shared file (the device call
 brings back 8 files at most). Pure Python, no torch (no device time spent importing it).
 
@@ -49,12 +49,13 @@ def main(argv=None):
     rec.setdefault("device", device)
     rec.setdefault("date", now)
     rec.setdefault("command", a.command)
-    rec["call"] = {"step": a.step, "command": a.command, "rc": a.rc, "wall_s": a.wall,
-                   "budget_left_s": a.budget_left, "stamped": now, "device": device,
-                   "run_all": os.environ.get("RUN_ALL_COMMAND", "bash bench/device/run_all.sh")}
+    call = {"step": a.step, "command": a.command, "rc": a.rc, "wall_s": a.wall, "budget_left_s": a.budget_left,
+            "stamped": now, "device": device, "run_all": os.environ.get("RUN_ALL_COMMAND", "bash bench/device/run_all.sh")}
     if a.skipped:
-        rec["call"]["skipped"] = a.skipped
-    elif a.rc not in (0, None) and "error" not in rec:
+        call["skipped"] = a.skipped
+    # one entry per step that wrote into this file (two steps share issue48_mem8b.json)
+    rec["calls"] = [c for c in rec.get("calls", []) if c.get("step") != a.step] + [call]
+    if not a.skipped and a.rc not in (0, None) and "error" not in rec:
         rec["error"] = f"exit {a.rc}" + (" (124: the step's limit ended it)" if a.rc == 124 else "")
         rec["log_tail"] = _tail(a.log, f"== {a.step} (")
     target = a.merge_into or a.file

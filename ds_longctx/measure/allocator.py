@@ -101,7 +101,9 @@ class _Pool:
 class Growth:
     """One mapping of new memory: ``request`` (rounded) bytes for ``label`` on ``stream`` mapped ``mapped`` new
     bytes while its pool held ``free`` cached bytes (its largest free block ``largest``, the range's free end
-    block excluded when it was grown); ``stranded`` = min(mapped, free): new bytes the free ones could not serve."""
+    block excluded when it was grown). ``stranded``: of the new bytes, those the free ones could not serve
+    (min(mapped, free)) that also lift the reserved bytes above the largest live set so far (``headroom``: reserved
+    after the mapping less that live peak): a mapping the step grows into later strands nothing."""
     label: object
     stream: object
     request: int
@@ -109,10 +111,11 @@ class Growth:
     free: int
     largest: int
     allocated: int          # bytes held just before the request
+    headroom: int = 0       # reserved after the mapping less the allocated peak so far (the request included)
 
     @property
     def stranded(self) -> int:
-        return min(self.mapped, self.free)
+        return max(0, min(self.mapped, self.free, self.headroom))
 
 
 @dataclass
@@ -212,7 +215,8 @@ class CachingAllocatorModel:
         self.reserved += nbytes
         label, stream, request, free, largest, allocated = self._pending
         self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
-        self.growth.append(Growth(label, stream, request, nbytes, free, largest, allocated))
+        live_peak = max(self.peak_allocated, allocated + request)
+        self.growth.append(Growth(label, stream, request, nbytes, free, largest, allocated, self.reserved - live_peak))
 
     # --- blocks -----------------------------------------------------------------------------------
     @staticmethod
