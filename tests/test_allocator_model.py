@@ -132,9 +132,11 @@ def test_growth_names_the_requests_that_strand_memory():
     # the end grows by 120 - the free tail, while 100 MiB sat free: C strands min(mapped, free) of them
     r = replay([("+", "A", 100 * MiB, 0, "a"), ("+", "B", 30 * MiB, 0, "b"), ("-", "A"),
                 ("+", "C", 120 * MiB, 0, "c")])
-    grown = [(g.label, g.mapped, g.free, g.largest) for g in r.growth]
+    grown = [(g.label, g.mapped, g.free, g.largest, g.reserved) for g in r.growth]
     # A: 5 pages; B: 2 pages (10 MiB free tail); C: 6 more pages (the 10 MiB tail absorbed, not counted as free)
-    assert grown == [("a", 100 * MiB, 0, 0), ("b", 40 * MiB, 0, 0), ("c", 120 * MiB, 100 * MiB, 100 * MiB)]
+    assert grown == [("a", 100 * MiB, 0, 0, 100 * MiB), ("b", 40 * MiB, 0, 0, 140 * MiB),
+                     ("c", 120 * MiB, 100 * MiB, 100 * MiB, 260 * MiB)]
+    # above the live peak (150 MiB) C's mapping left 110 MiB, the hole was 100: C strands 100 of the 110 MiB slack
     assert r.stranded_by_label() == {"c": 100 * MiB}
     assert r.reserved_by_stream == {0: 260 * MiB}
     s = r.summary()
@@ -151,8 +153,13 @@ def test_growth_with_a_fitting_hole_strands_nothing_and_streams_count_apart():
 
 def test_classic_growth_counts_free_segments():
     a = CachingAllocatorModel(expandable_segments=False)
-    a.replay([("+", "x", 30 * MiB, 0, "x"), ("-", "x"), ("+", "y", 40 * MiB, 0, "y")])
+    r = a.replay([("+", "x", 30 * MiB, 0, "x"), ("-", "x"), ("+", "y", 40 * MiB, 0, "y")])
     assert [(g.label, g.mapped, g.free) for g in a.growth] == [("x", 30 * MiB, 0), ("y", 40 * MiB, 30 * MiB)]
+    assert r.stranded_by_label() == {"y": 30 * MiB} and r.slack == 30 * MiB
+    # a mapping the step grows into later strands nothing
+    r = replay([("+", "x", 30 * MiB, 0, "x"), ("-", "x"), ("+", "y", 40 * MiB, 0, "y"), ("+", "z", 30 * MiB, 0, "z")],
+               expandable_segments=False)
+    assert r.slack == 0 and r.stranded_by_label() == {}
 
 
 def test_frame_labels_skip_torch_frames():

@@ -28,11 +28,12 @@ Not modelled (say so where it matters): CUDA graph pools, ``max_split_size_mb`` 
 ``roundup_power2_divisions``, and allocations made outside the caching allocator (CUDA context, NCCL,
 cuBLAS/cuDNN handles): those are the planner's fixed ``--reserve``.
 
-What strands memory (:meth:`CachingAllocatorModel.growth` / :func:`explain`): every time the model maps new
-memory (a classic segment, or pages at an expandable range's end) while its pool holds free cached bytes, up to
-that many of the new bytes are "stranded": the request was refused by free blocks that were each too small.
-Charged to the request's label (its op, its category; in a recorded CUDA trace, its innermost frame outside
-torch), summed over the trace, that names the allocations whose sizes strand the reserved bytes.
+What strands memory (``CachingAllocatorModel.growth``, ``ReplayResult.stranded_by_label``): every time the model
+maps new memory (a classic segment, or pages at an expandable range's end) while its pool holds free cached bytes,
+the new bytes that lie above the trace's allocated peak, up to the free bytes, are "stranded": the request was
+refused by free blocks that were each too small, and the step never grew into them. Charged to the request's label
+(its op and category; in a recorded CUDA trace, its innermost frame outside torch) and summed over the trace (at most
+the reserved slack), that names the allocations whose sizes strand the reserved bytes.
 
 Pure Python, no torch: events are ``("+", key, nbytes)``, ``("+", key, nbytes, stream)`` or
 ``("+", key, nbytes, stream, label)``, and ``("-", key)``.
@@ -101,9 +102,10 @@ class _Pool:
 class Growth:
     """One mapping of new memory: ``request`` (rounded) bytes for ``label`` on ``stream`` mapped ``mapped`` new
     bytes while its pool held ``free`` cached bytes (its largest free block ``largest``, the range's free end
-    block excluded when it was grown). ``stranded``: of the new bytes, those the free ones could not serve
-    (min(mapped, free)) that also lift the reserved bytes above the largest live set so far (``headroom``: reserved
-    after the mapping less that live peak): a mapping the step grows into later strands nothing."""
+    block excluded when it was grown); ``reserved``: the bytes mapped in all after it. :meth:`stranded`: of the new
+    bytes, those the free ones could not serve (min(mapped, free)) that lie above the trace's live peak (reserved
+    after the mapping less ``peak_allocated``): a mapping the step grows into later strands nothing, and over a trace
+    the stranded bytes add up to at most its reserved slack."""
     label: object
     stream: object
     request: int
@@ -111,11 +113,10 @@ class Growth:
     free: int
     largest: int
     allocated: int          # bytes held just before the request
-    headroom: int = 0       # reserved after the mapping less the allocated peak so far (the request included)
+    reserved: int = 0       # bytes mapped in all, this mapping included
 
-    @property
-    def stranded(self) -> int:
-        return max(0, min(self.mapped, self.free, self.headroom))
+    def stranded(self, peak_allocated: int) -> int:
+        return max(0, min(self.mapped, self.free, self.reserved - peak_allocated))
 
 
 @dataclass
@@ -137,11 +138,12 @@ class ReplayResult:
         return self.peak_reserved / self.peak_allocated if self.peak_allocated else 1.0
 
     def stranded_by_label(self) -> Dict[object, int]:
-        """Stranded bytes (:class:`Growth`) summed per label, largest first."""
+        """Stranded bytes (:meth:`Growth.stranded` above this trace's allocated peak) summed per label, largest first."""
         out: Dict[object, int] = {}
         for g in self.growth:
-            if g.stranded:
-                out[g.label] = out.get(g.label, 0) + g.stranded
+            n = g.stranded(self.peak_allocated)
+            if n:
+                out[g.label] = out.get(g.label, 0) + n
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def summary(self, top: int = 8) -> dict:
@@ -149,7 +151,7 @@ class ReplayResult:
         return {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
                 "ratio": round(self.ratio, 4), "floor": self.floor, "events": self.events,
                 "reserved_by_stream": {str(k): v for k, v in self.reserved_by_stream.items()},
-                "stranded": sum(g.stranded for g in self.growth),
+                "stranded": sum(g.stranded(self.peak_allocated) for g in self.growth),
                 "stranded_by_label": [[str(k), v] for k, v in list(self.stranded_by_label().items())[:top]]}
 
 
@@ -215,8 +217,7 @@ class CachingAllocatorModel:
         self.reserved += nbytes
         label, stream, request, free, largest, allocated = self._pending
         self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
-        live_peak = max(self.peak_allocated, allocated + request)
-        self.growth.append(Growth(label, stream, request, nbytes, free, largest, allocated, self.reserved - live_peak))
+        self.growth.append(Growth(label, stream, request, nbytes, free, largest, allocated, self.reserved))
 
     # --- blocks -----------------------------------------------------------------------------------
     @staticmethod
