@@ -142,7 +142,7 @@ def test_extrapolated_depth_matches_the_full_depth_simulation():
     assert ext.extrapolated and not full.extrapolated
     assert abs(ext.peak_device_bytes - full.peak_device_bytes) <= 0.01 * full.peak_device_bytes
     assert ext.host_bytes == full.host_bytes
-    # the allocator's slack is extrapolated as the categories are (planner/core._slack): reserved and floor within 1%
+    # the allocator's slack, the largest of the shallow steps' (planner/core._slack): reserved and floor within 1%
     for key in ("reserved_by_mode", "floor_bytes"):
         a, b = ext.allocator[key], full.allocator[key]
         for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else [(a, b)]):
