@@ -621,9 +621,14 @@ def sp2_worker(a) -> None:
         torch.cuda.set_device(0)
     import deepspeed
 
+    from ds_longctx.dist.comm import disable_cpu_shm_allreduce
     from ds_longctx.dist.runtime import run
     from ds_longctx.train import main
 
+    # on CPU (the dry run) DeepSpeed's CPU backend would JIT-build its shared-memory all-reduce op here, into the
+    # shared extensions folder: two ranks building at once, and a rank killed mid-build leaves a lock every later
+    # process waits on forever (a dry run's timed-out SP=2 ranks did, 2026-11-29). ds_longctx's own runs skip it.
+    disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     run(main, json.loads(a.train_args))
 
