@@ -124,8 +124,6 @@ def main(argv=None):
         res = from_gpu(a.gpu)
         print(json.dumps(res, indent=1))
         return res
-    from ds_longctx.planner.core import allocator_mode  # noqa: F401  (the mode the planner would use here)
-
     report = {"bench": "reserved_replay", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
               "device": f"2-core CPU box (the planner's fake-tensor step; {os.cpu_count()} cores visible)",

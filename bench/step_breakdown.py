@@ -18,7 +18,6 @@ Default case: the H200 call of 2026-11-28 (bench/RESULTS.md "GPU"): Llama-3.2-1B
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -58,7 +57,6 @@ def config(picks=PICKS_H200, seq=131072, **changes) -> dict:
 def by_category(model_config, ds_config, seq, world=1):
     """The simulated step's work keyed (category, kind, phase, key) (the Accountant's own (kind, phase, key) split by
     the module that ran each op), and the planner's StepMemory."""
-    from ds_longctx.measure import flops as _flops
     from ds_longctx.config import parse
     from ds_longctx.planner import host as host_plan
     from ds_longctx.planner import simulate as sim

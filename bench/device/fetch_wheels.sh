@@ -6,7 +6,7 @@
 #   flash-linear-attention + fla-core 0.6.0 (pure Python, Triton kernels: transformers' Gated DeltaNet path for the
 #   Qwen3.5 hybrid, issue 48 (d)); causal-conv1d only if PyPI has a binary wheel for the machine (it has none:
 #   transformers then runs its torch convolution, said so in the log).
-# 6.3 MB in all, measured 2026-11-29 on the 2-core CPU box (~1 min). --aio: also libaio's debs into .aio/ (the NVMe
+# 6.1 MB in all, measured 2026-11-29 on the 2-core CPU box (12 s). --aio: also libaio's debs into .aio/ (the NVMe
 # offload step of older calls; run_all.sh of issue 48 does not use them).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

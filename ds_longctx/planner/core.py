@@ -22,7 +22,7 @@ from ..patching.spec import build_spec
 from . import host as host_plan
 from . import model_states as ms
 from .rates import step_time, target_rates
-from .simulate import CATEGORIES, build_model, simulate_step, with_layers
+from .simulate import ALLOCATOR_MODES, CATEGORIES, build_model, simulate_step, with_layers
 from .units import fmt_bytes, fmt_over, parse_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
@@ -301,8 +301,6 @@ def _slack(growth, a) -> Dict[str, dict]:
     reuses the same holes (the 8B layer shape at 64K / SP 8: classic slack 1.44 GB at 2 layers, 1.56 GB at 3, 4, 5 and 8;
     expandable 1.26 GB at each), so the largest of the simulated steps' is taken (an affine extrapolation
     over-counted 3.4% at 8 layers)."""
-    from .simulate import ALLOCATOR_MODES
-
     steps = [a] + [s for _, x, y in growth for s in (x, y) if s is not None]
     deepest = growth[-1][2]
     out = {}
