@@ -539,8 +539,8 @@ def _plan(cfg_path, model, seq, log_dir, full_depth=False, extra=(), limit=300):
                peak_device_bytes=d.get("peak_device_bytes"),
                activation_peak_bytes=d.get("activation_peak_bytes"), step_s=t.get("seconds"),
                tokens_per_s=t.get("tokens_per_s"), mfu=t.get("mfu"), extrapolated=d.get("extrapolated"),
-               layers_simulated=d.get("layers_simulated"), reserved_bytes=d.get("reserved_bytes"),
-               max_context=d.get("max_context"))
+               layers_simulated=d.get("layers_simulated"), reserved_device_bytes=d.get("reserved_device_bytes"),
+               allocator=d.get("allocator"), max_context=d.get("max_context"))
     return rec
 
 
@@ -621,9 +621,14 @@ def sp2_worker(a) -> None:
         torch.cuda.set_device(0)
     import deepspeed
 
+    from ds_longctx.dist.comm import disable_cpu_shm_allreduce
     from ds_longctx.dist.runtime import run
     from ds_longctx.train import main
 
+    # on CPU (the dry run) DeepSpeed's CPU backend would JIT-build its shared-memory all-reduce op here, into the
+    # shared extensions folder: two ranks building at once, and a rank killed mid-build leaves a lock every later
+    # process waits on forever (a dry run's timed-out SP=2 ranks did, 2026-11-29). ds_longctx's own runs skip it.
+    disable_cpu_shm_allreduce()
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     run(main, json.loads(a.train_args))
 
@@ -720,7 +725,7 @@ def part4(a, res, save):
         left = a.cap4 - (time.monotonic() - t0)
         if last is not None:
             # attention dominates: the next length's step ~ (seq/last_seq)^2 x the last, plus its start-up
-            need = last["startup_s"] + last["step_s"] * (seq / last["seq"]) ** 2 * 1.1
+            need = last["startup_s"] + last["step_s"] * (seq / last["seq"]) ** 2 * 1.1 * a.steps4
             if need > left:
                 part["notes"].append(f"{seq} not run: predicted {need:.0f} s from {last['seq']}'s step, "
                                      f"{left:.0f} s left")
@@ -731,23 +736,38 @@ def part4(a, res, save):
         # torch's AdamW on the offloaded CPU states instead of DeepSpeedCPUAdam: no JIT build of the cpu_adam op in
         # the cap (~1 min on a fresh machine); device memory, what this part measures, is the same either way
         c["optimizer"]["params"]["torch_adam"] = True
+        if a.alloc_check4:  # issue 48: the real allocator trace of these steps, replayed and explained per stream/frame
+            c["long_context"].setdefault("profile", {}).update(allocator_check=True, steps=a.alloc_check4)
         if a.dry_run:  # the tiny model has fewer layers than the 8B config keeps on the device
             c["long_context"]["activation_checkpointing"]["keep_on_device"] = min(
                 c["long_context"]["activation_checkpointing"].get("keep_on_device", 0), a.depth4)
         _write(cfg, c)
-        rec = _train_variant(f"8b_depth{a.depth4}_{seq}", cfg, model, seq, 1, left, a.work,
+        rec = _train_variant(f"8b_depth{a.depth4}_{seq}", cfg, model, seq, a.steps4, left, a.work,
                              extra_args=["--allow-beyond-max-position"])
         rec["summary"] = _summary(rec.get("steps"))
+        # per step: allocated, reserved, and (allocator_check) the model's replay, the real reserved per stream and
+        # the frames that stranded memory (measure/allocator.check_step)
+        rec["memory_by_step"] = [{k: s.get(k) for k in ("step", "peak_mem_bytes", "peak_reserved_bytes",
+                                                         "allocator_model")} for s in rec.get("steps", [])]
         part["runs"].append(rec)
         save()  # before the planner: a cap that ends during the plan keeps the measurement
-        rec["plan"] = _plan(cfg, model, seq, a.work, limit=a.cap4 - (time.monotonic() - t0) - 5)
         s = rec["summary"]
-        if s and rec["plan"].get("step_peak_bytes"):
-            rec["planner_peak_over_max_memory_allocated"] = rec["plan"]["peak_device_bytes"] / s["max_memory_allocated"]
+        if a.plan4:
+            rec["plan"] = _plan(cfg, model, seq, a.work, limit=a.cap4 - (time.monotonic() - t0) - 5)
+            if s and rec["plan"].get("step_peak_bytes"):
+                rec["planner_peak_over_max_memory_allocated"] = (rec["plan"]["peak_device_bytes"] /
+                                                                 s["max_memory_allocated"])
+                if rec["plan"].get("reserved_device_bytes") and s.get("max_memory_reserved"):
+                    rec["planner_reserved_over_max_memory_reserved"] = (rec["plan"]["reserved_device_bytes"] /
+                                                                        s["max_memory_reserved"])
+        else:
+            rec["plan"] = {"skipped": "--no-plan4: the planner's figures for this config are CPU work "
+                                      "(bench/reserved_replay.py, bench/results/reserved_replay_cpu.json)"}
         save()
         if rec.get("rc") != 0 or not s:
             break
-        last = {"seq": seq, "step_s": s["step_time_s"], "startup_s": max(0.0, rec["wall_s"] - s["step_time_s"])}
+        last = {"seq": seq, "step_s": s["step_time_s"], "startup_s": max(0.0, rec["wall_s"] - s["step_time_s"] *
+                                                                          len(rec.get("steps") or [1]))}
     # the planner's full-depth one-GPU maximum is CPU work (a --max-context search takes minutes): not in the device
     # call; the figure as issue 32 states it, with the command that gives it
     part["full_depth_max_context"] = (
@@ -798,7 +818,14 @@ def main(argv=None):
     p.add_argument("--config4", default=CFG_8B)
     p.add_argument("--model4", default=MODEL_8B)
     p.add_argument("--depth4", type=int, default=2)
-    p.add_argument("--seq4", type=int, nargs="+", default=[131072, 262144, 524288])
+    p.add_argument("--seq4", type=int, nargs="+", default=None, help="part 4's lengths, ascending (default 131072 "
+                   "262144 524288; --dry-run: 128 256)")
+    p.add_argument("--steps4", type=int, default=1, help="part 4's steps per length")
+    p.add_argument("--alloc-check4", type=lambda v: [int(x) for x in v.split(",") if x], default=None,
+                   help="part 4: steps (e.g. 1,2) with profile.allocator_check (CUDA: the real allocator trace "
+                        "replayed and explained per stream and frame)")
+    p.add_argument("--no-plan4", dest="plan4", action="store_false", help="part 4: no planner run on the device "
+                   "machine (the planner is CPU work: bench/reserved_replay.py)")
     p.add_argument("--work", help="scratch directory for configs, logs, metrics (default: a new temp dir)")
     # internal: one process of a variant
     p.add_argument("--worker", choices=("alst", "sp2"), help=argparse.SUPPRESS)
@@ -828,9 +855,11 @@ def main(argv=None):
         _write(tiny, m)
         a.model_config = a.model3 = a.model4 = tiny
         a.rounds = a.rounds or 1
-        a.seq, a.steps, a.seq3, a.depth3, a.depth4, a.seq4 = 256, 2, 256, 2, 2, [128, 256]
+        a.seq, a.steps, a.seq3, a.depth3, a.depth4 = 256, 2, 256, 2, 2
+        a.seq4 = [x for x in (a.seq4 or []) if x <= 256] or [128, 256]  # tiny lengths only
     else:
         a.model3 = a.model_config
+    a.seq4 = a.seq4 or [131072, 262144, 524288]
     a.rounds = a.rounds or 3
     if os.environ.get("STEP_LIMIT"):  # run_all.sh's limit for this step: each cap under it, with time to write
         room = float(os.environ["STEP_LIMIT"]) - 15

@@ -125,3 +125,90 @@ def test_streams_keep_their_own_pools():
     assert r.peak_reserved == 200 * MiB
     r = replay([("+", "a", 100 * MiB, 0), ("-", "a"), ("+", "b", 100 * MiB, 0)])
     assert r.peak_reserved == 100 * MiB
+
+
+def test_growth_names_the_requests_that_strand_memory():
+    # expandable: A (100) then a small long-lived B above it; A freed leaves a 100 MiB hole; C (120) cannot use it:
+    # the end grows by 120 - the free tail, while 100 MiB sat free: C strands min(mapped, free) of them
+    r = replay([("+", "A", 100 * MiB, 0, "a"), ("+", "B", 30 * MiB, 0, "b"), ("-", "A"),
+                ("+", "C", 120 * MiB, 0, "c")])
+    grown = [(g.label, g.mapped, g.free, g.largest, g.reserved) for g in r.growth]
+    # A: 5 pages; B: 2 pages (10 MiB free tail); C: 6 more pages (the 10 MiB tail absorbed, not counted as free)
+    assert grown == [("a", 100 * MiB, 0, 0, 100 * MiB), ("b", 40 * MiB, 0, 0, 140 * MiB),
+                     ("c", 120 * MiB, 100 * MiB, 100 * MiB, 260 * MiB)]
+    # above the live peak (150 MiB) C's mapping left 110 MiB, the hole was 100: C strands 100 of the 110 MiB slack
+    assert r.stranded_by_label() == {"c": 100 * MiB}
+    assert r.reserved_by_stream == {0: 260 * MiB}
+    s = r.summary()
+    assert s["stranded"] == 100 * MiB and s["stranded_by_label"] == [["c", 100 * MiB]]
+    assert s["ratio"] == round(260 / 150, 4)
+
+
+def test_growth_with_a_fitting_hole_strands_nothing_and_streams_count_apart():
+    r = replay([("+", "A", 100 * MiB, 0, "a"), ("+", "B", 30 * MiB, 0, "b"), ("-", "A"),
+                ("+", "C", 90 * MiB, 0, "c"), ("+", "D", 40 * MiB, 1, "d")])
+    assert r.stranded_by_label() == {}
+    assert r.reserved_by_stream == {0: 140 * MiB, 1: 40 * MiB}
+
+
+def test_classic_growth_counts_free_segments():
+    a = CachingAllocatorModel(expandable_segments=False)
+    r = a.replay([("+", "x", 30 * MiB, 0, "x"), ("-", "x"), ("+", "y", 40 * MiB, 0, "y")])
+    assert [(g.label, g.mapped, g.free) for g in a.growth] == [("x", 30 * MiB, 0), ("y", 40 * MiB, 30 * MiB)]
+    assert r.stranded_by_label() == {"y": 30 * MiB} and r.slack == 30 * MiB
+    # a mapping the step grows into later strands nothing
+    r = replay([("+", "x", 30 * MiB, 0, "x"), ("-", "x"), ("+", "y", 40 * MiB, 0, "y"), ("+", "z", 30 * MiB, 0, "z")],
+               expandable_segments=False)
+    assert r.slack == 0 and r.stranded_by_label() == {}
+
+
+def test_frame_labels_skip_torch_frames():
+    from ds_longctx.measure.allocator import frame_label
+
+    frames = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 3, "name": "linear"},
+              {"filename": "/x/site-packages/deepspeed/runtime/zero/stage3.py", "line": 1620, "name": "add_grad"}]
+    assert frame_label(frames) == "zero/stage3.py:1620 add_grad"
+    assert frame_label([]) is None and frame_label(None) is None
+
+
+def test_check_step_explains_by_stream_and_frame():
+    start = {"segments": [{"device": 0, "address": 0, "total_size": 40 * MiB, "stream": 0, "blocks": [
+        {"size": 40 * MiB, "state": "active_allocated"}]}]}
+    fr = [{"filename": "/w/ds_longctx/memory/tiling.py", "line": 9, "name": "tile"}]
+    end = {"segments": [{"device": 0, "total_size": 60 * MiB, "stream": 0}, {"device": 0, "total_size": 20 * MiB,
+                                                                             "stream": 7}],
+           "device_traces": [[
+               {"action": "alloc", "addr": 1, "size": 20 * MiB, "stream": 7, "frames": fr},
+               {"action": "free_completed", "addr": 1, "size": 20 * MiB},
+               {"action": "alloc", "addr": 2, "size": 20 * MiB, "stream": 0, "frames": fr}]]}
+    r = check_step(start, end)
+    assert r["real_reserved_by_stream_start"] == {"0": 40 * MiB}
+    assert r["real_reserved_by_stream_end"] == {"0": 60 * MiB, "7": 20 * MiB}
+    # the compute stream could not use stream 7's freed block: the model maps 20 MiB on each stream
+    assert r["explain"]["reserved_by_stream"] == {"0": 60 * MiB, "7": 20 * MiB}
+    assert r["peak_reserved"] == 80 * MiB and r["explain"]["stranded"] == 0
+
+
+def test_floor_is_what_no_retry_can_release():
+    # expandable: live blocks pin the 20 MiB pages they touch; the free hole's pages could be unmapped
+    a = CachingAllocatorModel(expandable_segments=True)
+    a.replay([("+", "A", 100 * MiB), ("+", "B", 30 * MiB), ("-", "A"), ("+", "C", 120 * MiB)])
+    # at the allocated peak (B + C = 150 MiB): B [100, 130) MiB touches pages 5-6, C [130, 250) pages 6-12: 8 pages
+    assert a.peak_allocated == 150 * MiB and a.floor_at_peak == 160 * MiB and a.peak_reserved == 260 * MiB
+    # classic: a segment with any live block stays; free whole segments go back
+    c = CachingAllocatorModel(expandable_segments=False)
+    c.replay([("+", "A", 100 * MiB), ("+", "B", 30 * MiB), ("-", "A"), ("+", "C", 120 * MiB)])
+    assert c.peak_reserved == 250 * MiB and c.floor_at_peak == 150 * MiB
+
+
+def test_events_round_trip_through_a_file(tmp_path):
+    from ds_longctx.measure.allocator import load_events, save_events
+
+    ev = [("+", ("a", 1), 100 * MiB, 7, "x.py:1 f"), ("+", "b", 10, 0), ("-", ("a", 1)), ("+", "c", 3 * MiB, 7, None)]
+    save_events(ev, str(tmp_path / "t.json.gz"), {"seed_events": 1})
+    back, meta = load_events(str(tmp_path / "t.json.gz"))
+    assert meta == {"seed_events": 1}
+    assert [e[0] for e in back] == ["+", "+", "-", "+"] and back[0][2:] == (100 * MiB, "7", "x.py:1 f")
+    a, b = replay(back), replay(ev)  # (streams come back as their names)
+    assert (a.peak_allocated, a.peak_reserved, a.floor, a.stranded_by_label()) == \
+        (b.peak_allocated, b.peak_reserved, b.floor, b.stranded_by_label())

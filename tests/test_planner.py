@@ -142,6 +142,11 @@ def test_extrapolated_depth_matches_the_full_depth_simulation():
     assert ext.extrapolated and not full.extrapolated
     assert abs(ext.peak_device_bytes - full.peak_device_bytes) <= 0.01 * full.peak_device_bytes
     assert ext.host_bytes == full.host_bytes
+    # the allocator's slack, the largest of the shallow steps' (planner/core._slack): reserved and floor within 1%
+    for key in ("reserved_by_mode", "floor_bytes"):
+        a, b = ext.allocator[key], full.allocator[key]
+        for x, y in (zip(a.values(), b.values()) if isinstance(a, dict) else [(a, b)]):
+            assert abs(x - y) <= 0.01 * y, (key, x, y)
 
 
 def test_first_layers_keeping_attention_extrapolate_like_full_depth():

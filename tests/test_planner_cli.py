@@ -105,14 +105,19 @@ def test_host_budget_picks_the_offload_target(tmp_path, capsys):
     assert cpu["host_bytes_per_node"] == states_node + 8 * 16 * layer
     assert nvme["host_bytes_per_node"] == states_node + 8 * 3 * layer and nvme["nvme_bytes_per_node"] == 8 * 16 * layer
     budget = (cpu["host_bytes_per_node"] + nvme["host_bytes_per_node"]) // 2
-    # HBM headroom for 2.5 layer inputs: the last 2 can stay on the device
-    args[args.index("80GiB")] = str(out["peak_device_bytes"] + out["reserve_bytes"] + int(2.5 * layer))
+    # HBM headroom for 2.5 layer inputs over what must fit (the allocator's floor, expandable segments: "fits" uses it):
+    # the last 2 can stay on the device
+    need = out["allocator"]["need_bytes"]
+    assert out["reserved_device_bytes"] >= need >= out["peak_device_bytes"]
+    args[args.index("80GiB")] = str(need + out["reserve_bytes"] + int(2.5 * layer))
     assert main(args + ["--host-mem", str(budget)]) == 1
     out = json.loads(capsys.readouterr().out)
     rec = out["offload"]["recommended"]
     assert out["fits"] is False and rec["target"] == "nvme" and rec["keep_on_device"] == 2, rec
     assert rec["keys"]["offload"] == "nvme" and rec["keys"]["keep_on_device"] == 2
-    assert rec["nvme_bytes_per_node"] == 8 * 14 * layer and rec["peak_device_bytes"] == out["peak_device_bytes"] + 2 * layer
+    # (an option's peak is what must fit: the activation peak's floor + the inputs it keeps)
+    assert rec["nvme_bytes_per_node"] == 8 * 14 * layer and \
+        rec["peak_device_bytes"] == out["allocator"]["need_bytes"] + 2 * layer
     assert any(n.startswith("host memory per node: ") and " over " in n and "(--host-mem)" in n and "'nvme'" in n
                for n in out["notes"]), out["notes"]
     # and a config that asks for nvme fits there, its host figure being the ring
@@ -184,7 +189,7 @@ def test_max_context_says_which_limit_binds(tmp_path, capsys):
     assert "bound by host memory" in out["binding_detail"]
     assert 16384 < out["max_sequence_length"] < 65536 and out["host_bytes_per_node"] <= budget
     # the device had room: the answer is not device-bound
-    assert out["peak_device_bytes"] + out["reserve_bytes"] < out["device_budget_bytes"] // 2
+    assert out["reserved_device_bytes"] + out["reserve_bytes"] < out["device_budget_bytes"] // 2
 
 
 def test_planner_words_show_the_excess_and_say_binds_only_for_a_binding_limit():

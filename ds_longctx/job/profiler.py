@@ -128,7 +128,7 @@ class StepProfiler:
         if self.allocator_check and step in self.steps:
             # the allocator's state before the step, then its trace over the step (measure/allocator.check_step)
             self._alloc_start = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None, stacks="python")
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, context="alloc", stacks="python")
         if self._profiled(step):
             os.makedirs(self.output_dir, exist_ok=True)
             if self.cuda:
@@ -182,7 +182,14 @@ class StepProfiler:
             if not self._snapshot:
                 torch.cuda.memory._record_memory_history(enabled=None)
             conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-            rec["allocator_model"] = {**check_step(self._alloc_start, end, "expandable_segments:True" in conf),
+            # DS_LONGCTX_ALLOCATOR_TRACE_DIR (bench/device/run_all.sh): the step's events also go to a file there
+            # (measure/allocator.save_events), for replaying them again off the device
+            tdir = os.environ.get("DS_LONGCTX_ALLOCATOR_TRACE_DIR")
+            save_to = os.path.join(tdir, f"alloc_trace_rank{self.rank}_step{step}.json.gz") if tdir else None
+            if save_to:
+                os.makedirs(tdir, exist_ok=True)
+            rec["allocator_model"] = {**check_step(self._alloc_start, end, "expandable_segments:True" in conf,
+                                                   save_to=save_to),
                                       "measured_peak_reserved": rec["peak_reserved_bytes"],
                                       "measured_peak_allocated": int(torch.cuda.max_memory_allocated())}
             self._alloc_start = None

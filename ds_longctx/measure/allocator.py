@@ -28,12 +28,20 @@ Not modelled (say so where it matters): CUDA graph pools, ``max_split_size_mb`` 
 ``roundup_power2_divisions``, and allocations made outside the caching allocator (CUDA context, NCCL,
 cuBLAS/cuDNN handles): those are the planner's fixed ``--reserve``.
 
-Pure Python, no torch: events are ``("+", key, nbytes)`` or ``("+", key, nbytes, stream)``, and ``("-", key)``.
+What strands memory (``CachingAllocatorModel.growth``, ``ReplayResult.stranded_by_label``): every time the model
+maps new memory (a classic segment, or pages at an expandable range's end) while its pool holds free cached bytes,
+the new bytes that lie above the trace's allocated peak, up to the free bytes, are "stranded": the request was
+refused by free blocks that were each too small, and the step never grew into them. Charged to the request's label
+(its op and category; in a recorded CUDA trace, its innermost frame outside torch) and summed over the trace (at most
+the reserved slack), that names the allocations whose sizes strand the reserved bytes.
+
+Pure Python, no torch: events are ``("+", key, nbytes)``, ``("+", key, nbytes, stream)`` or
+``("+", key, nbytes, stream, label)``, and ``("-", key)``.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple
 
 MIN_BLOCK = 512                 # kMinBlockSize
@@ -60,10 +68,10 @@ def segment_size(size: int) -> int:
 
 
 class _Block:
-    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "pool")
+    __slots__ = ("addr", "size", "allocated", "mapped", "prev", "next", "pool", "seg")
 
-    def __init__(self, addr: int, size: int, pool: "_Pool", mapped: bool = True):
-        self.addr, self.size, self.pool, self.mapped = addr, size, pool, mapped
+    def __init__(self, addr: int, size: int, pool: "_Pool", mapped: bool = True, seg: int = 0):
+        self.addr, self.size, self.pool, self.mapped, self.seg = addr, size, pool, mapped, seg
         self.allocated = False
         self.prev: Optional[_Block] = None
         self.next: Optional[_Block] = None
@@ -77,6 +85,7 @@ class _Pool:
         self.free: List[Tuple[int, int, int]] = []   # (size, addr, id) sorted
         self.by_id: Dict[int, _Block] = {}
         self.unmapped: Optional[_Block] = None       # expandable: the range's unmapped tail
+        self.base = 0                                # expandable: the range's first address
 
     def add(self, b: _Block) -> None:
         bisect.insort(self.free, (b.size, b.addr, id(b)))
@@ -90,15 +99,60 @@ class _Pool:
 
 
 @dataclass
+class Growth:
+    """One mapping of new memory: ``request`` (rounded) bytes for ``label`` on ``stream`` mapped ``mapped`` new
+    bytes while its pool held ``free`` cached bytes (its largest free block ``largest``, the range's free end
+    block excluded when it was grown); ``reserved``: the bytes mapped in all after it. :meth:`stranded`: of the new
+    bytes, those the free ones could not serve (min(mapped, free)) that lie above the trace's live peak (reserved
+    after the mapping less ``peak_allocated``): a mapping the step grows into later strands nothing, and over a trace
+    the stranded bytes add up to at most its reserved slack."""
+    label: object
+    stream: object
+    request: int
+    mapped: int
+    free: int
+    largest: int
+    allocated: int          # bytes held just before the request
+    reserved: int = 0       # bytes mapped in all, this mapping included
+
+    def stranded(self, peak_allocated: int) -> int:
+        return max(0, min(self.mapped, self.free, self.reserved - peak_allocated))
+
+
+@dataclass
 class ReplayResult:
     peak_allocated: int     # max over the trace of the rounded bytes held (max_memory_allocated)
     peak_reserved: int      # max over the trace of the bytes taken from the driver (max_memory_reserved)
     reserved: int           # at the end
     events: int
+    reserved_by_stream: Dict[object, int] = field(default_factory=dict)   # bytes mapped per stream at the end
+    growth: List[Growth] = field(default_factory=list)
+    floor: int = 0          # at the allocated peak, what no out-of-memory retry could release (CachingAllocatorModel.floor)
 
     @property
     def slack(self) -> int:
         return self.peak_reserved - self.peak_allocated
+
+    @property
+    def ratio(self) -> float:
+        return self.peak_reserved / self.peak_allocated if self.peak_allocated else 1.0
+
+    def stranded_by_label(self) -> Dict[object, int]:
+        """Stranded bytes (:meth:`Growth.stranded` above this trace's allocated peak) summed per label, largest first."""
+        out: Dict[object, int] = {}
+        for g in self.growth:
+            n = g.stranded(self.peak_allocated)
+            if n:
+                out[g.label] = out.get(g.label, 0) + n
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def summary(self, top: int = 8) -> dict:
+        """JSON-able figures: peaks, ratio, reserved per stream, the labels that stranded the most."""
+        return {"peak_allocated": self.peak_allocated, "peak_reserved": self.peak_reserved,
+                "ratio": round(self.ratio, 4), "floor": self.floor, "events": self.events,
+                "reserved_by_stream": {str(k): v for k, v in self.reserved_by_stream.items()},
+                "stranded": sum(g.stranded(self.peak_allocated) for g in self.growth),
+                "stranded_by_label": [[str(k), v] for k, v in list(self.stranded_by_label().items())[:top]]}
 
 
 class CachingAllocatorModel:
@@ -114,6 +168,11 @@ class CachingAllocatorModel:
         self.peak_reserved = 0
         self._next_addr = 0
         self._segments = 0
+        self.reserved_by_stream: Dict[object, int] = {}
+        self.growth: List[Growth] = []
+        self._seg_size: Dict[int, int] = {}
+        self.floor_at_peak = 0      # bytes the allocator could not give back at the allocated peak (:meth:`floor`)
+        self._pending: Optional[tuple] = None   # (label, stream, request, free, largest, allocated) of the request
 
     # --- driver side ----------------------------------------------------------------------------
     def _new_range(self, size: int) -> int:
@@ -128,7 +187,7 @@ class CachingAllocatorModel:
         tail = pool.unmapped
         if tail is None:  # the range is created on first use, as large as anything could need
             tail = _Block(self._new_range(1 << 50), 1 << 50, pool, mapped=False)
-            pool.unmapped = tail
+            pool.unmapped, pool.base = tail, tail.addr
         last = tail.prev if tail.prev is not None and not tail.prev.allocated else None
         have = last.size if last is not None else 0
         need = -(-(size - have) // page) * page
@@ -139,7 +198,7 @@ class CachingAllocatorModel:
         if tail.prev is not None:
             tail.prev.next = new
         tail.prev = new
-        self.reserved += need
+        self._mapped(need)
         if last is not None:
             pool.remove(last)
             self._merge(new, last)
@@ -148,8 +207,17 @@ class CachingAllocatorModel:
     def _new_segment(self, pool: _Pool, size: int) -> _Block:
         seg = segment_size(size)
         b = _Block(self._new_range(seg), seg, pool)
-        self.reserved += seg
+        b.seg = b.addr
+        self._seg_size[b.addr] = seg
+        self._mapped(seg)
         return b
+
+    def _mapped(self, nbytes: int) -> None:
+        """``nbytes`` newly taken from the driver for the pending request."""
+        self.reserved += nbytes
+        label, stream, request, free, largest, allocated = self._pending
+        self.reserved_by_stream[stream] = self.reserved_by_stream.get(stream, 0) + nbytes
+        self.growth.append(Growth(label, stream, request, nbytes, free, largest, allocated, self.reserved))
 
     # --- blocks -----------------------------------------------------------------------------------
     @staticmethod
@@ -183,7 +251,7 @@ class CachingAllocatorModel:
                 i, b = i + 1, nxt
         return b
 
-    def alloc(self, key, nbytes: int, stream=0) -> None:
+    def alloc(self, key, nbytes: int, stream=0, label=None) -> None:
         if key in self.live:
             raise ValueError(f"allocator model: key {key!r} is already live")
         size = round_size(int(nbytes))
@@ -194,14 +262,20 @@ class CachingAllocatorModel:
         b = self._best_fit(pool, size)
         if b is not None:
             pool.remove(b)
-        elif self.expandable:
-            b = self._grow(pool, size)
         else:
-            b = self._new_segment(pool, size)
+            # what the pool held free when it had to map more (the range's free end block, which growing
+            # absorbs, excluded): the figures of the Growth this request records
+            end = pool.unmapped.prev if self.expandable and pool.unmapped is not None else None
+            sizes = [sz for sz, _, i in pool.free if end is None or pool.by_id[i] is not end]
+            self._pending = (label, stream, size, sum(sizes), max(sizes, default=0), self.allocated)
+            if self.expandable:
+                b = self._grow(pool, size)
+            else:
+                b = self._new_segment(pool, size)
         rest = b.size - size
         split = rest >= MIN_BLOCK if (small or self.expandable) else rest > SMALL_SIZE
         if split:
-            r = _Block(b.addr + size, rest, b.pool)
+            r = _Block(b.addr + size, rest, b.pool, seg=b.seg)
             r.prev, r.next = b, b.next
             if b.next is not None:
                 b.next.prev = r
@@ -211,8 +285,34 @@ class CachingAllocatorModel:
         b.allocated = True
         self.live[key] = b
         self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated >= self.peak_allocated:
+            self.peak_allocated = self.allocated
+            self.floor_at_peak = self.floor()
         self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def floor(self) -> int:
+        """Device bytes the allocator cannot return now, however short the device: on an out-of-memory retry it
+        releases every cached block it can (release_cached_blocks), which with expandable segments unmaps every
+        page no live block touches (2 MiB pages small, 20 MiB large), with classic segments frees every segment
+        holding no live block. So a step whose reserved peak (no pressure) exceeds the device still runs (slower:
+        each retry synchronizes and remaps) while this floor, at the allocated peak, fits."""
+        if not self.expandable:
+            return sum(self._seg_size[s] for s in {b.seg for b in self.live.values()})
+        total = 0
+        by_pool: Dict[int, List[_Block]] = {}
+        for b in self.live.values():
+            by_pool.setdefault(id(b.pool), []).append(b)
+        for blocks in by_pool.values():
+            pool = blocks[0].pool
+            page = SMALL_BUFFER if pool.small else LARGE_PAGE
+            last = -1
+            for b in sorted(blocks, key=lambda x: x.addr):
+                lo, hi = (b.addr - pool.base) // page, (b.addr + b.size - 1 - pool.base) // page
+                lo = max(lo, last + 1)
+                if hi >= lo:
+                    total += (hi - lo + 1) * page
+                    last = hi
+        return total
 
     def free(self, key) -> None:
         b = self.live.pop(key)
@@ -230,10 +330,11 @@ class CachingAllocatorModel:
         for ev in events:
             n += 1
             if ev[0] == "+":
-                self.alloc(ev[1], ev[2], ev[3] if len(ev) > 3 else 0)
+                self.alloc(ev[1], ev[2], ev[3] if len(ev) > 3 else 0, ev[4] if len(ev) > 4 else None)
             else:
                 self.free(ev[1])
-        return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n)
+        return ReplayResult(self.peak_allocated, self.peak_reserved, self.reserved, n, dict(self.reserved_by_stream),
+                            list(self.growth), self.floor_at_peak)
 
 
 def replay(events: Iterable[tuple], expandable_segments: bool = True) -> ReplayResult:
@@ -241,10 +342,22 @@ def replay(events: Iterable[tuple], expandable_segments: bool = True) -> ReplayR
     return CachingAllocatorModel(expandable_segments).replay(events)
 
 
+def frame_label(frames) -> Optional[str]:
+    """``file:line function`` of the innermost frame of a snapshot trace entry outside torch itself (the
+    caller that asked for the memory: ds_longctx, DeepSpeed, transformers, a script), or None without frames."""
+    for f in frames or ():
+        name = str(f.get("filename", ""))
+        if not name or name.startswith("??") or "/torch/" in name or name.startswith("<"):
+            continue
+        short = "/".join(name.replace("\\", "/").split("/")[-2:])
+        return f"{short}:{f.get('line', 0)} {f.get('name', '')}"
+    return None
+
+
 def events_from_snapshot(snapshot: dict, device: int = 0) -> List[tuple]:
     """The alloc/free events of ``torch.cuda.memory._snapshot()``'s trace (recorded with
-    ``torch.cuda.memory._record_memory_history``) as replay events keyed by address. Every stream's events
-    are kept: the model has one stream (see the module docstring)."""
+    ``torch.cuda.memory._record_memory_history``) as replay events keyed by address, each with its stream and,
+    when the history recorded stacks (``context="alloc"``), its :func:`frame_label`."""
     out = []
     live = {}
     for i, e in enumerate(snapshot.get("device_traces", [[]])[device]):
@@ -252,7 +365,7 @@ def events_from_snapshot(snapshot: dict, device: int = 0) -> List[tuple]:
         if act == "alloc":
             key = (e["addr"], i)
             live[e["addr"]] = key
-            out.append(("+", key, int(e["size"]), e.get("stream", 0)))
+            out.append(("+", key, int(e["size"]), e.get("stream", 0), frame_label(e.get("frames"))))
         elif act == "free_completed" and e["addr"] in live:
             out.append(("-", live.pop(e["addr"])))
     return out
@@ -272,28 +385,78 @@ def seed_events(snapshot: dict, device: int = 0) -> List[tuple]:
     return out + frees
 
 
-def check_step(start: dict, end: dict, expandable_segments: bool = True, device: int = 0) -> dict:
+def save_events(events: List[tuple], path: str, meta: Optional[dict] = None) -> None:
+    """Write replay events to ``path`` (gzip JSON: keys renumbered, labels in one table), small enough to bring back
+    from a device call: a 75,000-event step is about a megabyte. :func:`load_events` reads it."""
+    import gzip
+    import json
+
+    keys: Dict[object, int] = {}
+    labels: Dict[object, int] = {}
+    rows = []
+    for ev in events:
+        if ev[0] == "+":
+            k = keys.setdefault(ev[1], len(keys))
+            lab = ev[4] if len(ev) > 4 else None
+            rows.append([k, int(ev[2]), str(ev[3] if len(ev) > 3 else 0), labels.setdefault(lab, len(labels))])
+        else:
+            rows.append([keys[ev[1]]])
+    with gzip.open(path, "wt") as f:
+        json.dump({"meta": meta or {}, "labels": [k for k, _ in sorted(labels.items(), key=lambda kv: kv[1])],
+                   "events": rows}, f, separators=(",", ":"))
+
+
+def load_events(path: str) -> tuple:
+    """(events, meta) from :func:`save_events`' file."""
+    import gzip
+    import json
+
+    with gzip.open(path, "rt") as f:
+        d = json.load(f)
+    labels = d["labels"]
+    out = [("+", r[0], r[1], r[2], labels[r[3]]) if len(r) > 1 else ("-", r[0]) for r in d["events"]]
+    return out, d.get("meta", {})
+
+
+def check_step(start: dict, end: dict, expandable_segments: bool = True, device: int = 0,
+               save_to: Optional[str] = None) -> dict:
     """The model against the real allocator over one recorded step.
 
     ``start``: ``torch.cuda.memory._snapshot()`` taken before the step (and before
     ``_record_memory_history`` starts); ``end``: the snapshot after it, whose trace holds the step's
     allocations and frees. Returns the model's reserved/allocated bytes right after rebuilding the start
     state (``seed_*``: to compare with the real start, which says how well the layout was rebuilt) and at
-    the step's peak (``peak_*``: to compare with max_memory_reserved/allocated over the step)."""
+    the step's peak (``peak_*``: to compare with max_memory_reserved/allocated over the step). ``save_to``: also
+    write the seed and step events there (:func:`save_events`; ``meta["seed_events"]`` says where the step starts)."""
     m = CachingAllocatorModel(expandable_segments)
     seed = seed_events(start, device)
     m.replay(seed)
     seed_reserved, seed_allocated = m.reserved, m.allocated
     m.peak_reserved, m.peak_allocated = m.reserved, m.allocated   # the step's peaks start here
+    m.growth = []                                                  # what the step itself mapped
     step = events_from_snapshot(end, device)
-    m.replay(step)
-    real_start_reserved = sum(int(s.get("total_size", 0)) for s in start.get("segments", [])
-                              if s.get("device", device) == device)
+    res = m.replay(step)
+    if save_to:
+        save_events(seed + step, save_to, {"seed_events": len(seed), "expandable_segments": expandable_segments})
+
+    def by_stream(snap):
+        out: Dict[str, int] = {}
+        for seg in snap.get("segments", []):
+            if seg.get("device", device) == device:
+                k = str(seg.get("stream", 0))
+                out[k] = out.get(k, 0) + int(seg.get("total_size", 0))
+        return out
+
+    real_start = by_stream(start)
     return {"seed_reserved": seed_reserved, "seed_allocated": seed_allocated,
-            "real_start_reserved": real_start_reserved, "peak_reserved": m.peak_reserved,
+            "real_start_reserved": sum(real_start.values()), "peak_reserved": m.peak_reserved,
             "peak_allocated": m.peak_allocated, "seed_events": len(seed), "step_events": len(step),
-            "expandable_segments": expandable_segments}
+            "expandable_segments": expandable_segments,
+            # where the reserved bytes are (the real allocator's segments per stream, before and after the step;
+            # the model's), and which requests mapped memory while the pool held free blocks too small for them
+            "real_reserved_by_stream_start": real_start, "real_reserved_by_stream_end": by_stream(end),
+            "explain": res.summary(top=12)}
 
 
-__all__ = ["CachingAllocatorModel", "ReplayResult", "replay", "events_from_snapshot", "seed_events", "check_step",
-           "round_size", "segment_size"]
+__all__ = ["CachingAllocatorModel", "Growth", "ReplayResult", "replay", "events_from_snapshot", "frame_label",
+           "seed_events", "check_step", "save_events", "load_events", "round_size", "segment_size"]

@@ -67,6 +67,11 @@ def _parser():
                    "--max-context re-checks its answer at full depth)")
     q.add_argument("--target", default="h100", help="rates for the predicted step time and MFU: h100 (default; "
                    "measured GEMM/attention/HBM/PCIe rates) or h200 (planner/rates.py names each rate's source)")
+    q.add_argument("--allocator", choices=("expandable", "classic"), default=None, help="the CUDA caching "
+                   "allocator's segments the reserved bytes are predicted for (the step's allocations replayed through "
+                   "measure/allocator.py): expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, what "
+                   "launch/*.sh export) or classic (torch's default). Default: what PYTORCH_CUDA_ALLOC_CONF says here, "
+                   "else expandable")
     q.add_argument("--device", choices=("meta", "cpu"), default="meta", help=argparse.SUPPRESS)
     return p
 
@@ -85,12 +90,12 @@ def _gib(n) -> str:
 def _table(rows, title_col="config", show_max=False) -> str:
     """One row per plan; memory in GiB (per GPU; host: per rank), the step time as a person reads it. The last
     column: the limit a plan exceeds ("-" when it fits), or for --max-context the limit that bounds the answer."""
-    head = [title_col, "seq", "fits", "peak GiB"] + list(CATS) + ["host/rank", "step", "MFU",
+    head = [title_col, "seq", "fits", "peak GiB", "reserved"] + list(CATS) + ["host/rank", "step", "MFU",
                                                                  "bound by" if show_max else "over"]
     lines = []
     for label, r, mx in rows:
         seq = fmt_tokens(mx if show_max else r.sequence_length)
-        cells = [label, seq, "yes" if r.fits else "NO", _gib(r.peak_device_bytes)]
+        cells = [label, seq, "yes" if r.fits else "NO", _gib(r.peak_device_bytes), _gib(r.reserved_device_bytes)]
         cells += [_gib(r.breakdown.get(c, 0)) for c in CATS] + [_gib(r.host_bytes)]
         cells += [fmt_seconds(r.time["seconds"]), f"{100 * r.time['mfu']:.1f}%"] if r.time else ["-", "-"]
         cells.append(r.binding if (show_max or not r.fits) and r.binding else "-")
@@ -109,6 +114,19 @@ def _detail(r: PlanResult, max_context: bool = False) -> str:
              f"world {r.world_size}, SP {r.sequence_parallel_size}, {r.num_layers} layers "
              + (f"(extrapolated from {r.layers_simulated})" if r.extrapolated else "(full depth)")
              + f"; peaks: backward {fmt_bytes(r.activation_peak_bytes)}, optimizer step {fmt_bytes(r.step_peak_bytes)}"]
+    al = r.allocator or {}
+    if al:
+        modes = ", ".join(f"{m} {fmt_bytes(v)}" for m, v in al.get("reserved_by_mode", {}).items())
+        lines.append(f"reserved (max_memory_reserved, predicted: the step's allocations replayed through the caching "
+                     f"allocator, {al['mode']} segments): {fmt_bytes(r.reserved_device_bytes)} = allocated "
+                     f"{fmt_bytes(r.peak_device_bytes)} x {r.reserved_device_bytes / max(1, r.peak_device_bytes):.3f}"
+                     f" ({modes}); at least {fmt_bytes(al.get('floor_bytes', 0))} (what no out-of-memory retry of "
+                     f"the allocator releases); \"fits\" uses {fmt_bytes(al.get('need_bytes', 0))} (" +
+                     ("the floor: expandable segments give cached pages back" if al["mode"] == "expandable" else
+                      "reserved: classic segments give back only wholly free ones") + ")")
+        if al.get("stranded"):
+            lines.append("  stranded by (request that mapped memory while free blocks were too small): " + ", ".join(
+                f"{k} {fmt_bytes(v)}" for k, v in al["stranded"][:4]))
     lines.append("model states on device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.model_states.items()))
     if r.host:
         lines.append("host per rank: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in r.host.items())
@@ -368,7 +386,7 @@ def _run_plan(a, out) -> int:
         nonlocal params
         p = Planner(cfg, mc, a.gpus, gpu_mem, host_mem, a.reserve, gpus_per_node, a.device, a.full_depth,
                     params=params, target=a.target, host_budget_source=host_source, nvme_mem=nvme_mem,
-                    objective=a.objective)
+                    objective=a.objective, allocator=a.allocator)
         params = p.params
         return p
 

@@ -23,7 +23,7 @@ from . import host as host_plan
 from . import model_states as ms
 from .objectives import OBJECTIVES, grpo_extras
 from .rates import step_time, target_rates
-from .simulate import CATEGORIES, build_model, simulate_step, with_layers
+from .simulate import ALLOCATOR_MODES, CATEGORIES, build_model, simulate_step, with_layers
 from .units import fmt_bytes, fmt_over, parse_bytes
 
 logger = logging.getLogger("ds_longctx.planner")
@@ -35,10 +35,10 @@ EXTRAPOLATE_FROM = (2, 3)
 H100_USABLE = "79.1GiB"
 # Device memory the step cannot use though the planner's simulation does not see it: CUDA context (outside
 # the allocator on some drivers), NCCL communicator buffers (DeepSpeed creates several groups), cuBLAS
-# workspaces, and caching-allocator fragmentation (the simulation counts live bytes, i.e.
-# max_memory_allocated; max_memory_reserved is higher).
+# workspaces, and the fragmentation of allocations the simulation does not trace (DeepSpeed's own streams beyond
+# the model-state arithmetic). The fragmentation of the step's own allocations is predicted (reserved_device_bytes).
 DEFAULT_RESERVE = "2GiB"
-RESERVE_WHAT = "CUDA context, NCCL communicators, cuBLAS workspaces, allocator fragmentation"
+RESERVE_WHAT = "CUDA context, NCCL communicators, cuBLAS workspaces, untraced fragmentation"
 _NAMED_DEVICES = {"h100": H100_USABLE}
 
 
@@ -99,6 +99,14 @@ class PlanResult:
     # max-context answer: the limit the next length exceeds); binding_detail says which it is, with the figures
     binding: str = ""
     binding_detail: str = ""
+    # what max_memory_reserved will show with room to spare: peak_device_bytes plus the caching allocator's stranded
+    # bytes (the step's device allocations replayed through measure/allocator.py in ``allocator["mode"]``).
+    # allocator: {"mode", "activation_slack_bytes", "reserved_by_mode": {mode: bytes}, "floor_bytes" (what no
+    # out-of-memory retry releases: the least the device must hold), "need_bytes" (what "fits" and the device limit
+    # use: the floor with expandable segments, reserved with classic ones), "stranded": [[label, bytes], ...] (the
+    # requests that mapped memory while free blocks were too small, in the deepest simulated step)}
+    reserved_device_bytes: int = 0
+    allocator: Dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -173,7 +181,8 @@ def _micro_batch(ds_config: dict) -> int:
 
 
 def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) -> tuple:
-    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work). ``lc``:
+    """(device breakdown at the peak, host bytes per rank, layers simulated, extrapolated, seconds, work, allocator:
+    {mode: {"slack": reserved beyond the activation peak, "stranded": [[label, bytes], ...]}}). ``lc``:
     the section simulated (planner/host.simulation_lc); ``spec``: the run's resolved counts (its keep_on_device and
     kept_attention_layers, for the model's full depth)."""
     L = spec.model.layers
@@ -183,7 +192,7 @@ def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) ->
     lo, hi = EXTRAPOLATE_FROM[0] + shift, EXTRAPOLATE_FROM[1] + shift
     if full_depth or L <= hi + 1:
         r = simulate_step(model_config, ds_config, lc, world, seq, L, device=device, batch_size=bs)
-        return r.breakdown, r.peak_host, [L], False, r.seconds, r.work
+        return r.breakdown, r.peak_host, [L], False, r.seconds, r.work, _slack([(1, None, r)], r)
     n = spec.kept_attention_layers
     off = L - shift  # the offloaded layers: the first ones
     if 0 < n < L:
@@ -201,7 +210,7 @@ def _steps(model_config, ds_config, lc, spec, world, seq, device, full_depth) ->
         work = {k: tuple(y + f * (x - y) for x, y in zip(full[5].get(k, (0.0,) * 3), none[5].get(k, (0.0,) * 3)))
                 for k in sorted(set(full[5]) | set(none[5]))}  # (sorted: one summation order, any hash seed)
         host = none[1] + min(1.0, n / off) * (full[1] - none[1]) if off > 0 else none[1]
-        return full[0], host, full[2], True, full[4] + none[4], work
+        return full[0], host, full[2], True, full[4] + none[4], work, full[6]
     return _affine(model_config, ds_config, lambda d: lc, world, seq, device, bs, lo, hi, L)
 
 
@@ -282,7 +291,40 @@ def _affine(model_config, ds_config, lc_at, world, seq, device, bs, lo, hi, L) -
                                         ((n, x.work.get(key, zero), y.work.get(key, zero)) for n, x, y in growth)))
                        for i, v in enumerate(a.work.get(key, zero)))
             for key in keys}
-    return br, host, [lo, hi], True, secs, work
+    return br, host, [lo, hi], True, secs, work, _slack(growth, a)
+
+
+def _slack(growth, a) -> Dict[str, dict]:
+    """Per allocator mode: the reserved bytes beyond the activation peak (simulate.StepMemory.reserved_slack) and the
+    floor's, and the labels that stranded the most in the deepest step simulated. ``growth``: (layers, shallow, deeper)
+    steps; ``a``: the step they grow from; one full-depth step: ``[(1, None, step)]``. The slack is not grown with
+    depth: what strands is the per-layer working set above what the layers keep, which repeats layer after layer and
+    reuses the same holes (the 8B layer shape at 64K / SP 8: classic slack 1.44 GB at 2 layers, 1.56 GB at 3, 4, 5 and 8;
+    expandable 1.26 GB at each), so the largest of the simulated steps' is taken (an affine extrapolation
+    over-counted 3.4% at 8 layers)."""
+    steps = [a] + [s for _, x, y in growth for s in (x, y) if s is not None]
+    deepest = growth[-1][2]
+    out = {}
+    for mode in ALLOCATOR_MODES:
+        out[mode] = {"stranded": list(deepest.allocator.get(mode, {}).get("stranded", [])),
+                     "slack": max(s.reserved_slack(mode) for s in steps),
+                     "floor_slack": max(s.reserved_slack(mode, "floor") for s in steps)}
+    return out
+
+
+def allocator_mode(value=None) -> str:
+    """"expandable" or "classic": ``value`` when given (--allocator), else what PYTORCH_CUDA_ALLOC_CONF says in this
+    environment, else "expandable" (what launch/*.sh export for every run)."""
+    import os
+
+    if value is not None:
+        key = str(value).strip().lower()
+        if key not in ("expandable", "classic"):
+            raise ConfigError("--allocator", f"{value!r} is not an allocator mode",
+                              "use expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or classic")
+        return key
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+    return "classic" if conf and "expandable_segments:true" not in conf else "expandable"
 
 
 class Planner:
@@ -291,11 +333,13 @@ class Planner:
     def __init__(self, ds_config, model_config, world_size: int, gpu_mem=None, host_mem=None,
                  reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None, device: str = "meta",
                  full_depth: bool = False, params: Optional[ms.ParamInfo] = None, target: Optional[str] = "h100",
-                 host_budget_source: Optional[str] = None, nvme_mem=None, objective: str = "sft"):
+                 host_budget_source: Optional[str] = None, nvme_mem=None, objective: str = "sft",
+                 allocator: Optional[str] = None):
         if objective not in OBJECTIVES:
             raise ConfigError("--objective", f"is {objective!r}", f"use one of {', '.join(OBJECTIVES)}")
         self.objective = objective  # "grpo": planner/objectives.py's reference model, token fields and generation
         self.ds_config = load_ds_config(ds_config) if not isinstance(ds_config, dict) else copy.deepcopy(ds_config)
+        self.allocator = allocator_mode(allocator)
         self.model_config = model_config
         self.world = int(world_size)
         if self.world < 1:
@@ -344,8 +388,8 @@ class Planner:
     def run(self, seq_len: int, label: str = "", full_depth: Optional[bool] = None) -> PlanResult:
         sp = self.lc.sequence_parallel_size
         fd = self.full_depth if full_depth is None else full_depth
-        br, host_act, layers, extrap, secs, work = _steps(self.model_config, self.ds_config, self.sim_lc, self.spec,
-                                                          self.world, seq_len, self.device, fd)
+        br, host_act, layers, extrap, secs, work, alloc = _steps(self.model_config, self.ds_config, self.sim_lc,
+                                                                 self.spec, self.world, seq_len, self.device, fd)
         breakdown = {"model_states": self.states.device_total, **br}
         rl = None
         if self.objective == "grpo":
@@ -355,17 +399,37 @@ class Planner:
         act_peak = sum(breakdown.values())
         # the activations are gone before optimizer.step() allocates its step-only buffers
         peak = max(act_peak, self.step_peak)
+        # what the caching allocator holds at the backward's peak: the live bytes plus the step's stranded slack (its
+        # device allocations replayed through measure/allocator.py; model states are allocated once, or on their own
+        # streams' pools by arithmetic, and add as they are); the optimizer step reuses the activations' cached blocks
+        # (a simulated CPU run, device "cpu": no CUDA caching allocator, nothing added)
+        slack = alloc[self.allocator]["slack"] if self.device == "meta" else 0
+        floor_slack = alloc[self.allocator]["floor_slack"] if self.device == "meta" else 0
+        act_reserved = act_peak + slack
+        reserved = max(act_reserved, self.step_peak)
+        floor = max(act_peak + floor_slack, self.step_peak)
+        # what must fit: with expandable segments the allocator, when a mapping fails, unmaps every page no live block
+        # touches and retries (CUDACachingAllocator release_cached_blocks -> unmap_block), so the floor must fit (the
+        # H200's (c) ran with an unpressured reserved prediction over its 150 GB: it reserved 148.6 GB, 1.05x its
+        # allocated); with classic segments only wholly free segments go back, so the reserved peak must
+        need = floor if self.allocator == "expandable" else reserved
+        act_need = act_peak + (floor_slack if self.allocator == "expandable" else slack)
         num_layers = self.spec.model.layers
         hs = host_plan.host_side(self.spec, self.states, int(host_act), host_plan.offloaded_bytes_per_layer(
-            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_peak,
+            self.model_config, self.ds_config, self.spec, seq_len, _micro_batch(self.ds_config)), act_need,
             self.budget, self.reserve, self.host_budget, self.gpus_per_node, step_peak=self.step_peak)
         host = hs.host
         host_total = sum(host.values())
         host_node = host_total * self.gpus_per_node
         nvme_node = int(sum(hs.nvme.values()) * self.gpus_per_node)
-        fits = peak + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
+        fits = need + self.reserve <= self.budget and (self.host_budget is None or host_node <= self.host_budget) \
             and (self.nvme_budget is None or nvme_node <= self.nvme_budget)
         notes = list(self.states.notes)
+        if need < reserved and need + self.reserve <= self.budget < reserved + self.reserve:
+            notes.append(f"reserved {fmt_bytes(reserved)} (predicted max_memory_reserved with room to spare) is over "
+                         f"the budget; the allocator's floor {fmt_bytes(floor)} is not: with expandable segments the "
+                         "step runs, the caching allocator releasing its cached pages when a mapping fails (a device "
+                         "sync each time: slower)")
         if self.states.step_transient_device:
             notes.append(f"optimizer step: {fmt_bytes(self.step_peak)} (model states + "
                          f"{fmt_bytes(self.states.step_transient_device)} fp32 sub-group grad, no activations)"
@@ -378,9 +442,10 @@ class Planner:
                          + (f"; set activation_checkpointing {rec['keys']} (host {fmt_bytes(rec['host_bytes_per_node'])}"
                             f"/node)" if rec else "; no offload target fits"))
         timing = self._step_time(work, hs, seq_len) if self.rates is not None else None
-        limits = {"device": {"need": int(peak), "budget": int(self.budget - self.reserve), "per": "device",
-                             "what": f"the peak against the {fmt_bytes(self.budget)} budget less the "
-                                     f"{fmt_bytes(self.reserve)} reserve"},
+        limits = {"device": {"need": int(need), "budget": int(self.budget - self.reserve), "per": "device",
+                             "what": ("the allocator's floor (expandable segments)" if self.allocator == "expandable"
+                                      else "the reserved peak (classic segments)") + f" against the "
+                                     f"{fmt_bytes(self.budget)} budget less the {fmt_bytes(self.reserve)} reserve"},
                   "host": {"need": int(host_node), "budget": self.host_budget, "per": "node",
                            "source": self.host_budget_source},
                   "nvme": {"need": nvme_node, "budget": self.nvme_budget, "per": "node",
@@ -407,7 +472,12 @@ class Planner:
                           activation_peak_bytes=int(act_peak), step_peak_bytes=int(self.step_peak),
                           budget_source=self.budget_source, time=timing.to_dict() if timing else {},
                           host_budget_source=self.host_budget_source, limits=limits, binding=binding,
-                          binding_detail=detail)
+                          binding_detail=detail, reserved_device_bytes=int(reserved),
+                          allocator={"mode": self.allocator, "activation_slack_bytes": int(slack),
+                                     "reserved_by_mode": {m: int(max(act_peak + v["slack"], self.step_peak))
+                                                          for m, v in alloc.items()},
+                                     "floor_bytes": int(floor), "need_bytes": int(need),
+                                     "stranded": alloc[self.allocator]["stranded"]})
 
     def _step_time(self, work, hs, seq_len: int):
         """Predicted step seconds, MFU and tokens/s on ``self.rates`` (planner/rates.py)."""
@@ -550,12 +620,12 @@ def _bound_by(best: "PlanResult", stop: "PlanResult", n: int) -> "PlanResult":
 
 def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_size: int = 8, gpu_mem=None,
          host_mem=None, seq_len: Optional[int] = None, reserve=DEFAULT_RESERVE, gpus_per_node: Optional[int] = None,
-         device: str = "meta", full_depth: bool = False, nvme_mem=None) -> PlanResult:
+         device: str = "meta", full_depth: bool = False, nvme_mem=None, allocator: Optional[str] = None) -> PlanResult:
     """Plan one training step (see module doc). ``seq_len`` defaults to long_context.sequence_length; ``host_mem``
     and ``nvme_mem``: per node, checked when given."""
     mc = load_model_config(model_config, model)
     p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, full_depth,
-                nvme_mem=nvme_mem)
+                nvme_mem=nvme_mem, allocator=allocator)
     seq = seq_len if seq_len is not None else p.lc.sequence_length
     if seq is None:
         raise ConfigError("--seq-len", "no sequence length was given",
@@ -564,7 +634,9 @@ def plan(ds_config, model_config=None, *, model: Optional[str] = None, world_siz
 
 
 def max_context(ds_config, model_config=None, *, model=None, world_size: int = 8, gpu_mem=None, host_mem=None,
-                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta", nvme_mem=None) -> tuple:
+                reserve=DEFAULT_RESERVE, gpus_per_node=None, device: str = "meta", nvme_mem=None,
+                allocator: Optional[str] = None) -> tuple:
     mc = load_model_config(model_config, model)
-    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, nvme_mem=nvme_mem)
+    p = Planner(ds_config, mc, world_size, gpu_mem, host_mem, reserve, gpus_per_node, device, nvme_mem=nvme_mem,
+                allocator=allocator)
     return p.max_context()

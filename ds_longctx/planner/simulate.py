@@ -38,6 +38,7 @@ from ..data.batch import BATCH_KEY
 from ..dist.comm import disable_cpu_shm_allreduce
 from ..dist.layout import Layout
 from ..measure import flops as _flops
+from ..measure.allocator import replay
 from ..memory.checkpointing import around_checkpointed_runs
 from ..memory.offload import OffloadTarget
 from ..measure.simulation import simulated_step
@@ -173,7 +174,7 @@ class Accountant(TorchDispatchMode):
             return tag
         return self.default
 
-    def _track(self, t: torch.Tensor):
+    def _track(self, t: torch.Tensor, op: str = ""):
         try:
             st = t.untyped_storage()
         except Exception:
@@ -188,7 +189,9 @@ class Accountant(TorchDispatchMode):
         self.live[slot] = self.live.get(slot, 0) + nbytes
         if where == "device":
             self._dev += nbytes
-            self.device_events.append(("+", key, nbytes))
+            # stream 0 (the compute stream: the simulation runs everything on it), label "category/op": what
+            # measure/allocator.py charges stranded bytes to
+            self.device_events.append(("+", key, nbytes, 0, f"{slot[1]}/{op}"))
             if self._dev > self.peak_device:
                 self.peak_device = self._dev
                 self.peak_breakdown = {c: self.live.get(("device", c), 0) for c in CATEGORIES}
@@ -220,7 +223,7 @@ class Accountant(TorchDispatchMode):
             return
         work = backward_workspace_bytes(tuple(args[1].shape), tuple(args[2].shape), args[1].element_size())
         key = ("workspace", len(self.device_events))
-        self.device_events += [("+", key, work), ("-", key)]
+        self.device_events += [("+", key, work, 0, f"{self.category()}/attention_backward workspace"), ("-", key)]
         if self._dev + work > self.peak_device:
             self.peak_device = self._dev + work
             self.peak_breakdown = {c: self.live.get(("device", c), 0) for c in CATEGORIES}
@@ -251,7 +254,7 @@ class Accountant(TorchDispatchMode):
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, func._overloadpacket.__name__)
         self._transient(func, args)
         return out
 
@@ -515,6 +518,31 @@ class StepMemory:
     notes: List[str] = field(default_factory=list)
     # (kind, phase, key) -> (flops, bytes, calls) of the step (Accountant.work; measure/flops.py)
     work: Dict[tuple, tuple] = field(default_factory=dict)
+    # the step's device allocations replayed through the caching-allocator model (measure/allocator.py), per
+    # allocator mode ("expandable": PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "classic": torch's default):
+    # {"allocated": replay's peak allocated (512 B rounding), "reserved": its peak reserved, "stranded": [[label,
+    # bytes], ...] the requests that mapped memory while free blocks were too small, largest first, "floor": what no
+    # out-of-memory retry could release at the allocated peak (measure/allocator.CachingAllocatorModel.floor)}
+    allocator: Dict[str, dict] = field(default_factory=dict)
+
+    def reserved_slack(self, mode: str, what: str = "reserved") -> int:
+        """Reserved beyond the live peak under ``mode`` (``what`` "reserved": what the caching allocator holds with
+        room to spare, that the step cannot use; "floor": what it holds at least, after releasing every cached block)."""
+        a = self.allocator.get(mode)
+        return max(0, a[what] - a["allocated"]) if a else 0
+
+
+ALLOCATOR_MODES = {"expandable": True, "classic": False}
+
+
+def allocator_replay(events, top: int = 6) -> Dict[str, dict]:
+    """The step's device events through the caching-allocator model in each mode (StepMemory.allocator)."""
+    out = {}
+    for mode, expandable in ALLOCATOR_MODES.items():
+        r = replay(events, expandable)
+        out[mode] = {"allocated": r.peak_allocated, "reserved": r.peak_reserved, "floor": r.floor,
+                     "stranded": [[str(k), v] for k, v in list(r.stranded_by_label().items())[:top]]}
+    return out
 
 
 def with_layers(model_config, num_layers: int):
@@ -663,6 +691,7 @@ def _simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: 
         res = StepMemory(acct.peak_device, acct.peak_breakdown, acct.host_at_peak, acct.peak_host, num_layers,
                          time.perf_counter() - t0)
         res.work = {k: tuple(v) for k, v in acct.work.items()}
+        res.allocator = allocator_replay(acct.device_events)
         patched.remove()
         del model, patched
     return res
