@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ConfigError
-from .needle import FACT, QUESTION, NeedleCase, _encode, _filler_tokens
+from .needle import FACT, QUESTION, NeedleCase, _encode, _filler_tokens, _fmt_len
 
 TASKS = ("passkey", "single", "multikey", "multikey_dense", "multivalue", "multiquery", "vt")
 STYLES = ("ruler", "kv")
@@ -442,8 +442,6 @@ def parse_tasks(text: str, flag: str = "--tasks") -> List[str]:
 def summary_table(reports: Dict[str, Dict]) -> str:
     """One row per task, one column per length: exact-match accuracy over the task's depths and samples."""
     lengths = sorted({L for r in reports.values() for L in r["lengths"]})
-    from .needle import _fmt_len
-
     lines = [["task \\ length"] + [_fmt_len(L) for L in lengths]]
     for task, r in reports.items():
         row = [task]
