@@ -184,6 +184,12 @@ class _Draw:
         return self._new(self.values, lambda: str(r.randrange(10 ** (digits - 1), 10 ** digits)), 10 ** 9, "values",
                          "")
 
+    def distractor_value(self) -> str:
+        """A distractor's value: any value (a key's answer stays unique by its key; RULER draws them freely)."""
+        if self.style == "kv":
+            return f"v{self.rng.randrange(self.kv.values)}"
+        return str(self.rng.randrange(10 ** 6, 10 ** 7))
+
     def variable(self) -> str:
         r = self.rng
         if self.style == "kv":
@@ -207,7 +213,7 @@ def _plan(task: str, draw: _Draw, depth: float) -> _Plan:
         k, v = draw.key(), draw.value()
         needles = [("kv", (k, v), depth)]
         if task == "multikey":
-            needles += [("kv", (draw.key(), draw.value()), rng.random()) for _ in range(DISTRACTORS)]
+            needles += [("kv", (draw.key(), draw.distractor_value()), rng.random()) for _ in range(DISTRACTORS)]
         return _Plan(needles, [k], [v], dense=task == "multikey_dense")
     if task == "multivalue":
         k = draw.key()
@@ -285,7 +291,7 @@ def _ruler_haystack(tokenizer, room: int, rng: random.Random, haystack: Optional
     pieces: List[List[int]] = []
     total, start = 0, rng.randrange(len(NOISE))
     while total < room:
-        text = (NIAH_NEEDLE.format(kind="numbers", key=draw.key(), value=draw.value()) if plan.dense
+        text = (NIAH_NEEDLE.format(kind="numbers", key=draw.key(), value=draw.distractor_value()) if plan.dense
                 else NOISE[(start + len(pieces)) % len(NOISE)])
         pieces.append(_encode(tokenizer, " " + text))
         total += len(pieces[-1])
@@ -361,7 +367,7 @@ def _kv_case(tokenizer, task: str, plan: _Plan, length: int, rng: random.Random,
     room = n - sum(len(w) for w, _ in needles) - len(question) - len(answer)
     if plan.dense:  # distractor needles every DENSE_GAP haystack words
         count = max(0, room // (2 + DENSE_GAP))
-        extra = [([draw.key(), draw.value()], (i + rng.random()) / max(count, 1)) for i in range(count)]
+        extra = [([draw.key(), draw.distractor_value()], (i + rng.random()) / max(count, 1)) for i in range(count)]
         needles += extra
         room -= 2 * count
     if room < 0:
