@@ -80,14 +80,15 @@ def ds_config(micro_batch, lr, seq_len):
     return cfg
 
 
-def passkey_doc(rng, length, questions=4):
-    """A training document: the value once in the first half, then ``questions`` questions "? <rule word> value"
-    after it (the last one ends the document, as the scored cases do)."""
+def passkey_doc(rng, length):
+    """A training document: the value once (in the first half 3 times in 4: long distances), then a question
+    "? <rule word> value" every 16 tokens on average after it (the last one ends the document, as the scored cases
+    do)."""
     v = f"v{rng.randrange(KV.values)}"
-    at = rng.randrange(0, length // 2)
+    at = rng.randrange(0, length // 2 if rng.random() < 0.75 else length - 3)
     qs = {length - 3}
-    while len(qs) < questions:
-        q = rng.randrange(at + 2, length - 6)
+    for _ in range(length // 16 - 1):
+        q = rng.randrange(at + 1, length - 2)
         if all(abs(q - o) >= 4 for o in qs):
             qs.add(q)
     slots = {at: v}
@@ -142,7 +143,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/extend_demo", help="work directory (default /tmp/extend_demo)")
     p.add_argument("--steps1", type=int, default=500, help="stage 1 steps at 64 tokens (default 500)")
-    p.add_argument("--steps2", type=int, default=150, help="stage 2 steps at 256 tokens (default 150)")
+    p.add_argument("--steps2", type=int, default=200, help="stage 2 steps at 256 tokens (default 200)")
     p.add_argument("--scaling", default="linear:4", help="stage 2's --rope-scaling (default linear:4)")
     p.add_argument("--samples", type=int, default=8, help="scored documents per length and depth (default 8)")
     p.add_argument("--master-port", type=int, help="the launcher's port (default: a free one)")
@@ -157,7 +158,7 @@ def main(argv=None):
         json.dump(model_config(), f, indent=1)
     scoring = ds_config(1, 1e-3, LONG)
     scoring["zero_optimization"] = {"stage": 0}  # no optimizer when scoring (ZeRO-1 would want one)
-    for name, cfg in (("ds1.json", ds_config(32, 3e-3, SHORT)), ("ds2.json", ds_config(8, 1e-3, LONG)),
+    for name, cfg in (("ds1.json", ds_config(32, 3e-3, SHORT)), ("ds2.json", ds_config(8, 3e-3, LONG)),
                       ("ds_eval.json", scoring)):
         with open(o(name), "w") as f:
             json.dump(cfg, f, indent=1)

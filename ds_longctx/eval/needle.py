@@ -381,11 +381,13 @@ def heatmaps(reports: Sequence[Dict], path: str, titles: Sequence[str], suptitle
     width = max(1.2 * max(len(r["lengths"]) for r in reports) + 1.8, 3.2)
     height = 0.6 * max(len(r["depths"]) for r in reports) + 2.0
     fig, axes = plt.subplots(1, n, figsize=(width * n + 1.0, height), squeeze=False)
-    for ax, report, title in zip(axes[0], reports, titles):
+    for i, (ax, report, title) in enumerate(zip(axes[0], reports, titles)):
         im = _draw(ax, report, title)
+        if i:
+            ax.set_ylabel("")
     fig.colorbar(im, ax=list(axes[0]), label="exact match", fraction=0.03)
     if suptitle:
-        fig.suptitle(suptitle)
+        fig.suptitle(suptitle, y=1.02)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
