@@ -183,7 +183,7 @@ def test_every_task_under_sp2_equals_one_process():
     ref = score_cases(model, cases)
     greedy = [r for c, r in zip(cases, ref) if c.key == "greedy"]
     assert len(greedy) == 2 * len(ruler.TASKS) and all(r["exact_match"] for r in greedy)
-    assert not any(r["exact_match"] for c, r in zip(cases, ref) if c.key != "greedy")
+    assert sum(not r["exact_match"] for r in ref) > len(ref) // 2  # both outcomes occur: the random model misses
     for rank, got in enumerate(run_distributed(_ruler_ranks, 2, cases)):
         assert [g["predicted_ids"] for g in got] == [r["predicted_ids"] for r in ref], rank
         assert [g["exact_match"] for g in got] == [r["exact_match"] for r in ref], rank
