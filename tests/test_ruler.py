@@ -198,3 +198,32 @@ def test_every_task_under_sp2_equals_one_process():
             mine, theirs = summarize(cs, [g for _, g, _ in rows]), summarize(cs, [r for _, _, r in rows])
             assert [c["accuracy"] for c in mine["cells"]] == [c["accuracy"] for c in theirs["cells"]], task
             assert table(mine).splitlines()[0] == table(theirs).splitlines()[0]
+
+
+def test_train_eval_task_flags_and_report():
+    """train.py --eval-task: checked with --eval-needle's other flags before the launch; at an eval point
+    (loop.needle_now) a table per task in the log and the cells under 'ruler' in the metrics."""
+    from types import SimpleNamespace
+
+    from launch_utils import TINY_CPU
+
+    from ds_longctx.config import load_ds_config, parse
+    from ds_longctx.train import args as train_args
+    from ds_longctx.train.loop import needle_now
+
+    lc = parse(load_ds_config(TINY_CPU))
+    args = lambda *a: train_args.parse_args(["--deepspeed_config", TINY_CPU, *a])  # noqa: E731
+    train_args.validate_args(args("--eval-needle", "256", "--eval-task", "all", "--eval-style", "kv"), lc)
+    with pytest.raises(ConfigError, match=r"^--eval-task: unknown task\(s\) nope"):
+        train_args.validate_args(args("--eval-needle", "256", "--eval-task", "single,nope"), lc)
+    with pytest.raises(ConfigError, match=r"^--eval-task: chooses --eval-needle's test, and there is no --eval-needle"):
+        train_args.validate_args(args("--eval-task", "vt"), lc)
+    model = _model()
+    cases = [c for t in ("passkey", "vt") for c in ruler.build_cases(ruler.kv_tokenizer(), t, [64], [0, 1], style="kv")]
+    notes = []
+    job = SimpleNamespace(engine=model, needle_cases=cases, steplog=SimpleNamespace(note=notes.append),
+                          args=SimpleNamespace(eval_needle="64"))
+    out = needle_now(job, 7)
+    assert set(out) == {"ruler"} and set(out["ruler"]) == {"passkey", "vt"}
+    assert [len(v["cells"]) for v in out["ruler"].values()] == [2, 2]
+    assert len(notes) == 2 and notes[0].startswith("RULER passkey (--eval-task) after step 7")
