@@ -1,17 +1,47 @@
-"""Context extension on CPU, end to end: a tiny Llama trained at 256 tokens, extended to 1024 (RoPE linear:4, a
-second stage with --resume --new-stage, SP=2), the needle heatmap (ds-longctx needle) before and after.
+"""Context extension on CPU, end to end, under SP=2: a tiny Llama trained at 64 tokens retrieves a passkey there,
+fails at 256 (4x) with and without RoPE scaling, and a short second stage at 256 (--resume --new-stage
+--rope-scaling linear:4, 200 steps after stage 1's 500) brings retrieval at 256 back (measured 2026-11-29, 2-core CPU
+box, 8 min 39 s: exact match at 256 0.00 before, 0.00 scaled without training, 1.00 after; bench/RESULTS.md).
 
-    python bench/extend_demo.py [--out /tmp/extend_demo] [--steps1 N] [--steps2 N]
+    python bench/extend_demo.py [--out /tmp/extend_demo] [--results]      # ~10-15 min on a shared 2-core box
 
-The data is the needle test's own format (ds_longctx.eval.needle.build_cases): a haystack, the fact "The secret passkey
-is 48213. Remember it. 48213 is the secret passkey." at a random depth, the question "What is the secret passkey?
-The secret passkey is" and the answer. The tokenizer is a small word-level one written here (digits one token each;
-the filler's words never occur in the fact or the question), so "passkey is" marks the key and the answer is a
-clean copy of it. Each training document's haystack is its own random run of filler words repeated (so a model
-that copies earlier text predicts the filler as well: the same skill the needle needs, learned in a few hundred
-steps); the needle test's haystack is one more such text (--haystack, another seed). Writes under --out: the
-tokenizer, the model config, the data, the two checkpoints and the needle JSON/PNGs; copies the figures to
-bench/results/ with --results.
+Every step is a real launch: `deepspeed --num_gpus 2 train.py` for the two stages and `deepspeed --num_gpus 2
+--module ds_longctx.eval.ruler_cli` (SP=2, teacher-forced, the needle test's scoring) for the scores. Writes under
+--out the tokenizer, model config, ds_configs, data, checkpoints, logs, the three reports and summary.json;
+--results copies the figure (bench/results/extend_demo.png: before / scaled without training / after, side by
+side) and the summary (bench/results/extend_demo.json) into the repository.
+
+The task is RULER's passkey in ds_longctx.eval.ruler's "kv" style (one token per word, a word-level tokenizer of
+ruler.kv_vocabulary()): a haystack of filler words that follows a fixed second-order rule (each word is a fixed
+function of the word two before it), one value word v0..v31 somewhere, and at the end "?", the rule's next word,
+then the value. Exact match: the value is the greedy answer. Why this task and not the needle's English passkey
+(bench/RESULTS.md "Context extension demo on CPU", 2026-11-28: 5-digit keys over digit tokens, exact match 0 before
+and after): what a 2-layer, 0.1M-parameter model learns in a few hundred CPU steps is one attention head that finds
+"the value-class word" and copies it (probes of this session: key-value matching among several needles, the
+induction circuit, stayed at chance for 600-1500 steps in every variant tried; a 5-digit key needs that circuit for
+its digits 2-5). Three choices make that skill learn fast and make the extension visible:
+
+- Half of stage 1's documents are a copy task (32 random values, then the same 32 again): they teach, within a
+  hundred steps, an attention head that moves a value's identity (the output half of retrieval); without them the
+  passkey's single answer token per document left stage 1 at chance for 400-800 steps. Each passkey document also
+  asks about every 16 tokens after the value (the last question ends it, as in the scored cases): more answers of
+  signal than 1 per document.
+- The haystack's second-order rule makes the model learn a previous-token head (predicting a word takes the word two
+  back, i.e. the previous token's previous token), and the question puts one haystack word between "?" and the
+  answer, so answering takes knowing that "?" is exactly one word back. Linear RoPE scaling (position
+  interpolation) squeezes neighbouring positions to a quarter of the angle that head was trained at: scaled without
+  training, the model no longer finds the question (exact match 0), and a short stage relearns it (the known
+  behaviour of position interpolation without and with fine-tuning, Chen et al. 2023).
+- RoPE base 500 with 16-dim heads: its slowest rotary pair turns about as far over 64 tokens (relative to its
+  period) as a Llama 2 pair over 4096 at base 10000 with 128-dim heads. At base 10000 a 64-token model's slow pairs
+  barely turn over 64 or 256 tokens, and retrieval at 4x simply extrapolated (probe: 0.95 at 4x); at base 500 the
+  positions past 64 are angles the model never saw.
+
+Stage 1: 500 steps of 32 documents at 64 tokens, AdamW lr 3e-3 (ds_configs/tiny-cpu.json's optimizer), ZeRO-1,
+ulysses SP=2, no memory stack (a tiny model: the offloads would cost more than they save). Stage 2: 200 steps of 8
+passkey documents at 256 tokens (the same tokens per step), the same lr, `--resume ck1 --new-stage --rope-scaling
+linear:4`. Scores: 5 depths x 8 documents per length (64 and 256), each exact match over the value; then every
+RULER task (kv style) on the stage-2 model. docs/context_extension.md has the probes behind these choices.
 """
 import argparse
 import json
@@ -23,73 +53,65 @@ import subprocess
 import sys
 import time
 
-from ds_longctx.eval import needle
+from ds_longctx.eval import needle, ruler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TEMPLATE = sorted({w for t in (needle.FACT, needle.QUESTION) for w in t.replace("{key}", "").replace(".", " ")
-                   .replace("?", " ").split()})
-FILLER_WORDS = ("red green blue gray gold pink dark pale cold warm wet dry old new big small tall short far near "
-                "hill tree lake road town moon star sand rock leaf bird fish wolf bear fox owl rain snow wind fire "
-                "runs sits flies sings glows falls grows").split()
-SHORT, LONG = 256, 1024
-PERIOD = tuple(int(x) for x in os.environ.get("EXTEND_DEMO_PERIOD", "4,12").split(","))
+SHORT, LONG = 64, 256
+KV = ruler.KV()              # keys 64, values 32, variables 16, filler 16: the tokenizer's words
+VOCAB = 136                  # the kv vocabulary's 130 words and <unk>, rounded up to a multiple of 8
+DEPTHS = "0,0.25,0.5,0.75,1"
 
 
-def make_tokenizer(path):
-    """A word-level tokenizer (saved to ``path``): the template's words, the filler's, digits and punctuation."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    assert not set(FILLER_WORDS) & set(TEMPLATE)
-    words = ["<unk>"] + TEMPLATE + FILLER_WORDS + [str(d) for d in range(10)] + [".", "?"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(),
-                                                 pre_tokenizers.Digits(individual_digits=True)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
-    fast.save_pretrained(path)
-    return fast
-
-
-def haystack_text(seed):
-    """A random run of 16-48 filler words (needle.build_cases repeats it to fill the document)."""
-    rng = random.Random(f"haystack/{seed}")
-    return " ".join(rng.choice(FILLER_WORDS) for _ in range(rng.randint(*PERIOD)))
-
-
-def train_doc_ids(tok, length, i):
-    """Training document ``i``: a needle case of ``length`` tokens at a random depth (its own haystack and key)."""
-    rng = random.Random(f"train/{i}")
-    case = needle.build_cases(tok, [length], [rng.random()], seed=1_000_000 + i, haystack=haystack_text(i))[0]
-    return case.input_ids.tolist()
-
-
-def model_config(vocab):
-    """The tiny Llama: trained at SHORT tokens (its max_position_embeddings), RoPE base 10000."""
+def model_config():
+    """The tiny Llama: 2 layers, hidden 64, 4 heads of 16, trained at SHORT tokens, RoPE base 500."""
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 256,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 16,
-            "vocab_size": vocab, "max_position_embeddings": SHORT, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+            "vocab_size": VOCAB, "max_position_embeddings": SHORT, "rope_theta": 500.0, "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False, "attn_implementation": "sdpa"}
 
 
-def ds_config(micro_batch):
-    """ds_configs/tiny-cpu.json's optimizer (AdamW, constant lr 3e-3) at SP=2 with ulysses attention, ZeRO-1 and no
-    memory stack: a tiny model on a shared 2-core box (the full stack's offload and tiling took ~10 s a step)."""
+def ds_config(micro_batch, lr, seq_len):
+    """tiny-cpu.json's optimizer (AdamW, betas 0.9/0.99, no weight decay, clipping 1.0) at the given lr, SP=2 with
+    ulysses attention, ZeRO-1, no memory stack."""
     with open(os.path.join(ROOT, "ds_configs", "tiny-cpu.json")) as f:
         cfg = json.load(f)
     cfg["train_micro_batch_size_per_gpu"] = micro_batch
+    cfg["optimizer"]["params"]["lr"] = lr
     cfg["zero_optimization"] = {"stage": 1}
-    cfg["long_context"] = {"sequence_length": SHORT, "attention": {"implementation": "ulysses"}}
+    cfg["long_context"] = {"sequence_length": seq_len, "attention": {"implementation": "ulysses"}}
     return cfg
 
 
-def write_data(tok, path, length, docs, first):
+def passkey_doc(rng, length):
+    """A training document: the value once (in the first half 3 times in 4: long distances), then a question
+    "? <rule word> value" every 16 tokens on average after it (the last one ends the document, as the scored cases
+    do)."""
+    v = f"v{rng.randrange(KV.values)}"
+    at = rng.randrange(0, length // 2 if rng.random() < 0.75 else length - 3)
+    qs = {length - 3}
+    for _ in range(length // 16 - 1):
+        q = rng.randrange(at + 1, length - 2)
+        if all(abs(q - o) >= 4 for o in qs):
+            qs.add(q)
+    slots = {at: v}
+    for q in qs:
+        slots[q], slots[q + 2] = "?", v
+    return ruler.kv_words(length, slots, rng, KV)
+
+
+def copy_doc(rng, length):
+    half = [f"v{rng.randrange(KV.values)}" for _ in range(length // 2)]
+    return half + half
+
+
+def write_data(path, length, docs, seed, copy_fraction):
+    rng = random.Random(seed)
     with open(path, "w") as f:
-        for i in range(first, first + docs):
-            ids = train_doc_ids(tok, length, i)
-            text = tok.decode(ids)
-            assert tok.encode(text) == ids, "the word-level text does not round-trip"
-            f.write(json.dumps({"text": text}) + "\n")
+        for _ in range(docs):
+            words = copy_doc(rng, length) if rng.random() < copy_fraction else passkey_doc(rng, length)
+            assert len(words) == length
+            f.write(json.dumps({"text": " ".join(words)}) + "\n")
 
 
 def run(cmd, log):
@@ -104,82 +126,97 @@ def run(cmd, log):
     return time.time() - t0
 
 
-def by_length(path):
-    """Per document length: exact match, token accuracy and answer log-likelihood, means over depths and samples."""
-    with open(path) as f:
-        rows = json.load(f)["results"]
+def by_length(report):
+    """Per document length: exact match and answer log-likelihood, means over depths and samples."""
     out = {}
-    for n in sorted({r["length"] for r in rows}):
-        mine = [r for r in rows if r["length"] == n]
-        out[str(n)] = {k: round(sum(float(r[k]) for r in mine) / len(mine), 3)
-                       for k in ("exact_match", "token_accuracy", "logprob")}
+    for n in report["lengths"]:
+        mine = [r for r in report["results"] if r["length"] == n]
+        out[str(n)] = {"exact_match": round(sum(r["exact_match"] for r in mine) / len(mine), 3),
+                       "logprob": round(sum(r["logprob"] for r in mine) / len(mine), 3)}
     return out
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="/tmp/extend_demo", help="work directory (default /tmp/extend_demo)")
-    p.add_argument("--steps1", type=int, default=1500, help="stage 1 steps at 256 tokens (default 1500)")
-    p.add_argument("--steps2", type=int, default=150, help="stage 2 steps at 1024 tokens (default 150)")
-    p.add_argument("--micro-batch", type=int, default=8, help="samples per step (default 8)")
+    p.add_argument("--steps1", type=int, default=500, help="stage 1 steps at 64 tokens (default 500)")
+    p.add_argument("--steps2", type=int, default=200, help="stage 2 steps at 256 tokens (default 200)")
     p.add_argument("--scaling", default="linear:4", help="stage 2's --rope-scaling (default linear:4)")
-    p.add_argument("--samples", type=int, default=4, help="needle documents per cell (default 4)")
-    p.add_argument("--results", action="store_true", help="copy the heatmaps and the summary to bench/results/")
+    p.add_argument("--samples", type=int, default=8, help="scored documents per length and depth (default 8)")
+    p.add_argument("--master-port", type=int, help="the launcher's port (default: a free one)")
+    p.add_argument("--results", action="store_true", help="copy the figure and the summary to bench/results/")
     p.add_argument("--dry-run", action="store_true", help="write the inputs and print the commands only")
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     o = lambda *n: os.path.join(a.out, *n)  # noqa: E731
-    tok = make_tokenizer(o("tokenizer"))
-    vocab = 128
-    assert len(tok) <= vocab
+    tok = ruler.kv_tokenizer(KV, o("tokenizer"))
+    assert len(tok) <= VOCAB
     with open(o("model.json"), "w") as f:
-        json.dump(model_config(vocab), f, indent=1)
-    with open(o("ds.json"), "w") as f:
-        json.dump(ds_config(a.micro_batch), f, indent=1)
-    with open(o("haystack.txt"), "w") as f:
-        f.write(haystack_text("needle") + "\n")
-    write_data(tok, o("train256.jsonl"), SHORT, a.steps1 * a.micro_batch, 0)
-    write_data(tok, o("train1024.jsonl"), LONG, a.steps2 * a.micro_batch, 10_000_000)
-    with socket.socket() as sock:  # a free port for the launcher (not DeepSpeed's default 29500)
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ds = ["deepspeed", "--num_gpus", "2", "--master_port", str(port)]
-    common = ["--deepspeed_config", o("ds.json"), "--model-config", o("model.json"), "--tokenizer", o("tokenizer"),
-              "--no-progress", "--log-every", "25"]
-    stage1 = ds + ["train.py", *common, "--data", o("train256.jsonl"), "--seq-len", str(SHORT),
-                   "--steps", str(a.steps1), "--save", o("ck1"), "--metrics", o("m1.jsonl")]
-    stage2 = ds + ["train.py", *common, "--data", o("train1024.jsonl"), "--seq-len", str(LONG),
-                   "--steps", str(a.steps1 + a.steps2), "--resume", o("ck1"), "--new-stage",
+        json.dump(model_config(), f, indent=1)
+    scoring = ds_config(1, 1e-3, LONG)
+    scoring["zero_optimization"] = {"stage": 0}  # no optimizer when scoring (ZeRO-1 would want one)
+    for name, cfg in (("ds1.json", ds_config(32, 3e-3, SHORT)), ("ds2.json", ds_config(8, 3e-3, LONG)),
+                      ("ds_eval.json", scoring)):
+        with open(o(name), "w") as f:
+            json.dump(cfg, f, indent=1)
+    write_data(o("train64.jsonl"), SHORT, a.steps1 * 32, "stage1", 0.5)
+    write_data(o("train256.jsonl"), LONG, a.steps2 * 8, "stage2", 0.0)
+    port = str(a.master_port or free_port())
+    ds = ["deepspeed", "--num_gpus", "2", "--master_port", port]
+    common = ["--model-config", o("model.json"), "--tokenizer", o("tokenizer"), "--no-progress", "--log-every", "25"]
+    stage1 = ds + ["train.py", "--deepspeed_config", o("ds1.json"), *common, "--data", o("train64.jsonl"),
+                   "--seq-len", str(SHORT), "--steps", str(a.steps1), "--save", o("ck1"), "--metrics", o("m1.jsonl")]
+    stage2 = ds + ["train.py", "--deepspeed_config", o("ds2.json"), *common, "--data", o("train256.jsonl"),
+                   "--seq-len", str(LONG), "--steps", str(a.steps1 + a.steps2), "--resume", o("ck1"), "--new-stage",
                    "--rope-scaling", a.scaling, "--save", o("ck2"), "--metrics", o("m2.jsonl")]
 
-    def needle_cmd(ck, name, extra=()):
-        return [sys.executable, "-m", "ds_longctx.eval.needle_cli", "--checkpoint", o(ck), "--tokenizer", o("tokenizer"),
-                "--haystack", o("haystack.txt"), "--lengths", f"{SHORT},{LONG}", "--depths", "0,0.25,0.5,0.75,1",
-                "--samples", str(a.samples), "--json", o(f"{name}.json"), "--heatmap", o(f"{name}.png"), *extra]
+    def score(ck, name, tasks="passkey", lengths=f"{SHORT},{LONG}", depths=DEPTHS, samples=a.samples, extra=()):
+        return ds + ["--module", "ds_longctx.eval.ruler_cli", "--deepspeed_config", o("ds_eval.json"), "--checkpoint",
+                     o(ck), "--tokenizer", o("tokenizer"), "--style", "kv", "--tasks", tasks, "--lengths", lengths,
+                     "--depths", depths, "--samples", str(samples), "--json", o(f"{name}.json"), *extra]
 
-    steps = [("stage1", stage1), ("needle_before", needle_cmd("ck1", "needle_before")),
-             ("needle_before_scaled", needle_cmd("ck1", "needle_before_scaled", ["--rope-scaling", a.scaling])),
-             ("stage2", stage2), ("needle_after", needle_cmd("ck2", "needle_after"))]
+    steps = [("stage1", stage1), ("before", score("ck1", "before")),
+             ("before_scaled", score("ck1", "before_scaled", extra=["--rope-scaling", a.scaling])),
+             ("stage2", stage2), ("after", score("ck2", "after")),
+             ("ruler_after", score("ck2", "ruler_after", tasks="all", depths="0,0.5,1", samples=4,
+                                   extra=["--heatmap", o("ruler_after.png")]))]
     if a.dry_run:
         for _, cmd in steps:
             print(" ".join(cmd))
         return 0
     for d in ("ck1", "ck2"):
         shutil.rmtree(o(d), ignore_errors=True)
-    times = {name: round(run(cmd, o(f"{name}.log"))) for name, cmd in steps}
-    summary = {"seconds": times, "steps1": a.steps1, "steps2": a.steps2, "scaling": a.scaling,
-               "micro_batch": a.micro_batch, "samples_per_cell": a.samples,
-               "by_length": {n: by_length(o(f"{n}.json")) for n in ("needle_before", "needle_before_scaled",
-                                                                   "needle_after")},
+    times = {}
+    for name, cmd in steps:
+        times[name] = round(run(cmd, o(f"{name}.log")))
+    reports = {n: json.load(open(o(f"{n}.json")))["tasks"] for n in ("before", "before_scaled", "after", "ruler_after")}
+    panels = [reports[n]["passkey"] for n in ("before", "before_scaled", "after")]
+    titles = [f"stage 1 ({a.steps1} steps at {SHORT})", f"stage 1 + {a.scaling}, no training",
+              f"stage 2 (+{a.steps2} steps at {LONG}, {a.scaling})"]
+    needle.heatmaps(panels, o("extend_demo.png"), titles, suptitle="passkey retrieval (exact match; cells: mean "
+                    "answer log-likelihood), SP=2")
+    summary = {"machine": "2-core CPU box (shared)", "date": time.strftime("%Y-%m-%d"), "seconds": times,
+               "steps1": a.steps1, "steps2": a.steps2, "scaling": a.scaling, "samples_per_cell": a.samples,
+               "passkey_by_length": {n: by_length(reports[n]["passkey"]) for n in ("before", "before_scaled", "after")},
+               "passkey_cells": {n: reports[n]["passkey"]["cells"] for n in ("before", "before_scaled", "after")},
+               "ruler_after": ruler.summary_table(reports["ruler_after"]),
+               "ruler_after_by_length": {t: by_length(r) for t, r in reports["ruler_after"].items()},
                "commands": {name: " ".join(cmd) for name, cmd in steps}}
     with open(o("summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps(summary["by_length"], indent=1))
+    print(json.dumps(summary["passkey_by_length"], indent=1))
+    print(summary["ruler_after"])
     if a.results:
         dst = os.path.join(HERE, "results")
-        for n in ("needle_before", "needle_before_scaled", "needle_after"):
-            shutil.copy(o(f"{n}.png"), os.path.join(dst, f"extend_demo_{n}.png"))
-        shutil.copy(o("summary.json"), os.path.join(dst, "extend_demo_cpu.json"))
+        shutil.copy(o("extend_demo.png"), os.path.join(dst, "extend_demo.png"))
+        shutil.copy(o("ruler_after.png"), os.path.join(dst, "extend_demo_ruler.png"))
+        shutil.copy(o("summary.json"), os.path.join(dst, "extend_demo.json"))
     return 0
 
 

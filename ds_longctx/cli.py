@@ -9,6 +9,7 @@
                                                            Ctrl-C ends with the step saved and every process exit 0
     ds-longctx launch  mpirun -np N ... python train.py    the same for Open MPI's mpirun (launch/mpi.sh)
     ds-longctx needle  --model DIR --lengths 1K,4K ...     passkey retrieval by length x depth under SP (--help)
+    ds-longctx ruler   --model DIR --tasks all ...         RULER's synthetic tasks the same way (--help)
     ds-longctx --version
 
 Each command's own --help lists its options. Exit codes: 0 done (plan: fits), 1 plan does not fit, 2 bad input
@@ -26,7 +27,7 @@ from .errors import ConfigError, command_line
 
 # each verb imports what it runs when it runs (``ds-longctx configs`` or ``launch`` load no torch)
 
-_COMMANDS = ("plan", "export", "convert", "verify", "configs", "launch", "needle")
+_COMMANDS = ("plan", "export", "convert", "verify", "configs", "launch", "needle", "ruler")
 
 
 def _export(argv) -> int:
@@ -129,6 +130,10 @@ def main(argv=None) -> int:
         from .eval.needle_cli import cli as needle_cli
 
         return needle_cli(rest)
+    if cmd == "ruler":  # the same, with --tasks and --style
+        from .eval.ruler_cli import cli as ruler_cli
+
+        return ruler_cli(rest)
     verbs = {"export": _export, "convert": _convert, "verify": _verify, "configs": _configs}
     return command_line(f"ds-longctx {cmd}", verbs[cmd], rest)
 

@@ -41,7 +41,7 @@ LAYERS = (
     ("orchestration", ("", "initialize", "hf.integration", "job.agreement", "job.hostmem", "job.watchdog",
                        "job.preflight", "objectives.logprobs", "hf.rl")),
     ("the commands", ("train", "train.__main__", "train.args", "train.stages", "train.job", "train.loop",
-                      "eval.needle", "eval.needle_cli", "cli")),
+                      "eval.needle", "eval.needle_cli", "eval.ruler", "eval.ruler_cli", "cli")),
 )
 
 # (module, imported module) -> why the import stays inside a function (a new one fails here until it is hoisted or
@@ -52,7 +52,7 @@ FUNCTION_LEVEL = {
 }
 # cli.py dispatches: each verb imports the module it runs when it runs (ds-longctx configs and launch load none)
 FUNCTION_LEVEL.update({("cli", m): "cli.py's lazy dispatch per verb" for m in (
-    "dist.preemptible", "eval.needle_cli", "job.checkpoint", "models.loading", "planner.cli")})
+    "dist.preemptible", "eval.needle_cli", "eval.ruler_cli", "job.checkpoint", "models.loading", "planner.cli")})
 
 
 def _modules():

@@ -340,20 +340,23 @@ def write_json(report: Dict, path: str) -> None:
         json.dump(report, f, indent=1)
 
 
-def heatmap(report: Dict, path: str, title: str = "needle in a haystack") -> None:
-    """The accuracy heatmap (depth x length) as a PNG; each cell also shows the mean log-likelihood."""
+def _pyplot(flag: str = "--heatmap"):
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("--heatmap", "needs matplotlib, which is not installed",
+        raise ConfigError(flag, "needs matplotlib, which is not installed",
                           "pip install matplotlib (or ds_longctx[test]), or drop --heatmap") from None
+    return plt
+
+
+def _draw(ax, report: Dict, title: str):
+    """One report's exact-match heatmap (depth x length) on ``ax``; each cell shows the mean log-likelihood."""
     lengths, depths = report["lengths"], report["depths"]
     cell = {(c["length"], c["depth"]): c for c in report["cells"]}
     acc = [[cell[(L, d)]["accuracy"] if (L, d) in cell else math.nan for L in lengths] for d in depths]
-    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.8))
     im = ax.imshow(acc, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), [_fmt_len(L) for L in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
@@ -363,10 +366,39 @@ def heatmap(report: Dict, path: str, title: str = "needle in a haystack") -> Non
         for j, L in enumerate(lengths):
             if (L, d) in cell:
                 ax.text(j, i, f"{cell[(L, d)]['logprob']:.1f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=ax, label="exact match")
     ax.set_title(title)
+    return im
+
+
+def heatmap(report: Dict, path: str, title: str = "needle in a haystack") -> None:
+    """The accuracy heatmap (depth x length) as a PNG; each cell also shows the mean log-likelihood."""
+    plt = _pyplot()
+    lengths, depths = report["lengths"], report["depths"]
+    fig, ax = plt.subplots(figsize=(1.2 * len(lengths) + 2.5, 0.6 * len(depths) + 1.8))
+    im = _draw(ax, report, title)
+    fig.colorbar(im, ax=ax, label="exact match")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def heatmaps(reports: Sequence[Dict], path: str, titles: Sequence[str], suptitle: Optional[str] = None,
+             flag: str = "--heatmap") -> None:
+    """Several reports' heatmaps side by side in one PNG (one colour scale): a run before and after, or one
+    panel per task."""
+    plt = _pyplot(flag)
+    n = len(reports)
+    width = max(1.2 * max(len(r["lengths"]) for r in reports) + 1.8, 3.2)
+    height = 0.6 * max(len(r["depths"]) for r in reports) + 2.0
+    fig, axes = plt.subplots(1, n, figsize=(width * n + 1.0, height), squeeze=False)
+    for i, (ax, report, title) in enumerate(zip(axes[0], reports, titles)):
+        im = _draw(ax, report, title)
+        if i:
+            ax.set_ylabel("")
+    fig.colorbar(im, ax=list(axes[0]), label="exact match", fraction=0.03)
+    if suptitle:
+        fig.suptitle(suptitle, y=1.02)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -379,5 +411,5 @@ def case_dicts(cases: Sequence[NeedleCase]) -> List[Dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-__all__ = ["ByteTokenizer", "NeedleCase", "build_cases", "score_cases", "summarize", "table", "heatmap",
+__all__ = ["ByteTokenizer", "NeedleCase", "build_cases", "score_cases", "summarize", "table", "heatmap", "heatmaps",
            "write_json", "parse_lengths", "parse_depths", "placement"]

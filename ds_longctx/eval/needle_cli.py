@@ -31,11 +31,11 @@ USAGE = """ds-longctx needle: passkey retrieval by document length x depth, unde
 """
 
 
-def parse_args(argv=None):
+def build_parser(prog: str = "ds-longctx needle", usage: str = USAGE):
+    """The needle command's flags (``ds-longctx ruler`` adds its own to the same parser)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="ds-longctx needle", description=USAGE,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=prog, description=usage, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
                    help="a ds_config (path or shipped name): its sequence_parallel_size, ZeRO stage and long_context "
                    "memory stack run the forward (default: one process, the plain HF model)")
@@ -61,7 +61,11 @@ def parse_args(argv=None):
                    "(ds_longctx.config.rope_scaling)")
     p.add_argument("--json", help="write the report (cells and every case) as JSON here")
     p.add_argument("--heatmap", help="write the accuracy heatmap PNG here (needs matplotlib)")
-    a = p.parse_args(argv)
+    return p
+
+
+def check_args(a):
+    """The checks every rank makes before any collective (shared with ``ds-longctx ruler``)."""
     if a.samples < 1:
         raise ConfigError("--samples", f"must be >= 1, got {a.samples}", "give a number of documents per cell")
     if not (a.model or a.model_config or a.checkpoint):
@@ -70,6 +74,10 @@ def parse_args(argv=None):
     if a.haystack and not os.path.isfile(a.haystack):
         raise ConfigError("--haystack", f"{a.haystack!r} is not a file", "give a UTF-8 text file")
     return a
+
+
+def parse_args(argv=None):
+    return check_args(build_parser().parse_args(argv))
 
 
 def _side_dir(a) -> str:
@@ -110,19 +118,28 @@ def _build(a, ds_config):
     return model
 
 
-def main(argv=None) -> int:
+class Setup:
+    """What a scoring command runs on: the model (an engine under a ds_config), its tokenizer, the haystack text,
+    the SP degree, the model's max_position_embeddings, whether this rank prints."""
 
-    a = parse_args(argv)
+    def __init__(self, target, model, tokenizer, haystack, sp, mpe, rank0):
+        self.target, self.model, self.tokenizer, self.haystack = target, model, tokenizer, haystack
+        self.sp, self.mpe, self.rank0 = sp, mpe, rank0
+
+
+def setup(a, lengths) -> Setup:
+    """The model (--checkpoint's / --model's / --model-config's, under --deepspeed_config's SP and memory stack
+    planned for the longest of ``lengths``) and its tokenizer (--tokenizer, --model's, the checkpoint's, else
+    UTF-8 bytes modulo the vocabulary)."""
     ds_config = engine = None
     if a.deepspeed_config:
 
         ds_config = load_ds_config(resolve_config_path(a.deepspeed_config))
         ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}  # no training
         lc = dict(ds_config.get("long_context") or {})
-        lc["sequence_length"] = max(parse_lengths(a.lengths))  # what "auto" keys are planned for
+        lc["sequence_length"] = max(lengths)  # what "auto" keys are planned for
         ds_config["long_context"] = lc
         init_distributed()
-    lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
     model = _build(a, ds_config)
     if ds_config is not None:
 
@@ -140,17 +157,30 @@ def main(argv=None) -> int:
         tokenizer = ByteTokenizer(text_config(model.config).vocab_size)
     haystack = open(a.haystack, encoding="utf-8").read() if a.haystack else None
     _, sp, _, _, _ = placement(target)
-    cases = build_cases(tokenizer, lengths, depths, seed=a.seed, samples=a.samples, haystack=haystack, sp=sp)
-    results = score_cases(target, cases)
-    report = summarize(cases, results, tokenizer)
     mpe = getattr(text_config(model.config), "max_position_embeddings", None)
-    report["max_position_embeddings"] = mpe
     rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    if rank0:
+    return Setup(target, model, tokenizer, haystack, sp, mpe, rank0)
+
+
+def beyond_note(lengths, mpe) -> str:
+    beyond = [L for L in lengths if isinstance(mpe, int) and L > mpe]
+    return f"note: lengths {beyond} are beyond the model's max_position_embeddings {mpe}" if beyond else ""
+
+
+def main(argv=None) -> int:
+
+    a = parse_args(argv)
+    lengths, depths = parse_lengths(a.lengths), parse_depths(a.depths)
+    run = setup(a, lengths)
+    cases = build_cases(run.tokenizer, lengths, depths, seed=a.seed, samples=a.samples, haystack=run.haystack,
+                        sp=run.sp)
+    results = score_cases(run.target, cases)
+    report = summarize(cases, results, run.tokenizer)
+    report["max_position_embeddings"] = run.mpe
+    if run.rank0:
         print(table(report))
-        beyond = [L for L in lengths if isinstance(mpe, int) and L > mpe]
-        if beyond:
-            print(f"note: lengths {beyond} are beyond the model's max_position_embeddings {mpe}")
+        if beyond_note(lengths, run.mpe):
+            print(beyond_note(lengths, run.mpe))
         if a.json:
             write_json(report, a.json)
         if a.heatmap:

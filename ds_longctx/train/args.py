@@ -12,7 +12,7 @@ from ..config.shipped import resolve_config_path
 from ..data import TASKS
 from ..data.sources import check_data_path
 from ..errors import ConfigError
-from ..eval import needle
+from ..eval import needle, ruler
 from ..job.checkpoint import find_resume_tag
 from ..models import text_config
 
@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(ds-longctx needle's sharded evaluation, under this run's SP and memory stack) at these document "
                    "lengths (e.g. 1K,4K; each at most --seq-len and divisible by the SP degree): the table in the log, "
                    "the cells in --metrics ('needle')")
+    flag(p, "--eval-task", agree="value", default="needle", help="--eval-needle's test: 'needle' (the passkey "
+                   "needle, default) or RULER's tasks (ds-longctx ruler's: comma-separated of " + ", ".join(ruler.TASKS)
+                   + ", or all): a table per task in the log, the cells in --metrics ('ruler')")
+    flag(p, "--eval-style", agree="value", default="ruler", choices=ruler.STYLES, help="--eval-task's RULER text: "
+                   "'ruler' (RULER's English templates; default) or 'kv' (bare words, a word-level tokenizer of "
+                   "ruler.kv_vocabulary(), as bench/extend_demo.py's)")
     flag(p, "--needle-depths", agree="value", default="0,0.25,0.5,0.75,1", help="--eval-needle's depths of the fact (fractions "
                    "of the document; default 0,0.25,0.5,0.75,1)")
     flag(p, "--needle-samples", agree="value", type=int, default=1, help="--eval-needle's documents per length and depth "
@@ -264,6 +270,11 @@ def validate_args(args, lc):
                                   f"give lengths <= {seq_len} that are multiples of {sp}; evaluate longer documents "
                                   "with ds-longctx needle")
         needle.parse_depths(args.needle_depths, "--needle-depths")
+        if args.eval_task != "needle":
+            ruler.parse_tasks(args.eval_task, "--eval-task")
+    elif args.eval_task != "needle" or args.eval_style != "ruler":
+        raise ConfigError("--eval-task" if args.eval_task != "needle" else "--eval-style", "chooses --eval-needle's "
+                          "test, and there is no --eval-needle", "add --eval-needle LENGTHS (the documents' lengths)")
     if args.model_config is not None and not os.path.isfile(_model_config_path(args.model_config)):
         raise ConfigError("--model-config", f"{_model_config_path(args.model_config)!r} does not exist",
                             "give the path of a HF config.json (or a directory holding one)")

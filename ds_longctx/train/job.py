@@ -23,7 +23,7 @@ from ..data.token_cache import tokenizer_content_sha256
 from ..dist.launch import check_launch
 from ..dist.layout import zero_stage
 from ..errors import ConfigError
-from ..eval import needle
+from ..eval import needle, ruler
 from ..initialize import init_distributed, initialize, model_init, predicted_step
 from ..job import checkpoint as ckpt
 from ..job import watchdog
@@ -134,7 +134,8 @@ class Job:
     tokenizer: Any
     dataset: Any
     eval_set: Any
-    needle_cases: Any            # --eval-needle's documents (needle.build_cases), or None
+    needle_cases: Any            # --eval-needle's documents (needle.build_cases, or ruler.build_cases' for
+                                 # --eval-task), or None
     engine: Any
     batches: SampleStream        # the job's sample order from the next unseen sample
     saves: Optional[ckpt.SaveDir]
@@ -265,10 +266,15 @@ def prepare(args) -> Job:
             info(stage_line(stage, stages[-1], plan, args, ds_config, engine, predicted))
     needle_cases = None
     if args.eval_needle:
-        needle_cases = needle.build_cases(needle_tokenizer(tokenizer, model.config),
-                                          needle.parse_lengths(args.eval_needle, "--eval-needle"),
-                                          needle.parse_depths(args.needle_depths, "--needle-depths"), seed=args.seed,
-                                          samples=args.needle_samples, sp=sp)
+        lengths = needle.parse_lengths(args.eval_needle, "--eval-needle")
+        depths = needle.parse_depths(args.needle_depths, "--needle-depths")
+        tok = needle_tokenizer(tokenizer, model.config)
+        if args.eval_task == "needle":
+            needle_cases = needle.build_cases(tok, lengths, depths, seed=args.seed, samples=args.needle_samples, sp=sp)
+        else:  # RULER's tasks, one after another (loop.needle_now reports each)
+            needle_cases = [c for task in ruler.parse_tasks(args.eval_task, "--eval-task")
+                            for c in ruler.build_cases(tok, task, lengths, depths, seed=args.seed,
+                                                       samples=args.needle_samples, style=args.eval_style, sp=sp)]
     return Job(args=args, lc=lc, seq_len=seq_len, world=world, sp=sp, dp=dp, micro=micro, gas=gas, record=record,
                model=model, tokenizer=tokenizer, dataset=dataset, eval_set=eval_set, needle_cases=needle_cases,
                engine=engine, batches=batches,

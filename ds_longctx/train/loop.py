@@ -80,13 +80,26 @@ def evaluate_now(job: Job, step: int) -> dict:
 
 def needle_now(job: Job, step: int) -> dict:
     """--eval-needle's test on the engine (every rank: a collective; the same report everywhere): the table in the
-    log, the cells (exact-match accuracy, mean answer log-likelihood per length and depth) for the metrics."""
+    log, the cells (exact-match accuracy, mean answer log-likelihood per length and depth) for the metrics; with
+    --eval-task's RULER tasks, a table per task and the cells under 'ruler'."""
     results = needle.score_cases(job.engine, job.needle_cases)
-    report = needle.summarize(job.needle_cases, results)
-    acc = sum(r["exact_match"] for r in results) / len(results)
-    job.steplog.note(f"needle after step {step} (--eval-needle {job.args.eval_needle}): exact match {acc:.3f} over "
-                     f"{len(results)} documents\n{needle.table(report)}")
-    return {"needle": {"accuracy": acc, "cells": report["cells"]}}
+    tasks = {}
+    for case, result in zip(job.needle_cases, results):
+        cases, res = tasks.setdefault(getattr(case, "task", None), ([], []))
+        cases.append(case)
+        res.append(result)
+    out = {}
+    for task, (cases, res) in tasks.items():
+        report = needle.summarize(cases, res)
+        acc = sum(r["exact_match"] for r in res) / len(res)
+        what = "needle" if task is None else f"RULER {task} (--eval-task)"
+        job.steplog.note(f"{what} after step {step} (--eval-needle {job.args.eval_needle}): exact match {acc:.3f} "
+                         f"over {len(res)} documents\n{needle.table(report)}")
+        if task is None:
+            out["needle"] = {"accuracy": acc, "cells": report["cells"]}
+        else:
+            out.setdefault("ruler", {})[task] = {"accuracy": acc, "cells": report["cells"]}
+    return out
 
 
 def save(job: Job, step: int, why: str) -> None:
