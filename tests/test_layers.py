@@ -29,6 +29,7 @@ LAYERS = (
     ("process and data", ("dist.runtime", "data", "data.loaders", "data.turns", "hf.loader", "eval.evaluate",
                           "measure.live_bytes", "job.checkpoint", "job.metrics") + CHECKPOINT),
     ("ops", ("attention.kernels", "attention.documents", "attention.untied", "attention.block", "attention.registry",
+             "attention.ring",
              "memory.offload", "memory.nvme", "memory.norm", "memory.checkpointing", "memory.tiling") + KERNELS),
     ("checks and spec", ("patching.checks", "patching.spec", "patching.compat")),
     ("installs", ("attention", "attention.hf", "attention.ulysses", "attention.mixers", "memory",

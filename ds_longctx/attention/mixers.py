@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..models.adapters import read_weight_problem
 from ..models.hybrid import mixer_for
+from ..dist.layout import gathered_order
 from .documents import DOCS_KWARG
 
 
@@ -54,25 +55,48 @@ def _heads_to_seq(y, group, C):
 
 
 class SeqToHeads(torch.autograd.Function):
+    """The all-to-all seq -> heads; ``order`` (with a ring: :func:`token_order`) puts the gathered sequence, which
+    is the SP ranks' zigzag shards one after the other, in token order."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, order=None):
+        ctx.group, ctx.order = group, order
+        y = _seq_to_heads(x, group)
+        return y if order is None else y.index_select(1, order[0])
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, dist.get_world_size(ctx.group)), None
+        if ctx.order is not None:
+            grad = grad.index_select(1, ctx.order[1])
+        return _heads_to_seq(grad, ctx.group, dist.get_world_size(ctx.group)), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
+    """The all-to-all heads -> seq (``order``: as :class:`SeqToHeads`, the token-order sequence put back in the
+    ranks' shard order first)."""
+
     @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
+    def forward(ctx, y, group, order=None):
+        ctx.group, ctx.order = group, order
+        if order is not None:
+            y = y.index_select(1, order[1])
         return _heads_to_seq(y, group, dist.get_world_size(group))
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        g = _seq_to_heads(grad, ctx.group)
+        return (g if ctx.order is None else g.index_select(1, ctx.order[0])), None, None
+
+
+def token_order(seq: int, sp: int, ring: int, device):
+    """(gathered -> token order, token -> gathered order) index pair for an all-to-all over the whole SP group whose
+    shards are the ring's zigzag shards (dist.layout.gathered_order); None without a ring."""
+    if ring <= 1:
+        return None
+    gathered = gathered_order(seq, sp, ring)
+    to_tokens = torch.empty_like(gathered)
+    to_tokens[gathered] = torch.arange(seq)
+    return to_tokens.to(device), gathered.to(device)
 
 
 def _segments(docs, b: int, S: int):
@@ -92,7 +116,7 @@ def _head_chunks(hq: int, ratio: int, per_chunk: Optional[int]):
 
 
 def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                           heads_per_chunk: Optional[int] = None, **kwargs):
+                           heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One Gated DeltaNet layer of a training forward under SP (see the module doc); no cache. ``heads_per_chunk``
     (untied): the conv and the core run over this rank's value heads that many at a time (whole key-head groups),
     so their intermediates are one chunk's."""
@@ -110,9 +134,10 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
     if group is not None:
         per_rank = [qkv[..., :kd].reshape(b, s, sp, kq), qkv[..., kd:2 * kd].reshape(b, s, sp, kq),
                     qkv[..., 2 * kd:].reshape(b, s, sp, vq)]
-        qkv = SeqToHeads.apply(torch.cat(per_rank, dim=-1), group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        qkv = SeqToHeads.apply(torch.cat(per_rank, dim=-1), group, order)
         gb = SeqToHeads.apply(torch.cat([g.reshape(b, s, sp, hq * gw), beta.float().reshape(b, s, sp, hq)], dim=-1),
-                              group)
+                              group, order)
         g, beta = gb[..., :hq * gw], gb[..., hq * gw:].to(beta.dtype)
         if gw > 1:
             g = g.reshape(b, -1, hq, gw)
@@ -148,13 +173,13 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
         chunks.append(torch.cat(rows, dim=0) if len(rows) > 1 else rows[0])
     core = torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]  # [b, S, hq, dv]
     if group is not None:
-        core = HeadsToSeq.apply(core.reshape(b, S, hq * dv), group)
+        core = HeadsToSeq.apply(core.reshape(b, S, hq * dv), group, order)
     core = core.reshape(b, s, hv, dv)
     return fam.finish(module, core, gate)
 
 
 def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                       heads_per_chunk: Optional[int] = None, **kwargs):
+                       heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One gated short-conv layer (LFM2) of a training forward under SP: the conv input's channels of this rank over
     the gathered sequence, the depthwise conv with these channels' weights (per document), back before the gate."""
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
@@ -166,7 +191,8 @@ def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, at
     x, gate = fam.project(module, hidden_states)
     c = H // sp
     if group is not None:
-        x = SeqToHeads.apply(x.reshape(b, s, sp, c), group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        x = SeqToHeads.apply(x.reshape(b, s, sp, c), group, order)
     S = x.shape[1]
     w = module.conv.weight.squeeze(1)[rank * c:(rank + 1) * c]
     bias = module.conv.bias[rank * c:(rank + 1) * c] if module.conv.bias is not None else None
@@ -177,7 +203,7 @@ def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, at
         rows.append(torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])
     y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)  # [b, S, c]
     if group is not None:
-        y = HeadsToSeq.apply(y.contiguous(), group).reshape(b, s, H)
+        y = HeadsToSeq.apply(y.contiguous(), group, order).reshape(b, s, H)
     return fam.finish(module, y, gate)
 
 
@@ -191,7 +217,7 @@ def _mamba2_chunks(hq: int, r: int, per_chunk: Optional[int]):
 
 
 def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                   heads_per_chunk: Optional[int] = None, **kwargs):
+                   heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One Mamba2 mixer (falcon_h1, granitemoehybrid) of a training forward under SP: in_proj on the sequence shard,
     one all-to-all of this rank's x channels, its B/C groups (a group shared by several ranks goes to each) and dt,
     the depthwise conv with these channels' weights and transformers' ``mamba2_chunk_scan`` with this rank's
@@ -218,7 +244,8 @@ def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attent
     C = xbc[..., di + ng * ds:].reshape(b, s, ng, ds).index_select(2, gidx).reshape(b, s, sp, gq * ds)
     xbc = torch.cat([x, B, C, dt.reshape(b, s, sp, hq)], dim=-1)
     if group is not None:
-        xbc = SeqToHeads.apply(xbc, group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        xbc = SeqToHeads.apply(xbc, group, order)
     else:
         xbc = xbc.reshape(b, s, -1)
     S = xbc.shape[1]
@@ -251,7 +278,7 @@ def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attent
         rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
     y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).reshape(b, S, hq * hd)
     if group is not None:
-        y = HeadsToSeq.apply(y, group)
+        y = HeadsToSeq.apply(y, group, order)
     return fam.finish(module, y.reshape(b, s, di), z)
 
 
@@ -276,7 +303,7 @@ def _lightning_core(module, q, k, v, heads: slice):
 
 
 def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                      heads_per_chunk: Optional[int] = None, **kwargs):
+                      heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One MiniMax lightning-attention layer of a training forward under SP: qkv projected (and activated) on the
     sequence shard, this rank's heads over the whole sequence by one all-to-all, the block recurrence per document
     (``heads_per_chunk`` heads at a time under untied), the output back before the norm over all heads, the output gate
@@ -291,7 +318,8 @@ def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, att
     qkv = hf.apply_mask_to_padding_states(qkv, attention_mask)
     hq = H // sp
     if group is not None:
-        qkv = SeqToHeads.apply(qkv.reshape(b, s, sp, hq * 3 * hd), group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        qkv = SeqToHeads.apply(qkv.reshape(b, s, sp, hq * 3 * hd), group, order)
     S = qkv.shape[1]
     q, k, v = torch.split(qkv.reshape(b, S, hq, 3 * hd).transpose(1, 2), hd, dim=3)  # [b, hq, S, hd] each
     rows = []
@@ -305,7 +333,7 @@ def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, att
         rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
     y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2).reshape(b, S, hq * hd)
     if group is not None:
-        y = HeadsToSeq.apply(y.contiguous(), group)
+        y = HeadsToSeq.apply(y.contiguous(), group, order)
     return fam.finish(module, y.reshape(b, s, H * hd), gate), None
 
 
@@ -354,7 +382,8 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
         def forward(self, hidden_states, *args, attention_mask=None, **kwargs):
             if args:  # transformers passes them by keyword; a positional call is a layout we did not check
                 raise TypeError(f"{type(self).__name__}: ds_longctx's SP path takes its arguments by keyword")
-            return run(self, fam, group, sp, rank, hidden_states, attention_mask, heads_per_chunk=per_chunk, **kwargs)
+            return run(self, fam, group, sp, rank, hidden_states, attention_mask, heads_per_chunk=per_chunk,
+                       ring=spec.ring, **kwargs)
 
         m.forward = types.MethodType(forward, m)
     label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp}"
