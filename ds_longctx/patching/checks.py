@@ -57,7 +57,6 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
     Not at SP=1 with transformers' own attention, where a model without heads (state-space) trains too."""
     sp, impl = cfg.sequence_parallel_size, cfg.attention.implementation
     shape = attention_shape(model_config)
-    heads, kv = shape.heads, shape.kv_heads
     tc = text_config(model_config)
     v_dim = getattr(tc, "v_head_dim", None)
     indexer = next((k for k in ("index_topk", "index_n_heads", "index_head_dim") if getattr(tc, k, None)), None)

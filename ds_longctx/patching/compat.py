@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..attention import registry
 from ..errors import ConfigError
-from ..models import attention_shape
 
 _DS_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
