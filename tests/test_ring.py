@@ -41,10 +41,36 @@ CASES = {4: [("2q2kv", "untied", "plain", 3), ("2q2kv", "ulysses", "packed", 1),
          8: [("4q2kv", "ring_only", "packed", 3), ("win", "ulysses", "plain", 3)]}
 
 
+TRAINER = dict(steps=2, seq_len=32, samples=2, lr=0.05)  # examples/hf_trainer.py: SGD, the memory stack, ZeRO-3
+
+
+def _trainer_model(seed=0):
+    """The example's tiny Llama with 2 query / 2 KV heads (SP=4 runs Ulysses 2 x ring 2)."""
+    from _common import tiny_model
+
+    return tiny_model(seed=seed, num_attention_heads=2, num_key_value_heads=2)
+
+
+def _trainer(rank, world):
+    """The HF Trainer + ds_longctx.enable() route (examples/hf_trainer.py) with the 2-head model at SP=world."""
+    from eco_cases import ProcessState  # (puts examples/ on sys.path)
+    import hf_trainer
+
+    state = ProcessState()
+    hf_trainer.tiny_model = _trainer_model
+    out = hf_trainer.train(sp=world, record_params=True, sample_order=[0, 1],
+                           output_dir=f"/tmp/ds_longctx_test_ring_trainer{rank}", **TRAINER)
+    state.reset()
+    return out
+
+
 def _worker(rank, world, cases):
     from ds_longctx.dist import comm
 
     out = {}
+    if world == 4:
+        out["trainer"] = _trainer(rank, world)
+        out["trainer_ring"] = comm.ring_degree()
     for shape, lc, kind, stage in cases:
         out[(shape, lc, kind, stage)] = sp_step(dict(SHAPES[shape], vocab=VOCAB), _batch(kind), stage, world,
                                                 lc=LCS[lc])
@@ -61,6 +87,25 @@ def reference(shape, batch):
     loss = model(**kw, use_cache=False).loss
     loss.backward()
     return loss.item(), {n: -p.grad.detach().clone() for n, p in model.named_parameters()}, init
+
+
+def trainer_reference():
+    """One process, no Trainer: SGD on the example's samples 0 and 1 in order (the Trainer's two steps at SP=1)."""
+    import eco_cases  # noqa: F401  (puts examples/ on sys.path)
+    from _common import RandomTokens
+
+    model = _trainer_model().train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data, losses = RandomTokens(TRAINER["samples"], TRAINER["seq_len"], model.config.vocab_size, seed=0), []
+    for i in range(TRAINER["steps"]):
+        loss = model(**{k: v[None] for k, v in data[i].items()}, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= TRAINER["lr"] * p.grad
+                p.grad = None
+    return losses, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +130,20 @@ def test_ring_matches_single_process(sp, ring_results):
             assert math.isclose(loss, ref_loss, rel_tol=1e-6), (case, loss, ref_loss)
             for n, d in ref_deltas.items():
                 torch.testing.assert_close(deltas[n], d, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} {n}: {m}")
+
+
+@pytest.mark.distributed
+def test_trainer_enable_route_rings_past_the_heads(ring_results):
+    """2 heads at SP=4 through transformers' Trainer + ds_longctx.enable() (ZeRO-3, the memory stack): Ulysses 2 x
+    ring 2 by 'auto', per-step losses and SGD deltas equal one process."""
+    results = result_or_raise(ring_results[4])
+    ref_losses, ref_deltas = trainer_reference()
+    for r in results:
+        assert r["trainer_ring"] == 2
+        got = r["trainer"]
+        assert len(got["losses"]) == len(ref_losses)
+        for a, b in zip(got["losses"], ref_losses):
+            assert math.isclose(a, b, rel_tol=1e-6), (got["losses"], ref_losses)
+        for n, d in ref_deltas.items():
+            torch.testing.assert_close(got["after"][n] - got["before"][n], d, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"trainer {n}: {m}")
