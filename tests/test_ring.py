@@ -64,13 +64,69 @@ def _trainer(rank, world):
     return out
 
 
+# families at SP=4 with 2 attention heads (Ulysses 2 x ring 2: 1 head per rank of a Ulysses group): a hybrid of the
+# Qwen3.5 shape (a Gated DeltaNet layer, 4 key / 8 value heads split whole over the 4 ranks in token order, and a
+# full-attention layer) and DeepSeek-V3's multi-head latent attention (values padded to the q/k head dim; MoE);
+# packed, ZeRO-3
+FAMILIES = [("qwen3_5", "untied"), ("qwen3_5", "ulysses"), ("deepseek_v3", "ulysses"), ("deepseek_v3", "untied")]
+TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=2)
+
+
+def _family_model(name, seed=0):
+    from transformers import AutoModelForCausalLM
+
+    if name == "qwen3_5":
+        from test_hybrid import hybrid_config
+
+        cfg = hybrid_config("qwen3_5")
+    else:
+        from moe_cases import moe_config
+
+        cfg = moe_config(name)
+    for k, v in TWO_HEADS.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+
+
+FAMILY_SEQ, FAMILY_DOCS = 16, (5, 7, 4)  # the hybrid tests' shape: documents crossing the shard edges
+
+
+def _family_batch():
+    return token_batch("packed", 64, FAMILY_SEQ, FAMILY_DOCS, seed=3)
+
+
+def family_reference(name):
+    """One process: the hybrid's packed sample with every document run alone (transformers' torch reference of the
+    gated delta rule ignores packed position_ids), the loss over the sample's shifted targets; DeepSeek-V3 through
+    HF's own packed path (position_ids restarting: tests/moe_cases.reference). SGD(lr=1) deltas."""
+    model = _family_model(name)
+    b = _family_batch()
+    if name == "qwen3_5":
+        a, parts = 0, []
+        for n in FAMILY_DOCS:
+            parts.append(model(input_ids=b["input_ids"][:, a:a + n], use_cache=False).logits)
+            a += n
+        logits = torch.cat(parts, dim=1)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1], b["labels"][0, 1:], ignore_index=-100)
+    else:
+        loss = model(**b, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: (-p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                         for n, p in model.named_parameters()}
+
+
 def _worker(rank, world, cases):
     from ds_longctx.dist import comm
+    from sp_cases import one_sgd_step
 
     out = {}
     if world == 4:
         out["trainer"] = _trainer(rank, world)
         out["trainer_ring"] = comm.ring_degree()
+        for name, lc in FAMILIES:
+            out[name, lc] = one_sgd_step(_family_model(name), _family_batch(), world, LCS[lc])
+            out["ring", name, lc] = comm.ring_degree()
     for shape, lc, kind, stage in cases:
         out[(shape, lc, kind, stage)] = sp_step(dict(SHAPES[shape], vocab=VOCAB), _batch(kind), stage, world,
                                                 lc=LCS[lc])
@@ -147,3 +203,16 @@ def test_trainer_enable_route_rings_past_the_heads(ring_results):
         for n, d in ref_deltas.items():
             torch.testing.assert_close(got["after"][n] - got["before"][n], d, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"trainer {n}: {m}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, lc", FAMILIES)
+def test_families_ring_past_the_heads(name, lc, ring_results):
+    results = result_or_raise(ring_results[4])
+    ref_loss, ref_deltas = family_reference(name)
+    for r in results:
+        assert r["ring", name, lc] == 2
+        loss, deltas = r[name, lc]
+        assert math.isclose(loss, ref_loss, rel_tol=1e-5), (name, lc, loss, ref_loss)
+        for n, d in ref_deltas.items():
+            torch.testing.assert_close(deltas[n], d, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {lc} {n}: {m}")
