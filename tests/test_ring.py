@@ -66,16 +66,23 @@ def _trainer(rank, world):
 
 # families at SP=4 with 2 attention heads (Ulysses 2 x ring 2: 1 head per rank of a Ulysses group): a hybrid of the
 # Qwen3.5 shape (a Gated DeltaNet layer, 4 key / 8 value heads split whole over the 4 ranks in token order, and a
-# full-attention layer) and DeepSeek-V3's multi-head latent attention (values padded to the q/k head dim; MoE);
-# packed, ZeRO-3
-FAMILIES = [("qwen3_5", "untied"), ("qwen3_5", "ulysses"), ("deepseek_v3", "ulysses"), ("deepseek_v3", "untied")]
+# full-attention layer), DeepSeek-V3's multi-head latent attention (values padded to the q/k head dim; MoE) and GPT-OSS
+# (attention sinks from the ring's merged LSE; a 4-token sliding window on every other layer, crossing the zigzag
+# chunks; flex_attention as SP loads it, eager for the reference); packed, ZeRO-3
+FAMILIES = [("qwen3_5", "untied"), ("qwen3_5", "ulysses"), ("deepseek_v3", "ulysses"), ("deepseek_v3", "untied"),
+            ("gpt_oss", "untied"), ("gpt_oss", "ulysses")]
 TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=2)
 
 
-def _family_model(name, seed=0):
+def _family_model(name, seed=0, attn="sdpa"):
     from transformers import AutoModelForCausalLM
 
-    if name == "qwen3_5":
+    if name == "gpt_oss":
+        from sink_cases import gpt_oss_config
+
+        cfg = gpt_oss_config()
+        attn = "flex_attention" if attn == "sdpa" else attn
+    elif name == "qwen3_5":
         from test_hybrid import hybrid_config
 
         cfg = hybrid_config("qwen3_5")
@@ -86,7 +93,12 @@ def _family_model(name, seed=0):
     for k, v in TWO_HEADS.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").train()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn).train()
+    if name == "gpt_oss":  # sinks of the size that matters (tests/sink_cases.py)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.linspace(-1.0, 2.0, layer.self_attn.sinks.numel()))
+    return model
 
 
 FAMILY_SEQ, FAMILY_DOCS = 16, (5, 7, 4)  # the hybrid tests' shape: documents crossing the shard edges
@@ -100,9 +112,9 @@ def family_reference(name):
     """One process: the hybrid's packed sample with every document run alone (transformers' torch reference of the
     gated delta rule ignores packed position_ids), the loss over the sample's shifted targets; DeepSeek-V3 through
     HF's own packed path (position_ids restarting: tests/moe_cases.reference). SGD(lr=1) deltas."""
-    model = _family_model(name)
+    model = _family_model(name, attn="eager")
     b = _family_batch()
-    if name == "qwen3_5":
+    if name in ("qwen3_5", "gpt_oss"):  # (GPT-OSS's masks ignore position_ids too: tests/sink_cases.reference)
         a, parts = 0, []
         for n in FAMILY_DOCS:
             parts.append(model(input_ids=b["input_ids"][:, a:a + n], use_cache=False).logits)
