@@ -113,6 +113,10 @@ class RingComm:
         """Post the send of ``send`` and the receive of the previous rank's tensor of the same shape: (receive
         buffer, requests)."""
         recv = torch.empty_like(send)
+        if send.device.type == "meta":  # the planner's stand-in device on its fake group (no backend for meta)
+            return recv, [dist.isend(send, self.next, self.group, tag), dist.irecv(recv, self.prev, self.group, tag)]
+        # one batch: NCCL runs a ring of separate sends and receives in issue order (each send waiting on the next
+        # rank's receive, issued after that rank's own send): batched, they start together
         reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, self.next, self.group, tag),
                                        dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)])
         return recv, reqs

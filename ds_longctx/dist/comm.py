@@ -60,6 +60,12 @@ def initialize_ring_groups(sp_size: int, ring: int) -> None:
     _CURRENT[:] = [sp_size, ring]
     if ring <= 1 or (sp_size, ring) in _RINGS:
         return
+    _RINGS[(sp_size, ring)] = build_ring_groups(sp_size, ring)
+
+
+def build_ring_groups(sp_size: int, ring: int) -> dict:
+    """The caller's {"ulysses_group", "ring_group"} of SP groups of ``sp_size`` consecutive ranks (every rank builds
+    every group, in one order); registered nowhere (the planner's fake world builds its own)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     ulysses = sp_size // ring
     mine = {}
@@ -74,7 +80,7 @@ def initialize_ring_groups(sp_size: int, ring: int) -> None:
             g = dist.new_group(ranks)
             if rank in ranks:
                 mine["ring_group"] = g
-    _RINGS[(sp_size, ring)] = mine
+    return mine
 
 
 def ring_degree() -> int:
