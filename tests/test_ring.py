@@ -66,11 +66,11 @@ def _trainer(rank, world):
 
 # families at SP=4 with 2 attention heads (Ulysses 2 x ring 2: 1 head per rank of a Ulysses group): a hybrid of the
 # Qwen3.5 shape (a Gated DeltaNet layer, 4 key / 8 value heads split whole over the 4 ranks in token order, and a
-# full-attention layer), DeepSeek-V3's multi-head latent attention (values padded to the q/k head dim; MoE) and GPT-OSS
+# full-attention layer; and with 1 key / 2 value heads, each rank half a value head's channels), DeepSeek-V3's multi-head latent attention (values padded to the q/k head dim; MoE) and GPT-OSS
 # (attention sinks from the ring's merged LSE; a 4-token sliding window on every other layer, crossing the zigzag
 # chunks; flex_attention as SP loads it, eager for the reference); packed, ZeRO-3
-FAMILIES = [("qwen3_5", "untied"), ("qwen3_5", "ulysses"), ("deepseek_v3", "ulysses"), ("deepseek_v3", "untied"),
-            ("gpt_oss", "untied"), ("gpt_oss", "ulysses")]
+FAMILIES = [("qwen3_5", "untied"), ("qwen3_5", "ulysses"), ("qwen3_5_split", "untied"),
+            ("deepseek_v3", "ulysses"), ("deepseek_v3", "untied"), ("gpt_oss", "untied"), ("gpt_oss", "ulysses")]
 TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=2)
 
 
@@ -82,10 +82,11 @@ def _family_model(name, seed=0, attn="sdpa"):
 
         cfg = gpt_oss_config()
         attn = "flex_attention" if attn == "sdpa" else attn
-    elif name == "qwen3_5":
+    elif name.startswith("qwen3_5"):
         from test_hybrid import hybrid_config
 
-        cfg = hybrid_config("qwen3_5")
+        # qwen3_5_split: 1 key head and 2 value heads over the 4 ranks: each rank half a value head's channels
+        cfg = hybrid_config("qwen3_5", **(dict(key_heads=1, value_heads=2) if name == "qwen3_5_split" else {}))
     else:
         from moe_cases import moe_config
 
@@ -114,7 +115,7 @@ def family_reference(name):
     HF's own packed path (position_ids restarting: tests/moe_cases.reference). SGD(lr=1) deltas."""
     model = _family_model(name, attn="eager")
     b = _family_batch()
-    if name in ("qwen3_5", "gpt_oss"):  # (GPT-OSS's masks ignore position_ids too: tests/sink_cases.reference)
+    if name != "deepseek_v3":  # (GPT-OSS's masks ignore position_ids too: tests/sink_cases.reference)
         a, parts = 0, []
         for n in FAMILY_DOCS:
             parts.append(model(input_ids=b["input_ids"][:, a:a + n], use_cache=False).logits)
