@@ -166,11 +166,13 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
             add("ring_p2p", b / ((rates.a2a_inter_gbps if p2p_internode else rates.a2a_intra_gbps) * 1e9))
         if f:
             flops[f"{kind}_{phase}"] = flops.get(f"{kind}_{phase}", 0.0) + f
+    if not calls["p2p"]:
+        del calls["p2p"]  # no ring
     kernels = sum(v for k, v in parts.items() if k not in ("all_to_all", "ring_p2p"))
     if parts.get("ring_p2p"):  # overlapped with the attention kernels (async P2P one block ahead): the rest waits
         attention = sum(v for k, v in parts.items() if k.startswith("attention_"))
         parts["ring_p2p_exposed"] = max(0.0, parts["ring_p2p"] - attention) + \
-            calls["p2p"] * rates.collective_latency_us * 1e-6
+            calls.get("p2p", 0) * rates.collective_latency_us * 1e-6
     host = calls["ops"] * rates.op_overhead_us * 1e-6
     if host:
         parts["host_overhead"] = host
