@@ -249,26 +249,30 @@ class RingBackend(Backend):
                 if not self.overlap:
                     self.comm.wait(reqs)
                     reqs = []
-            part = torch.zeros(nk + v.numel(), dtype=acc, device=q.device)
-            pk, pv = part[:nk].view(k.shape), part[nk:].view(v.shape)
+            block = []  # this step's (k/v columns, dk, dv) per rectangle, in k's dtype (the kernel's)
             for sl, rects in rows:
                 for rc in rects:
                     qs, ks = (sl, slice(rc.q0, rc.q1)), (sl, slice(rc.k0, rc.k1))
                     gq, gk, gv = self._bwd(dout[qs], q[qs], kk[ks], vv[ks], out[qs],
                                            lse[sl, :, rc.q0:rc.q1].contiguous(), rc, scale)
                     dq[qs] += gq
-                    pk[ks] += gk
-                    pv[ks] += gv
+                    block.append((ks, gk, gv))
+            # the block's fp32 dk|dv accumulator: as it arrived from the previous ring rank (which sent it one step
+            # ago, so it came during this step's kernels), or new at step 0; this step's parts are added into it
+            if dkv_reqs is not None:
+                self.comm.wait(dkv_reqs)
+            else:
+                dkv = torch.zeros(nk + v.numel(), dtype=acc, device=q.device)
+            ak, av = dkv[:nk].view(k.shape), dkv[nk:].view(v.shape)
+            for ks, gk, gv in block:
+                ak[ks] += gk
+                av[ks] += gv
+            del block, ak, av
             if self.comm is not None:
-                if dkv_reqs is not None:  # this block's accumulator so far, from the previous ring rank
-                    self.comm.wait(dkv_reqs)
-                    part += dkv
-                dkv, dkv_reqs = self.comm.shift(part, _DKV)  # on to the next rank; home after R hops
+                dkv, dkv_reqs = self.comm.shift(dkv, _DKV)  # on to the next rank; home after R hops
                 if not self.overlap:
                     self.comm.wait(dkv_reqs)
                     dkv_reqs = []
-            else:
-                dkv = part
             if reqs is not None:
                 self.comm.wait(reqs)
                 flat = nxt
