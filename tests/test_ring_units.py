@@ -60,3 +60,22 @@ def test_zigzag_balances_causal_attention_across_8_ranks():
     assert max(contiguous) >= 10 * min(contiguous), contiguous  # 15x in query-key pairs
     assert sum(zig) == sum(contiguous)  # the same attention, split differently
     assert [ring_work(seq, ring, r) for r in range(ring)] == [ring_work(seq, ring, 0)] * ring
+
+
+def test_mixers_past_their_heads_are_refused_naming_the_layer():
+    """Past the attention heads a ring runs; a recurrent layer past its own heads runs where its channels split (Gated
+    DeltaNet, KDA: tests/test_ring.py) and is one error naming the layer elsewhere: MiniMax's lightning attention has
+    the attention's 2 heads, which SP=4 cannot give each rank whole."""
+    import pytest
+
+    from ds_longctx.config import ConfigError, parse
+    from ds_longctx.patching.checks import check_against
+    from test_hybrid import hybrid_config
+
+    cfg = hybrid_config("minimax")
+    cfg.num_attention_heads, cfg.num_key_value_heads = 2, 2
+    with pytest.raises(ConfigError) as e:
+        check_against(parse({"sequence_parallel_size": 4, "long_context": {"attention": {"implementation": "ulysses"}}}),
+                      cfg, world_size=4)
+    assert str(e.value).startswith("sequence_parallel_size: the minimax model's linear_attention layers "
+                                   "(MiniMaxLightningAttention) have 2 heads"), str(e.value)
