@@ -174,7 +174,9 @@ def initialize(args: Any = None, model: Optional[torch.nn.Module] = None, optimi
 
     ds_mpu = comm.initialize_groups(sp)
     compat.check_mpu(mpu, sp)
-    spec = spec.with_group(comm.sp_group() if sp > 1 else None)
+    comm.initialize_ring_groups(sp, spec.ring)  # Ulysses x ring: the sub-groups inside every SP group
+    spec = spec.with_group(comm.sp_group() if sp > 1 else None, comm.ulysses_group() if spec.ring > 1 else None,
+                           comm.ring_group())
     # register_with_transformers ran first: don't wrap twice (through the registry, undone with our install)
     compat.replace_deepspeed_ulysses_registration()
     layout = spec.layout

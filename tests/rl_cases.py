@@ -27,10 +27,11 @@ LC = {"ulysses": ULYSSES, "untied": UNTIED, "untied+stack": {**UNTIED, **STACK},
 def build(family: str, seed: int = 0):
     """The family's tiny random-init model (fp32, sdpa): Llama, a hybrid (Qwen3-Next: Gated DeltaNet + attention,
     MoE) and MLA (DeepSeek-V3)."""
-    if family == "llama":
+    if family in ("llama", "llama_2h"):  # llama_2h: 2 heads, so SP=4 runs Ulysses 2 x ring 2 (issue 47)
         from tiny_models import build as build_tiny, tiny_config
 
-        return build_tiny(tiny_config(vocab=VOCAB), seed=seed).train()
+        heads = dict(heads=2, kv_heads=2) if family == "llama_2h" else {}
+        return build_tiny(tiny_config(vocab=VOCAB, **heads), seed=seed).train()
     if family == "qwen3_next":
         from test_hybrid import build_hybrid
 

@@ -53,13 +53,38 @@ def test_sp_does_not_divide_world():
 
 
 def test_heads_not_divisible():
-    msg = _err({"sequence_parallel_size": 4}, tiny_config(heads=6, kv_heads=6), world=4)
-    assert msg.startswith("sequence_parallel_size: 4 does not divide the 6 attention heads")
+    """SP past what the heads split: 'auto' rings the rest (issue 47); ring 1 named is refused with the degrees that
+    work."""
+    from ds_longctx.patching.checks import ring_degree_for
+
+    cfg = parse({"sequence_parallel_size": 4})
+    assert ring_degree_for(cfg, tiny_config(heads=6, kv_heads=6)) == 2  # Ulysses 2 x ring 2
+    msg = _err({"sequence_parallel_size": 4, "long_context": {"attention": {"ring_degree": 1}}},
+               tiny_config(heads=6, kv_heads=6), world=4)
+    assert msg.startswith("long_context.attention.ring_degree: 1 leaves Ulysses degree 4 (sequence_parallel_size 4 / "
+                          "1), which does not split the model's 6 query / 6 key-value heads"), msg
+    assert "ring degree that works at SP 4: [2, 4]" in msg and "'auto' (2 here)" in msg
+    msg = _err({"sequence_parallel_size": 4, "long_context": {"attention": {"ring_degree": 3}}},
+               tiny_config(heads=6, kv_heads=6), world=4)
+    assert msg.startswith("long_context.attention.ring_degree: 3 does not divide sequence_parallel_size 4"), msg
 
 
 def test_kv_heads_neither_divide():
-    msg = _err({"sequence_parallel_size": 4}, tiny_config(heads=12, kv_heads=6), world=4)
-    assert "neither divides nor is divided by the 6 key/value heads" in msg
+    from ds_longctx.patching.checks import ring_degree_for
+
+    assert ring_degree_for(parse({"sequence_parallel_size": 4}), tiny_config(heads=12, kv_heads=6)) == 2
+    msg = _err({"sequence_parallel_size": 4, "long_context": {"attention": {"ring_degree": 1}}},
+               tiny_config(heads=12, kv_heads=6), world=4)
+    assert "12 query / 6 key-value heads" in msg and "[2, 4]" in msg
+
+
+def test_ring_sequence_length():
+    """A ring cuts 2R zigzag chunks, each ring rank's into U shards: the length must divide by R x lcm(2, U)."""
+    msg = _err({"sequence_parallel_size": 4, "long_context": {"sequence_length": 36}}, tiny_config(heads=1, kv_heads=1),
+               world=4)
+    assert msg.startswith("long_context.sequence_length: 36 is not divisible by 8: sequence_parallel_size 4 as "
+                          "Ulysses 1 x ring 4"), msg
+    assert "e.g. 40" in msg
 
 
 def test_kv_replication_is_allowed():

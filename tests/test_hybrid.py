@@ -450,12 +450,18 @@ def test_untied_head_chunks_keep_key_head_groups():
 
 
 def test_heads_sp_does_not_divide_are_refused():
+    """Gated DeltaNet splits whole key heads, or each rank's value channels inside one key head (SP a multiple of
+    the key heads, past the value heads a slice of one: issue 47); what neither runs is one error naming the counts
+    and the degrees that work."""
     for impl in ("ulysses", "untied_ulysses"):
         _check("qwen3_5", impl, 2, key_heads=2, value_heads=4)  # both divide
-        e = config_error(_check, "qwen3_5", impl, 4, key_heads=2, value_heads=4)
+        _check("qwen3_5", impl, 4, key_heads=2, value_heads=4)  # a key head on two ranks, a value head each
+        _check("qwen3_5", impl, 8, key_heads=2, value_heads=4)  # half a value head each
+        e = config_error(_check, "qwen3_5", impl, 6, key_heads=4, value_heads=8)
         assert e.startswith("sequence_parallel_size: the qwen3_5_text model's linear_attention layers "
-                            "(Qwen3_5GatedDeltaNet) have 2 key heads and 4 value heads"), e
-        assert "use a sequence_parallel_size dividing both: 1, 2" in e, e
+                            "(Qwen3_5GatedDeltaNet) have 4 key heads and 8 value heads; sequence_parallel_size 6 must "
+                            "divide them or be a multiple of them"), e
+        assert "use a sequence_parallel_size of 1, 2, 4, 8, 16, 24, 32" in e, e
 
 
 def test_mamba2_heads_and_groups_sp_does_not_fit_are_refused():

@@ -24,15 +24,18 @@ def _bad_initialize(rank, world, case):
 
 CASES = {
     "world": dict(model=dict(heads=4, kv_heads=2), config=ds_config(3, 4)),
-    "heads": dict(model=dict(heads=3, kv_heads=3, head_dim=4), config=ds_config(3, 2)),
-    "kv": dict(model=dict(heads=6, kv_heads=3, head_dim=4), config=ds_config(3, 2)),
+    # past the heads 'auto' rings (issue 47): a ring degree of 1 named is the refusal
+    "heads": dict(model=dict(heads=3, kv_heads=3, head_dim=4), config=ds_config(3, 2, {"attention": {"ring_degree": 1}})),
+    "kv": dict(model=dict(heads=6, kv_heads=3, head_dim=4), config=ds_config(3, 2, {"attention": {"ring_degree": 1}})),
     "impl": dict(model=dict(), config=ds_config(3, 2, {"attention": {"implementation": "tied"}})),
     "eager": dict(model=dict(attn="eager"), config=ds_config(3, 2)),
 }
 EXPECTED = {
     "world": "sequence_parallel_size: 4 does not divide the world size 2",
-    "heads": "sequence_parallel_size: 2 does not divide the 3 attention heads",
-    "kv": "sequence_parallel_size: 2 neither divides nor is divided by the 3 key/value heads",
+    "heads": "long_context.attention.ring_degree: 1 leaves Ulysses degree 2 (sequence_parallel_size 2 / 1), which does "
+             "not split the model's 3 query / 3 key-value heads",
+    "kv": "long_context.attention.ring_degree: 1 leaves Ulysses degree 2 (sequence_parallel_size 2 / 1), which does not "
+          "split the model's 6 query / 3 key-value heads",
     "impl": "long_context.attention.implementation: 'tied' is not allowed",
     "eager": "model.config._attn_implementation: 'eager' cannot run sequence parallel",
 }

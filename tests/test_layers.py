@@ -31,6 +31,7 @@ LAYERS = (
                           "measure.live_bytes", "job.checkpoint", "job.metrics", "job.adam", "objectives.pack",
                           "objectives.reduce", "objectives.distill") + CHECKPOINT),
     ("ops", ("attention.kernels", "attention.documents", "attention.untied", "attention.block", "attention.registry",
+             "attention.ring",
              "memory.offload", "memory.nvme", "memory.norm", "memory.checkpointing", "memory.tiling") + KERNELS),
     ("checks and spec", ("patching.checks", "patching.spec", "patching.compat")),
     ("installs", ("attention", "attention.hf", "attention.ulysses", "attention.mixers", "memory",

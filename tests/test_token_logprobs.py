@@ -3,7 +3,8 @@ shard, over row tiles through the lm_head, temperature as TRL applies it, entrop
 reductions over the SP group, equal to one process's ``log_softmax(logits / T).gather`` at SP=2 and SP=4 (ulysses and
 untied, the whole memory stack, ZeRO-3, fp32), for a plain, a padded (TRL's prompt + completion: left and right
 padding, a completion masked whole) and a packed batch (documents crossing the shard edges); a GRPO-style loss built
-on the reductions trains the same SGD deltas; Llama, a hybrid (Qwen3-Next) and an MLA model (DeepSeek-V3).
+on the reductions trains the same SGD deltas; Llama, a hybrid (Qwen3-Next) and an MLA model (DeepSeek-V3); a 2-head
+Llama at SP=4 (Ulysses 2 x ring 2: zigzag shards, the per-token values put back in token order).
 
 Tolerance: per-token values rel 1e-6 of the largest (measured 1e-7 on the 2-core box: the tiles' log-softmax against
 the whole row's); losses rel 1e-5 and deltas elementwise (rtol 1e-4, atol 1e-6), as tests/test_trainer_families.py."""
@@ -20,7 +21,7 @@ from rl_cases import KINDS
 CASES = {2: [("llama", "ulysses"), ("llama", "untied+stack"), ("qwen3_next", "untied+stack"),
              ("deepseek_v3", "untied")],
          4: [("llama", "untied+stack"), ("llama", "ulysses+stack"), ("qwen3_next", "ulysses"),
-             ("deepseek_v3", "ulysses")]}
+             ("deepseek_v3", "ulysses"), ("llama_2h", "untied+stack"), ("llama_2h", "ulysses")]}
 
 
 def _worker(rank, world, cases):

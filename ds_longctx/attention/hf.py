@@ -42,6 +42,7 @@ from ..models.windows import LayerAttention, layer_attention, not_runnable
 from . import kernels, registry
 from .block import untied_attention_block
 from .documents import DOCS_KWARG, chunk_documents, is_no_mask
+from .ring import ring_backend
 from .untied import ProjectionSpec, Schedule, untied_attention_qkv
 
 logger = logging.getLogger("ds_longctx")
@@ -59,8 +60,8 @@ def naming_kernel_key():
 
 @dataclass
 class _State:
-    group: object
-    sp: int
+    group: object  # the group the heads are split over (the SP group; with a ring the Ulysses group, None at U 1)
+    sp: int  # the whole SP degree (global length = local length x sp)
     heads_per_chunk: int
     kernel: str
     backend: kernels.KernelChoice  # the kernel name checked once at install, resolved once per device type
@@ -68,6 +69,15 @@ class _State:
     shape: Optional[AttentionShape] = None  # heads, KV heads, head_dim (models.attention_shape), read once
     facts: Optional[AttentionFacts] = None
     layers: Tuple = ()  # models.windows.layer_attention per layer_idx: sliding window, soft-cap, type
+    ulysses: int = 0  # the heads' split degree: sp / ring (0: sp)
+    ring_group: object = None  # the ring group (attention/ring.py) when ring > 1
+
+    def attention(self, backend, global_len: int, docs):
+        """(kernel, documents for the stage loop): the layer's kernel as is, or rung over the ring group (which then
+        reads the documents itself)."""
+        if self.ring_group is None:
+            return backend, docs
+        return ring_backend(backend, self.ring_group, global_len, docs), None
 
 
 @dataclass(frozen=True)
@@ -129,7 +139,8 @@ def install_untied(model, spec) -> UntiedInstall:
     tc = text_config(model.config)
     facts = spec.model
     shape = AttentionShape(facts.heads, facts.kv_heads, facts.head_dim)
-    state = _State(group=spec.group, sp=spec.sp, heads_per_chunk=spec.schedule.heads_per_chunk,
+    state = _State(group=spec.head_group, sp=spec.sp, ulysses=spec.ulysses, ring_group=spec.ring_group,
+                   heads_per_chunk=spec.schedule.heads_per_chunk,
                    kernel=spec.kernel.name, backend=spec.kernel, schedule=spec.schedule, shape=shape,
                    layers=tuple(layer_attention(tc)))
     handle = UntiedInstall()
@@ -326,6 +337,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
                           f"({norm_w.numel()} of {hidden_states.shape[-1]} elements here)",
                           f"keep norm weights persistent: a threshold >= the hidden size {hidden_states.shape[-1]} "
                           "(DeepSpeed's default 1e5 is)")
+    ring_kernel, stage_docs = state.attention(backend, s * state.sp, docs)
     # norm + attention + o_proj as one Function (attention/block.py); o_proj's module is not called, its
     # weights are gathered with the attention module (a ZeRO-3 leaf)
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
@@ -334,7 +346,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
             wo, schedule=state.schedule, spec=layer.spec, norm_weight=norm_w,
             norm_eps=norm.variance_epsilon if norm is not None else 1e-6, bq=bq, bk=bk, bv=bv,
             bo=bo, q_norm=qn.weight if qn is not None else None, k_norm=kn.weight if kn is not None else None,
-            group=state.group, backend=backend, causal=True, scale=self.scaling, docs=docs)
+            group=state.group, backend=ring_kernel, causal=True, scale=self.scaling, docs=stage_docs)
     return out, None
 
 
@@ -398,13 +410,14 @@ def _function_level_attention(state: _State, module, query, key, value, attentio
     sched = state.schedule
     if (q.shape[2], k.shape[2]) != (sched.heads, sched.kv_heads):
         # the install's schedule is for the config's head counts; a module attending over others gets its own
-        sched = Schedule(q.shape[2], k.shape[2], state.sp, state.heads_per_chunk)
+        sched = Schedule(q.shape[2], k.shape[2], state.ulysses or state.sp, state.heads_per_chunk)
     with naming_kernel_key():  # a kernel's refusal at its first call (kernels.verify_native_pattern, ...)
         # attention sinks (s_aux, GPT-OSS): a per-head logit in the softmax denominator, applied per stage from the
         # kernel's LSE (untied.stage_sinks)
-        out, _ = untied_attention_qkv(q, k, v, sched, group=state.group, backend=backend, causal=True,
-                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5, docs=docs,
-                                      sinks=kwargs.get("s_aux"))
+        ring_kernel, stage_docs = state.attention(backend, s * state.sp, docs)
+        out, _ = untied_attention_qkv(q, k, v, sched, group=state.group, backend=ring_kernel, causal=True,
+                                      scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+                                      docs=stage_docs, sinks=kwargs.get("s_aux"))
     return (out[..., :v_dim] if v_dim != out.shape[-1] else out), None
 
 

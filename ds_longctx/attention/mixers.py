@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 import types
 import weakref
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..models.adapters import read_weight_problem
 from ..models.hybrid import mixer_for
+from ..dist.layout import gathered_order
 from .documents import DOCS_KWARG
 
 
@@ -54,25 +56,48 @@ def _heads_to_seq(y, group, C):
 
 
 class SeqToHeads(torch.autograd.Function):
+    """The all-to-all seq -> heads; ``order`` (with a ring: :func:`token_order`) puts the gathered sequence, which
+    is the SP ranks' zigzag shards one after the other, in token order."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, order=None):
+        ctx.group, ctx.order = group, order
+        y = _seq_to_heads(x, group)
+        return y if order is None else y.index_select(1, order[0])
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, dist.get_world_size(ctx.group)), None
+        if ctx.order is not None:
+            grad = grad.index_select(1, ctx.order[1])
+        return _heads_to_seq(grad, ctx.group, dist.get_world_size(ctx.group)), None, None
 
 
 class HeadsToSeq(torch.autograd.Function):
+    """The all-to-all heads -> seq (``order``: as :class:`SeqToHeads`, the token-order sequence put back in the
+    ranks' shard order first)."""
+
     @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
+    def forward(ctx, y, group, order=None):
+        ctx.group, ctx.order = group, order
+        if order is not None:
+            y = y.index_select(1, order[1])
         return _heads_to_seq(y, group, dist.get_world_size(group))
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        g = _seq_to_heads(grad, ctx.group)
+        return (g if ctx.order is None else g.index_select(1, ctx.order[0])), None, None
+
+
+def token_order(seq: int, sp: int, ring: int, device):
+    """(gathered -> token order, token -> gathered order) index pair for an all-to-all over the whole SP group whose
+    shards are the ring's zigzag shards (dist.layout.gathered_order); None without a ring."""
+    if ring <= 1:
+        return None
+    gathered = gathered_order(seq, sp, ring)
+    to_tokens = torch.empty_like(gathered)
+    to_tokens[gathered] = torch.arange(seq)
+    return to_tokens.to(device), gathered.to(device)
 
 
 def _segments(docs, b: int, S: int):
@@ -92,7 +117,7 @@ def _head_chunks(hq: int, ratio: int, per_chunk: Optional[int]):
 
 
 def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                           heads_per_chunk: Optional[int] = None, **kwargs):
+                           heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One Gated DeltaNet layer of a training forward under SP (see the module doc); no cache. ``heads_per_chunk``
     (untied): the conv and the core run over this rank's value heads that many at a time (whole key-head groups),
     so their intermediates are one chunk's."""
@@ -103,58 +128,103 @@ def gated_deltanet_forward(module, fam, group, sp: int, rank: int, hidden_states
     hidden_states = hf.apply_mask_to_padding_states(hidden_states, attention_mask)
     b, s, _ = hidden_states.shape
     hk, hv, dk, dv = fam.dims(module)
-    kd, vd = hk * dk, hv * dv
     qkv, gate, g, beta = fam.project(module, hidden_states)
-    kq, vq, hq = kd // sp, vd // sp, hv // sp  # this rank's q (= k) channels, v channels, value heads
     gw = g.shape[-1] if g.dim() == 4 else 1  # the decay's channels per value head (KDA: per key channel)
+    plan = gdn_split(hk, hv, dk, dv, sp, gw)
     if group is not None:
-        per_rank = [qkv[..., :kd].reshape(b, s, sp, kq), qkv[..., kd:2 * kd].reshape(b, s, sp, kq),
-                    qkv[..., 2 * kd:].reshape(b, s, sp, vq)]
-        qkv = SeqToHeads.apply(torch.cat(per_rank, dim=-1), group)
-        gb = SeqToHeads.apply(torch.cat([g.reshape(b, s, sp, hq * gw), beta.float().reshape(b, s, sp, hq)], dim=-1),
-                              group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        chans, heads = plan.channels.to(qkv.device), plan.heads.to(qkv.device)
+        # each rank's q | k | v channels and its value heads' decay and beta (a key head, or a value head, that
+        # several ranks read is sent to each of them: index_select's backward sums their gradients)
+        qkv = SeqToHeads.apply(qkv.index_select(-1, chans.flatten()).reshape(b, s, sp, -1), group, order)
+        gh = g.reshape(b, s, hv, gw).index_select(2, heads.flatten()).reshape(b, s, sp, -1)
+        bh = beta.float().index_select(-1, heads.flatten()).reshape(b, s, sp, -1)
+        gb = SeqToHeads.apply(torch.cat([gh, bh], dim=-1), group, order)
+        hq = plan.value_heads
         g, beta = gb[..., :hq * gw], gb[..., hq * gw:].to(beta.dtype)
         if gw > 1:
             g = g.reshape(b, -1, hq, gw)
     S = qkv.shape[1]
+    hq, nk, dvl = plan.value_heads, plan.key_channels, plan.value_dim  # this rank's value heads, q (=k) channels
     w = module.conv1d.weight.squeeze(1)  # [2*kd + vd, K]: q | k | v channels, key-head-major
     bias = module.conv1d.bias
-    idx = torch.cat([torch.arange(rank * kq, (rank + 1) * kq), torch.arange(kd + rank * kq, kd + (rank + 1) * kq),
-                     torch.arange(2 * kd + rank * vq, 2 * kd + (rank + 1) * vq)]).to(w.device)
+    idx = plan.channels[rank].to(w.device)
     w = w.index_select(0, idx)
     bias = bias.index_select(0, idx) if bias is not None else None
     x = qkv.transpose(1, 2)  # [b, channels, S]
-    ratio = hv // hk
+    ratio = hq // (nk // dk)  # this rank's value heads per key head
     chunks = []
     for j, n in _head_chunks(hq, ratio, heads_per_chunk):
         kc = slice(j // ratio * dk, (j + n) // ratio * dk)  # the chunk's q (and k) channels, then its v channels
-        sel = torch.cat([torch.arange(kq)[kc], kq + torch.arange(kq)[kc],
-                         2 * kq + torch.arange(j * dv, (j + n) * dv)]).to(w.device)
+        sel = torch.cat([torch.arange(nk)[kc], nk + torch.arange(nk)[kc],
+                         2 * nk + torch.arange(j * dvl, (j + n) * dvl)]).to(w.device)
         xc, wc, bc = x.index_select(1, sel.to(x.device)), w.index_select(0, sel), \
             bias.index_select(0, sel) if bias is not None else None
-        nk = (j + n) // ratio * dk - j // ratio * dk
+        nkc = (j + n) // ratio * dk - j // ratio * dk
         rows = []
         for i, spans in enumerate(_segments(docs, b, S)):
             outs = []
             for a, e in spans:
                 mixed = hf.causal_conv1d_fn(xc[i:i + 1, :, a:e], wc, bc, activation=module.activation).transpose(1, 2)
-                q, k, v = torch.split(mixed, [nk, nk, n * dv], dim=-1)
+                q, k, v = torch.split(mixed, [nkc, nkc, n * dvl], dim=-1)
                 out, _ = getattr(hf, fam.core)(
-                    q.reshape(1, e - a, -1, dk), k.reshape(1, e - a, -1, dk), v.reshape(1, e - a, n, dv),
+                    q.reshape(1, e - a, -1, dk), k.reshape(1, e - a, -1, dk), v.reshape(1, e - a, n, dvl),
                     g=g[i:i + 1, a:e, j:j + n], beta=beta[i:i + 1, a:e, j:j + n], initial_state=None,
                     output_final_state=False, use_qk_l2norm_in_kernel=True)
                 outs.append(out)
             rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
         chunks.append(torch.cat(rows, dim=0) if len(rows) > 1 else rows[0])
-    core = torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]  # [b, S, hq, dv]
+    core = torch.cat(chunks, dim=2) if len(chunks) > 1 else chunks[0]  # [b, S, hq, dvl]
     if group is not None:
-        core = HeadsToSeq.apply(core.reshape(b, S, hq * dv), group)
-    core = core.reshape(b, s, hv, dv)
+        core = HeadsToSeq.apply(core.reshape(b, S, hq * dvl), group, order)
+    core = core.reshape(b, s, hv, dv)  # every rank's value channels in order: head-major, as the layer has them
     return fam.finish(module, core, gate)
 
 
+@dataclass(frozen=True)
+class GdnSplit:
+    """How a Gated DeltaNet / KDA layer's channels go to ``sp`` ranks (models.hybrid.gdn_split_ok): ``channels``
+    [sp, c] long, the q | k | v channels (of the layer's projection, = its conv's rows) each rank receives;
+    ``heads`` [sp, value_heads]: the value heads whose decay and beta it receives; per rank ``value_heads`` value
+    heads of ``value_dim`` channels (a slice of one head past the value heads) reading ``key_channels`` / dk key
+    heads. Value channels go in equal contiguous blocks (head-major), so the outputs come back in the layer's order."""
+    channels: torch.Tensor
+    heads: torch.Tensor
+    value_heads: int
+    value_dim: int
+    key_channels: int
+
+
+def gdn_split(hk: int, hv: int, dk: int, dv: int, sp: int, gw: int = 1) -> GdnSplit:
+    """The :class:`GdnSplit` of a layer of ``hk`` key heads of ``dk`` and ``hv`` value heads of ``dv`` over ``sp``
+    ranks: whole key heads per rank (``sp`` divides the key heads) or one key head per rank (``sp`` a multiple of
+    them), whose value heads, or a 1 / (sp / hv) slice of one, the rank runs. Exact either way: each value channel's
+    recurrence reads only its own channel and its head's q, k, decay and beta (GDN, KDA: the state's rows along the
+    value dim are independent)."""
+    if not ((hk % sp == 0 or sp % hk == 0) and (hv % sp == 0 or (sp % hv == 0 and dv % (sp // hv) == 0))):
+        raise ConfigError("sequence_parallel_size", f"{sp} cannot split a Gated DeltaNet layer of {hk} key heads "
+                          f"and {hv} value heads of {dv} channels", "use a degree that divides the key and value "
+                          "heads or is a multiple of them (models.hybrid.gdn_split_ok)")
+    kd, vd = hk * dk, hv * dv
+    vq = vd // sp  # value channels per rank
+    ratio = hv // hk
+    chans, heads = [], []
+    for r in range(sp):
+        v0 = r * vq
+        first, last = v0 // dv, (v0 + vq - 1) // dv  # value heads of the block
+        if hk % sp == 0:
+            keys = list(range(r * kd // sp, (r + 1) * kd // sp))
+        else:
+            kh = first // ratio
+            keys = list(range(kh * dk, (kh + 1) * dk))
+        chans.append(keys + [kd + c for c in keys] + [2 * kd + c for c in range(v0, v0 + vq)])
+        heads.append(list(range(first, last + 1)))
+    return GdnSplit(torch.tensor(chans), torch.tensor(heads), len(heads[0]), min(dv, vq),
+                    kd // sp if hk % sp == 0 else dk)
+
+
 def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                       heads_per_chunk: Optional[int] = None, **kwargs):
+                       heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One gated short-conv layer (LFM2) of a training forward under SP: the conv input's channels of this rank over
     the gathered sequence, the depthwise conv with these channels' weights (per document), back before the gate."""
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
@@ -166,7 +236,8 @@ def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, at
     x, gate = fam.project(module, hidden_states)
     c = H // sp
     if group is not None:
-        x = SeqToHeads.apply(x.reshape(b, s, sp, c), group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        x = SeqToHeads.apply(x.reshape(b, s, sp, c), group, order)
     S = x.shape[1]
     w = module.conv.weight.squeeze(1)[rank * c:(rank + 1) * c]
     bias = module.conv.bias[rank * c:(rank + 1) * c] if module.conv.bias is not None else None
@@ -177,7 +248,7 @@ def short_conv_forward(module, fam, group, sp: int, rank: int, hidden_states, at
         rows.append(torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])
     y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2)  # [b, S, c]
     if group is not None:
-        y = HeadsToSeq.apply(y.contiguous(), group).reshape(b, s, H)
+        y = HeadsToSeq.apply(y.contiguous(), group, order).reshape(b, s, H)
     return fam.finish(module, y, gate)
 
 
@@ -191,7 +262,7 @@ def _mamba2_chunks(hq: int, r: int, per_chunk: Optional[int]):
 
 
 def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                   heads_per_chunk: Optional[int] = None, **kwargs):
+                   heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One Mamba2 mixer (falcon_h1, granitemoehybrid) of a training forward under SP: in_proj on the sequence shard,
     one all-to-all of this rank's x channels, its B/C groups (a group shared by several ranks goes to each) and dt,
     the depthwise conv with these channels' weights and transformers' ``mamba2_chunk_scan`` with this rank's
@@ -218,7 +289,8 @@ def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attent
     C = xbc[..., di + ng * ds:].reshape(b, s, ng, ds).index_select(2, gidx).reshape(b, s, sp, gq * ds)
     xbc = torch.cat([x, B, C, dt.reshape(b, s, sp, hq)], dim=-1)
     if group is not None:
-        xbc = SeqToHeads.apply(xbc, group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        xbc = SeqToHeads.apply(xbc, group, order)
     else:
         xbc = xbc.reshape(b, s, -1)
     S = xbc.shape[1]
@@ -251,7 +323,7 @@ def mamba2_forward(module, fam, group, sp: int, rank: int, hidden_states, attent
         rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
     y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).reshape(b, S, hq * hd)
     if group is not None:
-        y = HeadsToSeq.apply(y, group)
+        y = HeadsToSeq.apply(y, group, order)
     return fam.finish(module, y.reshape(b, s, di), z)
 
 
@@ -276,7 +348,7 @@ def _lightning_core(module, q, k, v, heads: slice):
 
 
 def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, attention_mask=None,
-                      heads_per_chunk: Optional[int] = None, **kwargs):
+                      heads_per_chunk: Optional[int] = None, ring: int = 1, **kwargs):
     """One MiniMax lightning-attention layer of a training forward under SP: qkv projected (and activated) on the
     sequence shard, this rank's heads over the whole sequence by one all-to-all, the block recurrence per document
     (``heads_per_chunk`` heads at a time under untied), the output back before the norm over all heads, the output gate
@@ -291,7 +363,8 @@ def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, att
     qkv = hf.apply_mask_to_padding_states(qkv, attention_mask)
     hq = H // sp
     if group is not None:
-        qkv = SeqToHeads.apply(qkv.reshape(b, s, sp, hq * 3 * hd), group)
+        order = token_order(s * sp, sp, ring, hidden_states.device)
+        qkv = SeqToHeads.apply(qkv.reshape(b, s, sp, hq * 3 * hd), group, order)
     S = qkv.shape[1]
     q, k, v = torch.split(qkv.reshape(b, S, hq, 3 * hd).transpose(1, 2), hd, dim=3)  # [b, hq, S, hd] each
     rows = []
@@ -305,7 +378,7 @@ def lightning_forward(module, fam, group, sp: int, rank: int, hidden_states, att
         rows.append(torch.cat(outs, dim=2) if len(outs) > 1 else outs[0])
     y = (torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]).transpose(1, 2).reshape(b, S, hq * hd)
     if group is not None:
-        y = HeadsToSeq.apply(y.contiguous(), group)
+        y = HeadsToSeq.apply(y.contiguous(), group, order)
     return fam.finish(module, y.reshape(b, s, H * hd), gate), None
 
 
@@ -354,7 +427,8 @@ def install_mixers(model, spec) -> Optional[MixerInstall]:
         def forward(self, hidden_states, *args, attention_mask=None, **kwargs):
             if args:  # transformers passes them by keyword; a positional call is a layout we did not check
                 raise TypeError(f"{type(self).__name__}: ds_longctx's SP path takes its arguments by keyword")
-            return run(self, fam, group, sp, rank, hidden_states, attention_mask, heads_per_chunk=per_chunk, **kwargs)
+            return run(self, fam, group, sp, rank, hidden_states, attention_mask, heads_per_chunk=per_chunk,
+                       ring=spec.ring, **kwargs)
 
         m.forward = types.MethodType(forward, m)
     label = f"{fam.kind} split by heads ({len(mods)} {fam.module_class}, sp={sp}"

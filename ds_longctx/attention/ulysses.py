@@ -18,7 +18,9 @@ from __future__ import annotations
 from typing import List
 
 import torch
+import torch.distributed as dist
 
+from ..dist.layout import shard_index
 from ..errors import ConfigError
 from ..models import latent_dims as _latent_dims, text_config
 from ..models.windows import LayerAttention, layer_attention, not_runnable
@@ -26,6 +28,7 @@ from . import registry
 from .documents import DOCS_KWARG, chunk_documents, document_core, is_no_mask
 from .hf import _check_mask as check_mask, naming_kernel_key
 from .kernels import KernelChoice
+from .ring import RingBackend
 
 
 class _PatternAttention(torch.autograd.Function):
@@ -83,8 +86,6 @@ def _rank_sinks(sinks, heads_here: int, group):
     [r * h, (r + 1) * h) of the layer's ``sinks``)."""
     if sinks.shape[0] == heads_here:
         return sinks
-    import torch.distributed as dist
-
     rank = dist.get_rank(group) if group is not None else 0
     return sinks[rank * heads_here:(rank + 1) * heads_here]
 
@@ -143,13 +144,70 @@ def pattern_core(core, impl: str, layers: List, kernel, group=None) -> callable:
     return attention
 
 
-def _shard_positions(query, group) -> torch.Tensor:
-    """[b, s_local] global token indices of this rank's shard (equal shards in SP-rank order: data.shard_batch)."""
-    import torch.distributed as dist
+def ring_core(layers: List, kernel, head_group, ring_group, sp: int) -> callable:
+    """The core attention over the Ulysses group's gathered ("ring-local") sequence when SP runs a ring
+    (attention/ring.py): every layer runs our kernel rung over ``ring_group`` (transformers' own core attends only the
+    ring-local tokens), its window / soft-cap applied per block, sinks from the merged LSE, packed documents read by
+    the ring (the batch's, or a chunked layer's chunks: ulysses_attention cut them). ``sp``: the whole SP degree
+    (the global length is the gathered length x the ring degree)."""
+    ring = dist.get_world_size(ring_group)
 
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        docs = kwargs.pop(DOCS_KWARG, None)
+        idx = getattr(module, "layer_idx", None)
+        facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
+        hf_window, hf_cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        if (hf_window or None) != facts.passed_window or (hf_cap or None) != facts.softcap:
+            raise ConfigError("model.config", f"layer {idx}: transformers passes sliding_window={hf_window!r}, "
+                              f"softcap={hf_cap!r}, the config reads as window={facts.window!r}, "
+                              f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
+                              "its attention pattern wrongly")
+        S = query.shape[2] * ring
+        chunked_ok = facts.kind == "chunked_attention" and facts.chunk is not None
+        if not chunked_ok and not facts.runnable(S):
+            raise not_runnable(idx, facts, S, "ulysses")
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            raise ValueError(f"'ulysses': layer {idx} attends bidirectionally; ds_longctx's SP attention is causal")
+        if module.training and kwargs.get("dropout"):
+            raise ValueError(f"'ulysses' with a ring (long_context.attention.ring_degree > 1): layer {idx} has "
+                             f"attention dropout {kwargs['dropout']}, which the ring's kernels do not apply; setting "
+                             "model.config.attention_dropout=0 trains without it (a different regularisation than "
+                             "the config asks for); to keep it, use a sequence_parallel_size the heads allow "
+                             "without a ring")
+        scale = kwargs.get("scaling")
+        scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+        sinks = kwargs.get("s_aux")
+        with naming_kernel_key():  # the kernel name came from the config: a refusal names its key
+            backend = RingBackend(kernel.for_layer(query.device, facts.window, facts.softcap, f"layer {idx}"),
+                                  ring_group, S, docs)
+            if sinks is not None:
+                return _SinkAttention.apply(query, key, value, _rank_sinks(sinks, query.shape[1], head_group), backend,
+                                            scale), None
+            return _PatternAttention.apply(query, key, value, backend, scale), None
+
+    return attention
+
+
+def _shard_positions(query, spec) -> torch.Tensor:
+    """[b, s_local] global token indices of this rank's shard (data.shard_batch's cut: equal shards in SP-rank order,
+    zigzag with a ring: dist.layout.shard_index)."""
     s = query.shape[2]
-    rank = dist.get_rank(group) if group is not None else 0
-    return torch.arange(rank * s, (rank + 1) * s, device=query.device).expand(query.shape[0], s)
+    rank = dist.get_rank(spec.group) if spec.group is not None else 0
+    idx = shard_index(s * spec.sp, spec.sp, spec.ring, rank)
+    return torch.tensor(idx, device=query.device).expand(query.shape[0], s)
+
+
+class _NoAllToAll:
+    """Where DeepSpeed's wrapper would stand at Ulysses degree 1 (a ring over every SP rank): the core on this
+    rank's shard as is, returning DeepSpeed's [b, s, heads * head_dim]."""
+
+    def __init__(self, attn):
+        self.attn, self.batch_size = attn, 1
+        self.required_query_shape = self.required_key_value_shape = self.required_context_shape = torch.Size([0, 1])
+
+    def __call__(self, module, query, key, value, attention_mask, *args, **kwargs):
+        out, weights = self.attn(module, query, key, value, attention_mask, *args, **kwargs)
+        return out.reshape(out.shape[0], out.shape[1], -1), weights
 
 
 def install_ulysses(model, spec) -> registry.Installation:
@@ -163,8 +221,11 @@ def install_ulysses(model, spec) -> registry.Installation:
     # the core runs per document when the batch carries packed documents (documents.DOCS_KWARG)
     facts = spec.model
     layers = layer_attention(tc)
-    core = pattern_core(registry.original(impl), impl, layers, KernelChoice("auto"), spec.group)
-    wrapped = document_core(core, impl)
+    if spec.ring > 1:  # the ring core reads the documents itself
+        wrapped = ring_core(layers, KernelChoice("auto"), spec.head_group, spec.ring_group, spec.sp)
+    else:
+        wrapped = document_core(pattern_core(registry.original(impl), impl, layers, KernelChoice("auto"), spec.group),
+                                impl)
     uattns = {}  # one DeepSpeed wrapper per attention shape: its all-to-all shapes are fixed at construction
 
     def ulysses_for(shape):
@@ -172,11 +233,14 @@ def install_ulysses(model, spec) -> registry.Installation:
         layer where the config gives shapes per layer (Gemma 4's global layers have their own head_dim)."""
         if shape not in uattns:
             qk, vd = _latent_dims(tc, shape.head_dim)
-            u = UlyssesSPAttentionHF(attn=wrapped, batch_size=1, attn_head_count=shape.heads, attn_head_size=qk,
-                                     kv_head_count=shape.kv_heads, num_hidden_layers=facts.layers,
-                                     process_group=spec.group, seq_length_is_variable=True)
-            # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
-            u.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
+            if spec.head_group is None:  # ring only (Ulysses degree 1): no all-to-all, the core on the shard itself
+                u = _NoAllToAll(wrapped)
+            else:
+                u = UlyssesSPAttentionHF(attn=wrapped, batch_size=1, attn_head_count=shape.heads, attn_head_size=qk,
+                                         kv_head_count=shape.kv_heads, num_hidden_layers=facts.layers,
+                                         process_group=spec.head_group, seq_length_is_variable=True)
+                # not "flex_attention": DeepSpeed would rebuild a causal BlockMask for it; the core above runs it causal
+                u.core_attn_implementation = impl if impl != "flex_attention" else "sdpa"
             uattns[shape] = (u, qk, vd)
         return uattns[shape]
 
@@ -202,7 +266,7 @@ def install_ulysses(model, spec) -> registry.Installation:
             # Llama 4's attention hands its function no position_ids; DeepSpeed gathers them only to give the core
             # the whole sequence's (flash detects packing from them). ds_longctx's shards are equal and in rank
             # order, so this shard's are its global token indices; packed documents reach the core as documents
-            kwargs["position_ids"] = _shard_positions(query, spec.group)
+            kwargs["position_ids"] = _shard_positions(query, spec)
         idx = getattr(module, "layer_idx", None)
         lf = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
         if lf.kind == "chunked_attention" and lf.chunk is not None:

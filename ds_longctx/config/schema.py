@@ -67,6 +67,13 @@ class AttentionConfig(_Strict):
         "chunk at transformers' attention-function level (any model using its attention interface); 'auto': "
         "fused where ds_longctx.models has the architecture, function level otherwise (logged at initialize).",
         json_schema_extra=_fix("use 'auto', true (llama, mistral, qwen2, qwen3) or false"))
+    ring_degree: Union[PositiveInt, Literal["auto"]] = Field(
+        default="auto", description="Sequence parallelism past the head count: SP = Ulysses degree x ring degree. "
+        "The Ulysses groups (SP / ring consecutive ranks: keep them inside a node) split the heads, the ring groups "
+        "pass key/value blocks round (async P2P, zigzag shard order) for attention, and the mixers of hybrid models "
+        "split channels over the whole SP group. 'auto': the largest Ulysses degree every layer's heads allow, a "
+        "ring for the rest (1 wherever the heads allow SP: plain Ulysses); an integer must divide "
+        "sequence_parallel_size.", json_schema_extra=_fix("use 'auto' or a divisor of sequence_parallel_size"))
 
 
 class ActivationCheckpointingConfig(_Strict):

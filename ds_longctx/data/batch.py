@@ -19,6 +19,7 @@ from ..loss import IGNORE_INDEX
 BATCH_KEY = "doc_cu_seqlens"         # batch key of the global structure (written by shard_batch)
 LENS_KEY = "doc_lens"                # optional user-given per-sample document lengths
 REAL_KEY = "doc_real_tokens"         # per sample, its tokens before a right-padded tail (shard_batch, where one is)
+RING_KEY = "doc_shard_ring"          # the ring degree a batch was cut for (shard_batch, where it is > 1: zigzag order)
 
 
 def custom_mask_error(mask) -> BatchError:
@@ -133,4 +134,4 @@ def token_input(input_ids, position_ids, kwargs):
     return None
 
 
-__all__ = ["token_input", "BATCH_KEY", "LENS_KEY", "REAL_KEY", "custom_mask_error", "document_structure", "mask_padding_targets"]
+__all__ = ["token_input", "BATCH_KEY", "LENS_KEY", "REAL_KEY", "RING_KEY", "custom_mask_error", "document_structure", "mask_padding_targets"]

@@ -6,7 +6,9 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from .batch import BATCH_KEY, LENS_KEY, REAL_KEY, document_structure, mask_padding_targets
+from .batch import BATCH_KEY, LENS_KEY, REAL_KEY, RING_KEY, document_structure, mask_padding_targets
+from ..dist.comm import ring_degree
+from ..dist.layout import ring_length_multiple, shard_index
 from ..errors import BatchError, ConfigError
 from ..loss import IGNORE_INDEX, shift_labels_of
 
@@ -15,8 +17,12 @@ from ..loss import IGNORE_INDEX, shift_labels_of
 # ---------------------------------------------------------------------------------------------
 
 
-def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> Dict[str, torch.Tensor]:
-    """Cut a full-sequence batch into this SP rank's contiguous sequence shard.
+def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int,
+                ring: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Cut a full-sequence batch into this SP rank's sequence shard: contiguous, or with a ring (``ring`` > 1;
+    None: the ring degree of this process's groups, dist.comm.ring_degree, 1 without) the zigzag shard of
+    ``dist.layout.shard_index`` (the batch then carries ``doc_shard_ring``, which the patched forward checks
+    against the model's ring degree).
 
     Labels are shifted *before* cutting (``shift_labels``), so the target of a shard's last token is
     the first token of the next shard, and the sample's last position is ignored (-100).
@@ -34,10 +40,17 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
         raise BatchError("batch.input_ids", f"expected shape [batch, seq], got {tuple(input_ids.shape)}",
                           "collate samples into a 2-D tensor")
     bsz, seq = input_ids.shape
-    if seq % sp_size != 0:
-        raise BatchError("batch.input_ids", f"sequence length {seq} is not divisible by "
-                          f"sequence_parallel_size={sp_size}",
-                          f"pad samples at the end to a multiple of {sp_size} (e.g. {(seq // sp_size + 1) * sp_size}) "
+    ring = ring_degree() if ring is None else ring
+    if ring < 1 or sp_size % ring:
+        raise BatchError("ring", f"{ring} does not divide sequence_parallel_size={sp_size}",
+                         "give the ring degree the SP groups were built for (None: this process's)")
+    multiple = ring_length_multiple(sp_size, ring)
+    if seq % multiple != 0:
+        what = f"sequence_parallel_size={sp_size}" if ring == 1 else (
+            f"{multiple} (sequence_parallel_size={sp_size} as Ulysses {sp_size // ring} x ring {ring}: {2 * ring} "
+            f"zigzag chunks, each ring rank's two cut into {sp_size // ring} equal shards)")
+        raise BatchError("batch.input_ids", f"sequence length {seq} is not divisible by {what}",
+                          f"pad samples at the end to a multiple of {multiple} (e.g. {(seq // multiple + 1) * multiple}) "
                           "with attention_mask 0 on the padding (shard_batch turns a right-padded tail into an "
                           "ignored document: no attention to it, no loss on it), or cut them")
     if BATCH_KEY in batch:
@@ -54,17 +67,23 @@ def shard_batch(batch: Dict[str, torch.Tensor], sp_rank: int, sp_size: int) -> D
                                          batch.get(LENS_KEY))
     shift = mask_padding_targets(shift, n_real)
     chunk = seq // sp_size
-    sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-    # clone, not .contiguous(): with one sample (or SP=1) the slice is already contiguous and
-    # .contiguous() returns a view that keeps the whole sample's storage alive
-    out["input_ids"] = input_ids[:, sl].clone(memory_format=torch.contiguous_format)
-    out["position_ids"] = pos[:, sl].clone(memory_format=torch.contiguous_format).to(input_ids.device)
-    out["shift_labels"] = shift[:, sl].clone(memory_format=torch.contiguous_format)
+    if ring > 1:  # zigzag (dist.layout.shard_index): an index, not a slice
+        idx = torch.tensor(shard_index(seq, sp_size, ring, sp_rank), dtype=torch.long)
+        cut = lambda t: t[:, idx.to(t.device)]  # noqa: E731  (a gather: a copy of its own)
+        out[RING_KEY] = torch.tensor([ring], dtype=torch.long)
+    else:
+        # clone, not .contiguous(): with one sample (or SP=1) the slice is already contiguous and
+        # .contiguous() returns a view that keeps the whole sample's storage alive
+        cut = lambda t: t[:, sp_rank * chunk:(sp_rank + 1) * chunk].clone(  # noqa: E731
+            memory_format=torch.contiguous_format)
+    out["input_ids"] = cut(input_ids)
+    out["position_ids"] = cut(pos).to(input_ids.device)
+    out["shift_labels"] = cut(shift)
     out[BATCH_KEY] = cu
     if any(n < seq for n in n_real):  # the padded tail is a document; the router's auxiliary loss must not count it
         out[REAL_KEY] = torch.tensor(n_real, dtype=torch.long)
     for k, v in batch.items():  # pass through anything else (e.g. per-sample metadata)
-        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", LENS_KEY):
+        if k not in ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", LENS_KEY, RING_KEY):
             out[k] = v
     return out
 

@@ -46,6 +46,59 @@ def initialize_groups(sp_size: int):
     return pss
 
 
+# Ulysses x ring (attention/ring.py): inside every SP group, the Ulysses groups (consecutive SP ranks, ``sp / ring`` of
+# them: inside a node) and the ring groups (SP ranks u, u + U, u + 2U, ...: across nodes). This module is their one
+# owner: built once per (SP, ring) layout per process (``dist.new_group`` is collective), the last one asked for is
+# the process's current layout (what data.shard_batch cuts for by default).
+_RINGS: dict = {}  # (sp, ring) -> {"ulysses_group", "ring_group"}
+_CURRENT = [1, 1]  # sp, ring of the current layout
+
+
+def initialize_ring_groups(sp_size: int, ring: int) -> None:
+    """Make (sp_size, ``ring``) this process's current Ulysses x ring layout, building its groups the first time
+    (every rank calls this at the same point with the same numbers). ring 1: plain Ulysses, no sub-groups."""
+    _CURRENT[:] = [sp_size, ring]
+    if ring <= 1 or (sp_size, ring) in _RINGS:
+        return
+    _RINGS[(sp_size, ring)] = build_ring_groups(sp_size, ring)
+
+
+def build_ring_groups(sp_size: int, ring: int) -> dict:
+    """The caller's {"ulysses_group", "ring_group"} of SP groups of ``sp_size`` consecutive ranks (every rank builds
+    every group, in one order); registered nowhere (the planner's fake world builds its own)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ulysses = sp_size // ring
+    mine = {}
+    for base in range(0, world, sp_size):
+        for r in range(ring):
+            ranks = [base + r * ulysses + u for u in range(ulysses)]
+            g = dist.new_group(ranks) if ulysses > 1 else None
+            if rank in ranks:
+                mine["ulysses_group"] = g
+        for u in range(ulysses):
+            ranks = [base + r * ulysses + u for r in range(ring)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine["ring_group"] = g
+    return mine
+
+
+def ring_degree() -> int:
+    """The ring degree of this process's current layout (1: none, plain Ulysses)."""
+    return _CURRENT[1]
+
+
+def ulysses_group():
+    """The caller's Ulysses group in the current layout: the SP group itself without a ring; None when it is one rank
+    (a ring over every SP rank)."""
+    return _RINGS[tuple(_CURRENT)]["ulysses_group"] if _CURRENT[1] > 1 else sp_group()
+
+
+def ring_group():
+    """The caller's ring group in the current layout (None without a ring)."""
+    return _RINGS[tuple(_CURRENT)]["ring_group"] if _CURRENT[1] > 1 else None
+
+
 def sp_group():
     """The caller's SP group, or None when SP is 1 / not initialized."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp as pss

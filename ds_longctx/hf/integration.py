@@ -473,17 +473,28 @@ class _ResolvedConfig:
     values padded, attention/ulysses.py); a model DeepSpeed's wrapper runs itself meets DeepSpeed's own shape
     assertion (query / key / value against the shapes it was built with) at the first layer of another shape."""
 
-    def __init__(self, config):
+    def __init__(self, config, sp: int = 1):
+        shape = attention_shape(config)
+        heads, kv = shape.heads, shape.kv_heads
+        if sp > 1 and (heads % sp or (kv % sp and sp % kv)):
+            # SP past the heads (issue 47): ds_longctx runs it with a ring (attention.ring_degree); DeepSpeed's one
+            # wrapper, which refuses such counts at construction, gets counts it accepts: it is never called for a
+            # model ds_longctx runs, and refuses every call of one it would run by its shape assertion
+            heads, kv = sp * -(-heads // sp), sp
         object.__setattr__(self, "_config", config)
         object.__setattr__(self, "_text", text_config(config))
-        object.__setattr__(self, "_shape", attention_shape(config))
+        object.__setattr__(self, "_shape", shape)
+        object.__setattr__(self, "_heads", (heads, kv))
+        object.__setattr__(self, "_sp", sp)
 
     def get_text_config(self, *args, **kwargs):
-        return self if self._text is self._config else _ResolvedConfig(self._text)
+        return self if self._text is self._config else _ResolvedConfig(self._text, self._sp)
 
     def __getattr__(self, name):
         if name == "num_key_value_heads":
-            return self._shape.kv_heads
+            return self._heads[1]
+        if name == "num_attention_heads":
+            return self._heads[0]
         if name == "head_dim":
             return self._shape.head_dim
         return getattr(self._config, name)
@@ -515,7 +526,7 @@ def _install_register() -> None:
         check_sp_attn(core)
         config = getattr(model_name_or_path, "config", None)
         if config is not None:
-            model_name_or_path = _ConfigView(_ResolvedConfig(config))
+            model_name_or_path = _ConfigView(_ResolvedConfig(config, sp if isinstance(sp, int) else 1))
         if not isinstance(sp, int) or sp <= 1:
             return bound(model_name_or_path, *args, **kwargs)
         ensure_deepspeed_comm(sp)

@@ -9,7 +9,8 @@ cannot avoid. Nothing here knows rates; planner/rates.py turns the work into sec
 Kinds: ``attention`` (attention kernels, keyed by head_dim: their speed depends on it), ``gemm``
 (mm/addmm/bmm/baddbmm, keyed by arithmetic intensity rounded to a power of two, so a time model can
 tell compute-bound from memory-bound GEMMs), ``other`` (every other op that reads or writes tensors:
-norms, RoPE, softmax-free elementwise work, copies; bytes only) and ``a2a`` (all-to-all bytes sent).
+norms, RoPE, softmax-free elementwise work, copies; bytes only), ``a2a`` (all-to-all bytes sent) and ``p2p`` (point-to-point
+bytes sent: the ring's blocks).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ _TORCH_ATTENTION = tuple(getattr(aten, n) for n in (
 ATTENTION = set(_TORCH_ATTENTION)
 _BACKWARD_ATTENTION = {p for p in _TORCH_ATTENTION if str(p).endswith("backward")}
 _A2A = ("alltoall_base_", "alltoall_")
+_P2P = ("send",)  # c10d.send(tensors, group, dst, tag): ring attention's k/v blocks and dk|dv (attention/ring.py)
 _SKIP = frozenset({aten.size, aten.stride, aten.numel, aten.dim, aten.sym_size, aten.sym_stride, aten.sym_numel,
                    aten.is_contiguous, aten.storage_offset, aten.sym_storage_offset, aten.empty, aten.empty_like,
                    aten.empty_strided, aten.new_empty, aten.new_empty_strided, aten.detach, aten.alias,
@@ -94,6 +96,9 @@ def op_cost(func, args, kwargs, out) -> Optional[Tuple[str, object, float, float
     if name in _A2A:
         # c10d.alltoall_base_(output, input, group, ...): what this rank sends
         return "a2a", "all_to_all", 0.0, float(_nbytes(args[1])) if isinstance(args[1], torch.Tensor) else 0.0
+    if name in _P2P and packet.__module__.endswith("c10d"):
+        sent = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        return "p2p", "ring", 0.0, float(sum(_nbytes(t) for t in sent if isinstance(t, torch.Tensor)))
     if packet in _SKIP or getattr(func, "is_view", False) or packet.__module__ == "c10d":
         return None
     nbytes = _tensor_bytes((args, kwargs)) + _tensor_bytes(out)

@@ -209,6 +209,13 @@ def attends_fully(model_config, layer_type: str) -> bool:
     return fam is not None and fam.kind == "mamba2" and fam.layer_type == "hybrid" == layer_type
 
 
+def gdn_split_ok(key_heads: int, value_heads: int, sp: int) -> bool:
+    """A Gated DeltaNet / KDA layer splits over ``sp`` ranks: whole key heads per rank, or each rank's value channels
+    inside one key head (``sp`` a multiple of the key heads; a value head split into channel slices when ``sp`` is
+    past the value heads: each value channel's recurrence is its own, attention/mixers.py)."""
+    return (key_heads % sp == 0 or sp % key_heads == 0) and (value_heads % sp == 0 or sp % value_heads == 0)
+
+
 def mamba2_groups_ok(groups: int, heads: int, sp: int) -> bool:
     """Each rank runs whole heads and either whole B/C groups or heads of one group only."""
     return heads % sp == 0 and (groups % sp == 0 or sp % groups == 0)
@@ -232,6 +239,17 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
                               f"use a sequence_parallel_size of {', '.join(map(str, ok[:12]))}"
                               f"{', ...' if len(ok) > 12 else ''}")
         return
+    if fam.kind == "gated_deltanet":
+        if not gdn_split_ok(hk, hv, sp):
+            ok = [d for d in range(1, 4 * max(hk, hv) + 1) if gdn_split_ok(hk, hv, d)]
+            counts = f"{hk} {fam.units[0]} and {hv} {fam.units[1]}" if fam.units[0] != fam.units[1] else \
+                f"{hk} {fam.units[0]}"
+            raise ConfigError(key, f"the {tc.model_type} model's {fam.layer_type} layers ({fam.module_class}) have "
+                              f"{counts}; sequence_parallel_size {sp} must divide them or be a multiple of them "
+                              "(each rank runs whole key heads, or its value channels inside one key head)",
+                              f"use a sequence_parallel_size of {', '.join(map(str, ok[:12]))}"
+                              f"{', ...' if len(ok) > 12 else ''}")
+        return
     if hk % sp or hv % sp:
         ok = [d for d in range(1, max(hk, hv) + 1) if hk % d == 0 and hv % d == 0]
         counts = f"{hk} {fam.units[0]} and {hv} {fam.units[1]}" if fam.units[0] != fam.units[1] else \
@@ -243,5 +261,5 @@ def check_mixer_heads(model_config, sp: int, key: str) -> None:
                           f"{', '.join(map(str, ok[:12]))}{', ...' if len(ok) > 12 else ''}")
 
 
-__all__ = ["MIXERS", "MixerFamily", "attends_fully", "check_mixer_heads", "mamba2_groups_ok", "mixer_for",
+__all__ = ["MIXERS", "MixerFamily", "attends_fully", "check_mixer_heads", "gdn_split_ok", "mamba2_groups_ok", "mixer_for",
            "runs_layer_type"]

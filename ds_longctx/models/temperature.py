@@ -43,16 +43,17 @@ def install(model):
     return TemperatureInstall(mods) if mods else None
 
 
-def scale_query(module, query: torch.Tensor, offset: int) -> torch.Tensor:
+def scale_query(module, query: torch.Tensor, offset) -> torch.Tensor:
     """``query`` [b, heads, s, d] (the attention function's layout) scaled as the module's forward would with
-    token indices ``offset .. offset + s - 1`` (transformers' formula and dtype steps); unchanged for a module
-    :func:`install` did not touch."""
+    token indices ``offset .. offset + s - 1`` (``offset`` an int), or the indices given (a list of s: a zigzag
+    shard's) (transformers' formula and dtype steps); unchanged for a module :func:`install` did not touch."""
     t = module.__dict__.get("_ds_longctx_temperature")
     if t is None:
         return query
     floor_scale, attn_scale = t
     s = query.shape[2]
-    positions = torch.arange(s, device=query.device) + offset
+    positions = (torch.arange(s, device=query.device) + offset if isinstance(offset, int) else
+                 torch.tensor(offset, device=query.device))
     scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
     # in transformers' layout ([b, s, heads, d] memory, handed on transposed): the kernels after it then see the
     # same strides as in one process (their summation order may depend on them)

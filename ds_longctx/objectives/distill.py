@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..data.loaders import shard_batch
+from ..dist.comm import ring_degree
+from ..dist.layout import ring_length_multiple
 from ..errors import BatchError
 from ..loss import IGNORE_INDEX
 from .pack import pack
@@ -49,8 +51,9 @@ def sharded_compute_loss(original, layout_of):
             inputs["completion_mask"] * inputs["tool_mask"]
         scored = torch.cat([torch.zeros_like(inputs["prompt_mask"]), loss_mask], dim=1)
         labels = ids.masked_fill(scored == 0, IGNORE_INDEX)
-        packing = pack(ids, mask, labels=labels, multiple=sp)
-        shard = shard_batch(packing.batch, dist.get_rank(group), sp)
+        ring = ring_degree()
+        packing = pack(ids, mask, labels=labels, multiple=ring_length_multiple(sp, ring))
+        shard = shard_batch(packing.batch, dist.get_rank(group), sp, ring=ring)
         rows = shard["shift_labels"] != IGNORE_INDEX  # this shard's positions whose next token is scored
         student_hidden = unwrapped_student(**shard, **{HIDDEN_KWARG: True}).last_hidden_state
         self.teacher_model.eval()

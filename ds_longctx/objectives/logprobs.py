@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..data.loaders import shard_batch
+from ..dist.layout import gathered_order, ring_length_multiple, shard_index
 from ..errors import BatchError, ConfigError
 from ..loss import IGNORE_INDEX
 from ..patching.patch import TEMPERATURE_KWARG, get_patch
@@ -43,12 +44,12 @@ class TokenLogprobs:
     sp: int
     sp_rank: int
     grad_scale: float
+    ring: int = 1
 
     @property
-    def shard(self) -> slice:
-        """This rank's tokens in the packed row."""
-        n = self.mask.shape[1]
-        return slice(self.sp_rank * n, (self.sp_rank + 1) * n)
+    def shard(self) -> torch.Tensor:
+        """This rank's tokens in the packed row (its contiguous shard, or its zigzag chunks under a ring)."""
+        return torch.tensor(shard_index(self.packing.length, self.sp, self.ring, self.sp_rank), dtype=torch.long)
 
     def _rows(self) -> torch.Tensor:
         return self.packing.token_rows()[self.shard].to(self.mask.device)
@@ -87,7 +88,8 @@ class TokenLogprobs:
     def gather(self, values: torch.Tensor) -> torch.Tensor:
         """``[B, S]``: a per-token value of this shard's tokens, put back in the batch's layout on every rank,
         aligned with the labels (``[i, t]``: the value of token ``t`` given the tokens before it; 0 where none)."""
-        full = self.packing.unpack(gather_tokens(values, self._group(), self.grad_scale), fill=0)
+        order = gathered_order(self.packing.length, self.sp, self.ring) if self.ring > 1 else None
+        full = self.packing.unpack(gather_tokens(values, self._group(), self.grad_scale, order), fill=0)
         return torch.nn.functional.pad(full[:, :-1], (1, 0))
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
@@ -127,13 +129,14 @@ def token_logprobs(model, batch: dict, temperature: float = 1.0, ref_logprobs=No
     if extra:
         raise BatchError(f"batch.{extra[0]}", "is not read by token_logprobs", "give input_ids, labels or "
                          "completion_mask, and optionally attention_mask and position_ids")
+    ring = spec.ring
     packing = pack(ids, batch.get("attention_mask"), labels=labels, position_ids=batch.get("position_ids"),
-                   multiple=sp)
+                   multiple=ring_length_multiple(sp, ring))
     rank = torch.distributed.get_rank(group) if sp > 1 else 0
-    shard = shard_batch(packing.batch, rank, sp)
+    shard = shard_batch(packing.batch, rank, sp, ring=ring)
     out = model(**shard, fused_lm_head=True, **{TEMPERATURE_KWARG: temperature})
     lp, ent, mask = out.log_probs, out.entropy, out.label_mask
-    result = TokenLogprobs(lp, ent, None, mask, packing, group, sp, rank, spec.grad_scale)
+    result = TokenLogprobs(lp, ent, None, mask, packing, group, sp, rank, spec.grad_scale, ring)
     if ref_logprobs is not None:
         ref = ref_logprobs.logprobs if isinstance(ref_logprobs, TokenLogprobs) else result.local(ref_logprobs)
         d = ref.detach().to(lp.dtype) - lp

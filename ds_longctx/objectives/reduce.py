@@ -18,19 +18,29 @@ def _group_size(group) -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
+def _in_token_order(gathered: torch.Tensor, order):
+    """The shards concatenated in SP-rank order put in token order (``order[i]``: the token of gathered column i;
+    None: already in order, the contiguous cut)."""
+    if order is None:
+        return gathered
+    return torch.empty_like(gathered).index_copy_(1, order.to(gathered.device), gathered)
+
+
 class _GatherTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, sp: int, rank: int, scale: float):
-        ctx.rank, ctx.n, ctx.scale = rank, x.shape[1], scale
+    def forward(ctx, x, group, sp: int, rank: int, scale: float, order):
+        ctx.rank, ctx.n, ctx.scale, ctx.order = rank, x.shape[1], scale, order
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(sp)]
         dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=1)
+        return _in_token_order(torch.cat(parts, dim=1), order)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.order is not None:  # back to SP-rank order: gathered column i is token order[i]
+            g = g.index_select(1, ctx.order.to(g.device))
         own = g[:, ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
-        return (own * ctx.scale).contiguous(), None, None, None, None
+        return (own * ctx.scale).contiguous(), None, None, None, None, None
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -46,9 +56,10 @@ class _SumOverGroup(torch.autograd.Function):
         return g * ctx.scale, None, None
 
 
-def gather_tokens(x: torch.Tensor, group=None, grad_scale: float = 1.0) -> torch.Tensor:
-    """This rank's ``[b, n, ...]`` sequence shard -> the group's ``[b, sp * n, ...]`` (shards in SP-rank order:
-    ``shard_batch``'s contiguous cut). Bool tensors travel as bytes."""
+def gather_tokens(x: torch.Tensor, group=None, grad_scale: float = 1.0, order=None) -> torch.Tensor:
+    """This rank's ``[b, n, ...]`` sequence shard -> the group's ``[b, sp * n, ...]`` in token order: the shards in
+    SP-rank order (``shard_batch``'s contiguous cut), or put back by ``order`` (``dist.layout.gathered_order``: the
+    zigzag shards of a ring). Bool tensors travel as bytes."""
     sp = _group_size(group)
     if sp == 1:
         return x
@@ -57,8 +68,8 @@ def gather_tokens(x: torch.Tensor, group=None, grad_scale: float = 1.0) -> torch
         y = x.detach().to(torch.uint8) if dtype == torch.bool else x.detach()
         parts = [torch.empty_like(y) for _ in range(sp)]
         dist.all_gather(parts, y.contiguous(), group=group)
-        return torch.cat(parts, dim=1).to(dtype)
-    return _GatherTokens.apply(x, group, sp, dist.get_rank(group), float(grad_scale))
+        return _in_token_order(torch.cat(parts, dim=1), order).to(dtype)
+    return _GatherTokens.apply(x, group, sp, dist.get_rank(group), float(grad_scale), order)
 
 
 def sum_over_group(x: torch.Tensor, group=None, grad_scale: float = 1.0) -> torch.Tensor:

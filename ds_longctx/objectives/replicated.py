@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..data.loaders import shard_batch
 from ..dist.comm import control_plane, sp_rank
+from ..dist.layout import gathered_order, ring_length_multiple
 from ..patching.compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
 from .pack import pack
 from .reduce import gather_tokens
@@ -50,14 +51,16 @@ def group_differs(digest: str, group, sp: int) -> List[int]:
 
 
 def replicated_forward(forward, group, sp: int, grad_scale: float, input_ids, attention_mask, position_ids, labels,
-                       kwargs: dict, evaluating: bool = False):
+                       kwargs: dict, evaluating: bool = False, ring: int = 1):
     """The output of ``model(input_ids, attention_mask, position_ids, labels, **kwargs)`` for a batch every rank of
     the group holds (module doc); ``forward``: the patched forward, called on this rank's shard."""
     extra = dict(kwargs)
     fused = bool(extra.get("fused_lm_head"))
     num_items = extra.pop("num_items_in_batch", None)
-    packing = pack(input_ids, attention_mask, labels=labels, position_ids=position_ids, multiple=sp)
-    shard = shard_batch(packing.batch, sp_rank(group) if sp > 1 else 0, sp)
+    packing = pack(input_ids, attention_mask, labels=labels, position_ids=position_ids,
+                   multiple=ring_length_multiple(sp, ring))
+    shard = shard_batch(packing.batch, sp_rank(group) if sp > 1 else 0, sp, ring=ring)
+    order = gathered_order(packing.length, sp, ring) if ring > 1 else None  # the zigzag shards put back
     out = forward(**shard, **extra)
     b, s = input_ids.shape
     if fused:
@@ -65,7 +68,7 @@ def replicated_forward(forward, group, sp: int, grad_scale: float, input_ids, at
         for k in FUSED_FIELDS:
             v = out.get(k)
             if isinstance(v, torch.Tensor):
-                full = gather_tokens(v, group if sp > 1 else None, grad_scale)
+                full = gather_tokens(v, group if sp > 1 else None, grad_scale, order)
                 fields[k] = packing.unpack(full, fill=0)[:, : s - 1]  # TRL's layout for unshifted labels
         loss = out.loss
         if num_items is not None:  # TRL's fused head: the sum over the batch's tokens over num_items_in_batch
@@ -74,7 +77,7 @@ def replicated_forward(forward, group, sp: int, grad_scale: float, input_ids, at
     logits = out.get("logits")  # (the tiled loss's output holds none, or a stand-in that refuses use)
     if not isinstance(logits, torch.Tensor):
         return causal_lm_output(out.loss, None, True, evaluating=evaluating)
-    logits = packing.unpack(gather_tokens(logits, group if sp > 1 else None, grad_scale), fill=0)
+    logits = packing.unpack(gather_tokens(logits, group if sp > 1 else None, grad_scale, order), fill=0)
     return causal_lm_output(out.loss, logits, False, evaluating=evaluating)
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Optional
 
 from ..attention.kernels import KernelError, available_backends, backend_for, is_available, is_known
-from ..config import (FUSE_KEY, KERNEL_KEY, KERNEL_NAMES, SECTION, LongContextConfig, check_heads_per_chunk, check_shards,
-                     check_sp_heads)
+from ..config import (FUSE_KEY, KERNEL_KEY, KERNEL_NAMES, SECTION, LongContextConfig, check_heads_per_chunk, check_shards)
+from ..dist.layout import ring_length_multiple
 from ..errors import ConfigError, naming
 from ..models import FUSED_ARCHITECTURES, attention_shape, facts_for, text_config
 from ..models.hybrid import check_mixer_heads, runs_layer_type
@@ -57,7 +57,6 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
     Not at SP=1 with transformers' own attention, where a model without heads (state-space) trains too."""
     sp, impl = cfg.sequence_parallel_size, cfg.attention.implementation
     shape = attention_shape(model_config)
-    heads, kv = shape.heads, shape.kv_heads
     tc = text_config(model_config)
     v_dim = getattr(tc, "v_head_dim", None)
     indexer = next((k for k in ("index_topk", "index_n_heads", "index_head_dim") if getattr(tc, k, None)), None)
@@ -75,6 +74,7 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
                           f"{v_dim}), which {impl!r} does not split",
                           "use long_context.attention.implementation 'ulysses' or 'untied_ulysses' (they split the "
                           f"heads after the up-projections); or {_NOT_YET_UNDER_SP}")
+    ulysses = sp // ring_degree_for(cfg, model_config, seq)  # the heads' verdict (Ulysses x ring), errors named
     if sp > 1:
         attn_impl = getattr(model_config, "_attn_implementation", None)
         if attn_impl is not None and "eager" in str(attn_impl):
@@ -83,19 +83,55 @@ def _check_split_attention(cfg: LongContextConfig, model_config, seq: Optional[i
                               "with no SDPA path (Gemma2: attention soft-capping) trains with "
                               "attn_implementation='flex_attention' under long_context.attention.implementation "
                               "'ulysses'")
-        for layer_shape in shape.distinct():  # per layer where the config gives shapes per layer (Gemma 4)
-            check_sp_heads(layer_shape.heads, layer_shape.kv_heads, sp)
         check_mixer_heads(model_config, sp, "sequence_parallel_size")
     if impl == "untied_ulysses" or (impl == "ulysses" and sp > 1):
         check_sp_attention_pattern(impl, model_config, seq)
     if impl == "untied_ulysses" and cfg.attention.heads_per_chunk != "auto":
         for layer_shape in shape.distinct():
-            check_heads_per_chunk(cfg.attention.heads_per_chunk, layer_shape.heads, layer_shape.kv_heads, sp)
+            check_heads_per_chunk(cfg.attention.heads_per_chunk, layer_shape.heads, layer_shape.kv_heads, ulysses)
     if impl == "untied_ulysses" and cfg.attention.fuse_projections is True and facts_for(tc.model_type) is None:
         raise ConfigError(FUSE_KEY, f"architecture {tc.model_type!r} has no fused untied attention (fused: "
                           f"{', '.join(FUSED_ARCHITECTURES)})", "set it to 'auto' (the default) or false: heads are "
                           "then chunked at the attention-function level, which works for any model using "
                           "transformers' attention interface")
+
+
+RING_KEY = f"{SECTION}.attention.ring_degree"
+
+
+def _ulysses_ok(shapes, u: int) -> bool:
+    """Every layer shape's heads split over ``u`` ranks: query heads divided, KV heads divided or replicated."""
+    return all(sh.heads % u == 0 and (sh.kv_heads % u == 0 or u % sh.kv_heads == 0) for sh in shapes)
+
+
+def ring_degree_for(cfg: LongContextConfig, model_config, seq: Optional[int] = None) -> int:
+    """The ring degree R of SP = U x R (``long_context.attention.ring_degree`` resolved): 'auto' takes the largest
+    Ulysses degree U dividing SP that every layer's heads allow (so R = 1, plain Ulysses, wherever the heads allow
+    SP); an integer must divide SP and leave such a U. With R > 1 the sequence length must be a multiple of
+    dist.layout.ring_length_multiple. Pure; the one error names the counts and the degrees that work."""
+    sp, att = cfg.sequence_parallel_size, cfg.attention
+    if sp <= 1 or att.implementation == "none":
+        return 1
+    shapes = attention_shape(model_config).distinct()
+    works = [r for r in range(1, sp + 1) if sp % r == 0 and _ulysses_ok(shapes, sp // r)]
+    heads = "; ".join(f"{sh.heads} query / {sh.kv_heads} key-value heads" for sh in shapes)
+    ring = att.ring_degree
+    if ring == "auto":
+        ring = works[0]  # ring-only (U = 1) always works: works is never empty
+    elif sp % ring:
+        raise ConfigError(RING_KEY, f"{ring} does not divide sequence_parallel_size {sp}",
+                          f"use 'auto' ({works[0]} here) or one of {works}")
+    elif ring not in works:
+        raise ConfigError(RING_KEY, f"{ring} leaves Ulysses degree {sp // ring} (sequence_parallel_size {sp} / "
+                          f"{ring}), which does not split the model's {heads}",
+                          f"use 'auto' ({works[0]} here) or a ring degree that works at SP {sp}: {works}")
+    if ring > 1 and seq is not None and seq % ring_length_multiple(sp, ring):
+        m = ring_length_multiple(sp, ring)
+        raise ConfigError(f"{SECTION}.sequence_length", f"{seq} is not divisible by {m}: sequence_parallel_size {sp} "
+                          f"as Ulysses {sp // ring} x ring {ring} cuts the sequence in {2 * ring} zigzag chunks, each "
+                          f"ring rank's two into {sp // ring} equal shards", f"use a multiple of {m}, e.g. "
+                          f"{(seq // m + 1) * m}")
+    return ring
 
 
 _KERNEL_HINTS = {"flash_attention_2": "pip install flash-attn (needs CUDA)",
@@ -173,4 +209,4 @@ def check_sp_attention_pattern(impl: str, model_config, seq_len: Optional[int]) 
                           "attention over the gathered sequence, so the chunking would be silently dropped", fix)
 
 
-__all__ = ["check_against", "check_kernel", "check_sp_attention_pattern", "get_backend"]
+__all__ = ["RING_KEY", "check_against", "check_kernel", "ring_degree_for", "check_sp_attention_pattern", "get_backend"]

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..attention import registry
 from ..errors import ConfigError
-from ..models import attention_shape
 
 _DS_ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
@@ -386,23 +385,14 @@ def check_model_scale(lc, model_config, seq_len: int, model_flag: Optional[str] 
 
     ``model_flag``: how the model was chosen ("--model-config PATH"), None for the default preset."""
     tc = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    heads = attention_shape(tc).heads
     max_pos = getattr(tc, "max_position_embeddings", None)
-    sp = lc.sequence_parallel_size
     which = model_flag or "the tiny default preset (ds_configs/models/tiny-llama.json)"
     problems = []
     # beyond max_position_embeddings is the point of long-context training for a chosen model (RoPE
     # scaling); for the 64K-position tiny preset it means the config was made for another model
     if model_flag is None and max_pos is not None and seq_len > max_pos:
         problems.append(f"sequence length {seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    if sp > heads:
-        problems.append(f"sequence_parallel_size {sp} exceeds the model's {heads} attention heads")
-        if len(problems) == 1:  # the length fits: the SP degree alone is past what this model's heads allow
-            raise ConfigError("sequence_parallel_size", f"{sp} is more ranks than {which} has attention heads "
-                              f"({heads}): Ulysses gives each rank of an SP group whole heads, so an SP group of "
-                              f"this model has at most {heads} ranks",
-                              f"set sequence_parallel_size to at most {heads} (the rest of the world data-parallel),"
-                              " or train a model with more heads (--model / --model-config)")
+    # an SP degree past the heads is not a sign of a larger model: a ring runs it (attention.ring_degree, issue 47)
     if problems:
         raise ConfigError("--model", f"this config is sized for a larger model than {which}: "
                           + "; ".join(problems),

@@ -21,6 +21,7 @@ from ..attention.hf import install_untied
 from ..attention.mixers import install_mixers
 from ..attention.ulysses import install_ulysses
 from ..data.batch import REAL_KEY
+from ..dist.layout import shard_index
 from .compat import causal_lm_output, fused_lm_head_output, replace_deepspeed_ulysses_registration
 from ..errors import BatchError, ConfigError
 from ..loss import causal_lm_loss_sum, shift_labels_of
@@ -114,7 +115,10 @@ def _install_temperature(model, attention, spec: LongContextSpec) -> Optional[_T
 
     def wrapper(fn):
         def scaled(module, query, *args, **kwargs):
-            return fn(module, scale_query(module, query, comm.sp_rank(group) * query.shape[2]), *args, **kwargs)
+            s = query.shape[2]
+            rank = comm.sp_rank(group)
+            tokens = rank * s if spec.ring == 1 else shard_index(s * spec.sp, spec.sp, spec.ring, rank)
+            return fn(module, scale_query(module, query, tokens), *args, **kwargs)
         return scaled
 
     return _Temperature(inst, registry.wrap(routed, inst.modules, wrapper))
@@ -251,8 +255,9 @@ def _install_router_aux_loss(model, spec: LongContextSpec, handle: PatchHandle) 
         if mask is None and real is not None:  # shard_batch dropped the caller's padding mask: this shard's part of it
             rows = next(t for t in (kwargs.get("input_ids"), kwargs.get("shift_labels"), kwargs.get("labels"))
                         if t is not None)
-            start = (dist.get_rank(group) if group is not None and sp > 1 else 0) * rows.shape[1]
-            mask = (torch.arange(start, start + rows.shape[1]) < real.reshape(-1, 1).cpu()).long()
+            rank = dist.get_rank(group) if group is not None and sp > 1 else 0
+            tokens = torch.tensor(shard_index(rows.shape[1] * sp, sp, spec.ring, rank))  # this shard's token indices
+            mask = (tokens < real.reshape(-1, 1).cpu()).long()
         tap.reset()
         tap.weights = None if mask is None else mask.reshape(-1)
         tap.active = True

@@ -33,9 +33,11 @@ import torch
 import torch.distributed as dist
 
 from ..attention.documents import DOCS_KWARG, Documents, no_mask
-from ..data.batch import (BATCH_KEY, LENS_KEY, REAL_KEY, custom_mask_error, document_structure, mask_padding_targets,
-                    token_input)
+from ..data.batch import (BATCH_KEY, LENS_KEY, REAL_KEY, RING_KEY, custom_mask_error, document_structure,
+                          mask_padding_targets, token_input)
 from ..dist.comm import all_gather_ints, control_plane, sp_rank
+from ..dist.layout import gathered_order
+from ..measure.simulation import holds_values
 from .compat import FUSED_FIELDS, causal_lm_output, fused_lm_head_output
 from ..errors import BatchError, LongContextError, error_class
 from ..data.turns import shard_in_turns
@@ -116,15 +118,16 @@ def local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, c
 
 
 def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, input_ids, position_ids, attention_mask,
-          cu, kwargs, positions: bool = False) -> Optional[int]:
+          cu, kwargs, positions: bool = False, ring: int = 1, cut: int = 1) -> Optional[int]:
     """One all-gather of every rank's header (module doc); raises the same error (its class too) on every rank.
     ``positions``: also agree on the group's sequence length as RoPE sees it (max position + 1 over the group, for
-    sequence-dependent rotary embeddings: models/rope.py), returned (None when not asked or not known)."""
+    sequence-dependent rotary embeddings: models/rope.py), returned (None when not asked or not known). ``ring``:
+    the model's ring degree, ``cut``: the one this rank's shard was cut for (its ``doc_shard_ring``, 1 without)."""
     t = token_input(input_ids, position_ids, kwargs)
     b, s = (t.shape[0], t.shape[1]) if t is not None else (0, 0)
     top = local_max_position(position_ids) if positions and fault is None else 0
-    # tiny: 6 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
-    rows = all_gather_ints([int(fault is not None), b, s, int(cu is not None), int(full_eval), top], group)
+    # tiny: 7 integers per rank (control data: real even under the planner's fake tensors, see comm.control_plane)
+    rows = all_gather_ints([int(fault is not None), b, s, int(cu is not None), int(full_eval), top, cut], group)
     if any(r[0] for r in rows):
         msgs = [None] * sp
         with control_plane():
@@ -139,6 +142,13 @@ def agree(group, sp: int, fault: Optional[LongContextError], full_eval: bool, in
                           "others sequence shards", "give every rank of the SP group the same kind of batch")
     if full_eval:
         return None
+    cuts = sorted({r[6] for r in rows})
+    if cuts != [ring]:
+        how = "contiguous shards" if cuts == [1] else f"the zigzag shards of ring degree {cuts}"
+        raise BatchError("batch", f"holds {how}, but the model runs sequence_parallel_size {sp} as Ulysses "
+                         f"{sp // ring} x ring {ring} ({'zigzag' if ring > 1 else 'contiguous'} shards): attention "
+                         "would pair the wrong tokens", "cut each full batch with ds_longctx.data.shard_batch in this "
+                         "process (it reads the ring degree of the SP groups), or the loader of initialize")
     if len({r[3] for r in rows}) > 1:
         which = [i for i, r in enumerate(rows) if r[3]]
         raise BatchError("batch.doc_cu_seqlens", f"given on SP ranks {which} only", _LOADER_FIX)
@@ -187,7 +197,7 @@ def _check_contiguous(position_ids, attention_mask, group, sp: int) -> None:
 
 
 def full_batch_route(forward, training: bool, group, sp: int, grad_scale: float, input_ids, attention_mask,
-                     position_ids, labels, kwargs):
+                     position_ids, labels, kwargs, ring: int = 1):
     """A full-length batch on every rank of the group (agreed by :func:`agree`): the same batch everywhere (one
     all-gather of a digest) in training, with gradients, or left-padded -> ``objectives.replicated`` (module doc); in
     evaluation without gradients -> each rank's own batch in turns (:func:`eval_in_turns`; one turn when it is the
@@ -196,9 +206,9 @@ def full_batch_route(forward, training: bool, group, sp: int, grad_scale: float,
     grad = torch.is_grad_enabled()
     if not differ and (training or grad or has_left_padding(attention_mask)):
         return replicated_forward(forward, group, sp, grad_scale, input_ids, attention_mask, position_ids, labels,
-                                  kwargs, evaluating=not training)
+                                  kwargs, evaluating=not training, ring=ring)
     if not training and not grad:
-        return eval_in_turns(forward, group, sp, input_ids, attention_mask, position_ids, labels, kwargs)
+        return eval_in_turns(forward, group, sp, input_ids, attention_mask, position_ids, labels, kwargs, ring)
     why = ("gradients are enabled in eval mode" if not training else "the model is in training mode")
     raise BatchError("batch.labels", f"are unshifted and the batch has no 'doc_cu_seqlens': a full-length batch, not "
                      f"this rank's sequence shard, and SP ranks {differ} hold another batch than SP rank 0 while "
@@ -209,7 +219,7 @@ def full_batch_route(forward, training: bool, group, sp: int, grad_scale: float,
                      "torch.no_grad(), which shards each rank's own full-length batch in turns")
 
 
-def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_ids, labels, kwargs):
+def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_ids, labels, kwargs, ring: int = 1):
     """This rank's own full-length eval batch, computed sharded over the SP group (module doc): its loss, and
     its full-length per-token outputs, each turn's shards gathered to the turn's owner as the turn ends:
     ``logits`` [b, seq, vocab] (equal to one process; with long_context.tiled_loss they are not computed and
@@ -232,7 +242,7 @@ def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_i
         names = FUSED_FIELDS if fused else ("logits",)
         local = {k: out.get(k) for k in names}
         local = {k: v for k, v in local.items() if isinstance(v, torch.Tensor)}
-        full = {k: _gather_sequence(v, group, sp, None if replicated else t) for k, v in local.items()}
+        full = {k: _gather_sequence(v, group, sp, None if replicated else t, ring) for k, v in local.items()}
         if t == own:
             loss, fields = out.loss, {k: v for k, v in full.items() if v is not None}
         del out, local, full
@@ -245,9 +255,9 @@ def eval_in_turns(forward, group, sp: int, input_ids, attention_mask, position_i
     return causal_lm_output(loss, logits, tiled, evaluating=True)
 
 
-def _gather_sequence(t: torch.Tensor, group, sp: int, owner: Optional[int]):
+def _gather_sequence(t: torch.Tensor, group, sp: int, owner: Optional[int], ring: int = 1):
     """A turn's [b, s_local, ...] shards, concatenated along the sequence on the turn's owner (SP rank; None:
-    on every rank); None on the other ranks."""
+    on every rank) in token order (zigzag shards put back: dist.layout.gathered_order); None on the other ranks."""
     dtype = t.dtype
     t = t.detach().contiguous()
     if dtype == torch.bool:  # sent as bytes (not every backend reduces bool)
@@ -261,7 +271,11 @@ def _gather_sequence(t: torch.Tensor, group, sp: int, owner: Optional[int]):
         dist.gather(t, gather_list=parts, dst=dist.get_global_rank(group, owner), group=group)
         if not mine:
             return None
-    return torch.cat(parts, dim=1).to(dtype)
+    full = torch.cat(parts, dim=1).to(dtype)
+    if ring > 1:
+        order = gathered_order(full.shape[1], sp, ring).to(full.device)
+        full = torch.empty_like(full).index_copy_(1, order, full)  # token order[i] is the gathered i-th
+    return full
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +299,7 @@ def install_document_forward(model, spec) -> None:
       must be one contiguous document without padding (a rank cannot see a boundary on a shard edge). A
       full-length eval batch is sharded over the group in turns (:func:`eval_in_turns`).
     """
-    sp, group, own_attention = spec.sp, spec.group, spec.owns_attention
+    sp, group, own_attention, ring = spec.sp, spec.group, spec.owns_attention, spec.ring
     inner = model.forward
     # RoPE that rescales by the longest position it sees (dynamic, LongRoPE) is given the group's (models/rope.py)
     global_rope = sp > 1 and bool(sequence_dependent_rotaries(model))
@@ -298,6 +312,9 @@ def install_document_forward(model, spec) -> None:
                 **kwargs):
         cu = kwargs.pop(BATCH_KEY, None)
         kwargs.pop(REAL_KEY, None)  # read by the router auxiliary loss's wrapper (patch.py), where there is one
+        cut = kwargs.pop(RING_KEY, None)
+        cut = int(cut.reshape(-1)[0]) if isinstance(cut, torch.Tensor) and holds_values(cut) else \
+            (ring if cut is not None else 1)  # the planner's fake batch: cut as the spec runs
         doc_lens = kwargs.pop(LENS_KEY, None)
         docs = None
         global_len = None
@@ -310,10 +327,10 @@ def install_document_forward(model, spec) -> None:
             fault, docs = local_fault(input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, sp,
                                       self.training, kwargs)
             global_len = agree(group, sp, fault, full, input_ids, position_ids, attention_mask, cu, kwargs,
-                               positions=global_rope)
+                               positions=global_rope, ring=ring, cut=cut)
             if full:
                 return full_batch_route(types.MethodType(forward, self), self.training, group, sp, spec.grad_scale,
-                                        input_ids, attention_mask, position_ids, labels, kwargs)
+                                        input_ids, attention_mask, position_ids, labels, kwargs, ring)
         with group_positions(global_len):
             return _inner(self, input_ids, attention_mask, position_ids, labels, shift_labels, cu, doc_lens, docs,
                           kwargs)
@@ -357,8 +374,9 @@ def install_document_forward(model, spec) -> None:
             t = token_input(input_ids, position_ids, kwargs)
             if t is not None:
                 attention_mask = no_mask(t.shape[0], t.shape[1], t.device)
-        elif own_attention and docs is not None and not docs.dense and input_ids is not None:
-            attention_mask = torch.ones_like(input_ids)  # no packed mask from the restarting position_ids
+        elif own_attention and input_ids is not None and ((docs is not None and not docs.dense) or ring > 1):
+            # no packed mask from the restarting position_ids (nor from a zigzag shard's jump in them)
+            attention_mask = torch.ones_like(input_ids)
         return inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                      shift_labels=shift_labels, **kwargs)
 

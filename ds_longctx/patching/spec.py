@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from ..attention.kernels import KernelChoice
 from ..attention.untied import Schedule
-from .checks import check_against, check_kernel
+from .checks import check_against, check_kernel, ring_degree_for
 from ..config import SECTION, LongContextConfig, auto_keys
 from ..errors import ConfigError
 from ..dist.layout import Layout
@@ -101,6 +101,11 @@ class LongContextSpec:
     mlp_shards: Optional[int] = None
     loss_shards: Optional[int] = None
     sequence_length: Optional[int] = None
+    # Ulysses x ring (attention/ring.py): SP = ulysses x ring; the groups inside the SP group (None at ring 1: the
+    # Ulysses group is then ``group`` itself)
+    ring: int = 1
+    ulysses_group: Any = None
+    ring_group: Any = None
 
     @property
     def sp(self) -> int:
@@ -109,6 +114,17 @@ class LongContextSpec:
     @property
     def dp(self) -> int:
         return self.layout.dp
+
+    @property
+    def ulysses(self) -> int:
+        """The Ulysses degree: SP / ring (the ranks that split the heads)."""
+        return self.sp // self.ring
+
+    @property
+    def head_group(self):
+        """The group the heads are split over (the Ulysses all-to-all): the SP group without a ring, else the Ulysses
+        group (None when it is one rank: ring only)."""
+        return self.group if self.ring == 1 else self.ulysses_group
 
     @property
     def grad_scale(self) -> float:
@@ -133,13 +149,16 @@ class LongContextSpec:
         impl = self.config.attention.implementation
         return impl == "untied_ulysses" or (impl == "ulysses" and self.sp > 1)
 
-    def with_group(self, group) -> "LongContextSpec":
-        """The same spec carrying the SP ``group`` (built after every check: creating it is a collective)."""
-        return dataclasses.replace(self, group=group)
+    def with_group(self, group, ulysses_group=None, ring_group=None) -> "LongContextSpec":
+        """The same spec carrying the SP ``group`` and, with a ring, its Ulysses and ring groups (built after every
+        check: creating them is a collective)."""
+        return dataclasses.replace(self, group=group, ulysses_group=ulysses_group, ring_group=ring_group)
 
     def describe(self) -> str:
         a = self.config.attention
         out = f"{self.layout.describe()} attention={a.implementation}"
+        if self.ring > 1:
+            out += f"(ulysses {self.ulysses} x ring {self.ring}, zigzag)"
         if self.schedule is not None:
             out += (f"(heads_per_chunk={self.schedule.heads_per_chunk}, kernel={self.kernel.name}, "
                     f"{'fused projections' if self.fused else 'attention-function level'})")
@@ -175,6 +194,7 @@ def build_spec(lc: LongContextConfig, model_config=None, layout: Optional[Layout
                           "or resolve it with ds_longctx.planner.resolve_auto and config.with_values, or give a value")
     seq = sequence_length if sequence_length is not None else lc.sequence_length
     check_against(lc, model_config, layout.world, seq)
+    ring = ring_degree_for(lc, model_config, seq) if model_config is not None else 1
     owns = att.implementation == "untied_ulysses" or (att.implementation == "ulysses" and sp > 1)
     if owns and model_config is None:
         raise ConfigError("model.config", f"is needed by attention.implementation {att.implementation!r} (heads, "
@@ -184,7 +204,7 @@ def build_spec(lc: LongContextConfig, model_config=None, layout: Optional[Layout
     fused = False
     if att.implementation == "untied_ulysses":
         kernel = KernelChoice(check_kernel(att.kernel))
-        schedule = Schedule(facts.heads, facts.kv_heads, sp, att.heads_per_chunk)
+        schedule = Schedule(facts.heads, facts.kv_heads, sp // ring, att.heads_per_chunk)
         fused = att.fuse_projections if isinstance(att.fuse_projections, bool) else \
             facts_for(facts.model_type) is not None
     layers = facts.layers if facts is not None else None
@@ -200,7 +220,8 @@ def build_spec(lc: LongContextConfig, model_config=None, layout: Optional[Layout
     return LongContextSpec(config=lc.model_copy(deep=True), layout=layout, group=group, model=facts,
                            schedule=schedule, kernel=kernel, fused=fused, keep_on_device=keep_on_device,
                            offloaded_layers=offloaded, kept_attention_layers=kept,
-                           mlp_shards=_shards(lc.tiled_mlp), loss_shards=_shards(lc.tiled_loss), sequence_length=seq)
+                           mlp_shards=_shards(lc.tiled_mlp), loss_shards=_shards(lc.tiled_loss), sequence_length=seq,
+                           ring=ring)
 
 
 def _shards(tiled) -> Optional[int]:

@@ -507,7 +507,11 @@ class Planner:
             traffic["optimizer_offload"] = P / W * (4 + lp)  # fp32 grad partition out, updated params back
         emb = tc.vocab_size * tc.hidden_size
         model = flops_per_sample(seq_len, P - emb, attention_layers(tc), attention_width(tc))["total"] * bs / sp
-        return step_time(work, traffic, self.rates, model, seq_len * bs / sp, a2a_internode=sp > per_node)
+        # with a ring (attention.ring_degree) the all-to-alls span only the Ulysses group (consecutive ranks: inside
+        # a node when it fits) and the ring's P2P crosses nodes once the SP group does
+        ulysses = sp // self.spec.ring
+        return step_time(work, traffic, self.rates, model, seq_len * bs / sp, a2a_internode=ulysses > per_node,
+                         p2p_internode=sp > per_node)
 
     def max_context(self, granularity: Optional[int] = None, limit: int = 1 << 27, label: str = ""):
         """Largest S (a multiple of SP) whose step fits, and the PlanResult at it (None when none fits)."""

@@ -12,6 +12,8 @@ adds ZeRO-3 and offload traffic by arithmetic. Seconds:
     host     = ops dispatched x op_overhead_us        (dispatcher, autograd, our Python around each op)
     serial   = Ulysses all-to-alls (issued on the compute stream, waited on: no overlap in this code)
                + all-to-all calls x collective_latency_us
+               + ring P2P beyond the attention kernels' time + P2P sends x collective_latency_us (a ring's
+                 block transfers run under the attention of the block before: attention/ring.py)
              + optimizer offload traffic (inside optimizer.step(), after backward)
     compute' = compute + host            (host_async False: a CPU target, the host runs the kernels itself)
                max(compute, host)        (host_async True: a GPU, the host issues kernels ahead of the device;
@@ -134,10 +136,13 @@ class StepTime:
 
 
 def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates, model_flops: float,
-              tokens_per_gpu: float, a2a_internode: bool) -> StepTime:
+              tokens_per_gpu: float, a2a_internode: bool, p2p_internode: bool = False) -> StepTime:
     """``work``: (kind, phase, key) -> (flops, bytes[, calls]) of one rank's step; ``traffic``: bytes per rank of
     zero3_gather, zero3_reduce (over a2a_inter if ``zero3_internode``), offload_host, offload_nvme (per
-    rank's share of the node's drive), optimizer_offload; ``model_flops`` per GPU."""
+    rank's share of the node's drive), optimizer_offload; ``model_flops`` per GPU. Ring attention's point-to-point
+    bytes (work kind ``p2p``, over a2a_inter if ``p2p_internode``) are sent while the attention kernels run (each
+    block's transfer posted before the block before it computes): hidden up to the attention time, the rest and
+    the per-send latency serial."""
     parts: Dict[str, float] = {}
     flops: Dict[str, float] = {}
     hbm = rates.hbm_gbps * 1e9
@@ -145,10 +150,10 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
     def add(name, secs):
         parts[name] = parts.get(name, 0.0) + secs
 
-    calls = {"ops": 0.0, "a2a": 0.0}
+    calls = {"ops": 0.0, "a2a": 0.0, "p2p": 0.0}
     for (kind, phase, key), v in work.items():
         f, b = v[0], v[1]
-        calls["a2a" if kind == "a2a" else "ops"] += v[2] if len(v) > 2 else 0.0
+        calls[kind if kind in ("a2a", "p2p") else "ops"] += v[2] if len(v) > 2 else 0.0
         if kind == "attention":
             add(f"attention_{phase}", f / (rates.attention_rate(int(key)) * 1e12))
         elif kind == "gemm":
@@ -157,9 +162,17 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
             add("other_memory_bound", b / hbm)
         elif kind == "a2a":
             add("all_to_all", b / ((rates.a2a_inter_gbps if a2a_internode else rates.a2a_intra_gbps) * 1e9))
+        elif kind == "p2p":
+            add("ring_p2p", b / ((rates.a2a_inter_gbps if p2p_internode else rates.a2a_intra_gbps) * 1e9))
         if f:
             flops[f"{kind}_{phase}"] = flops.get(f"{kind}_{phase}", 0.0) + f
-    kernels = sum(v for k, v in parts.items() if k != "all_to_all")
+    if not calls["p2p"]:
+        del calls["p2p"]  # no ring
+    kernels = sum(v for k, v in parts.items() if k not in ("all_to_all", "ring_p2p"))
+    if parts.get("ring_p2p"):  # overlapped with the attention kernels (async P2P one block ahead): the rest waits
+        attention = sum(v for k, v in parts.items() if k.startswith("attention_"))
+        parts["ring_p2p_exposed"] = max(0.0, parts["ring_p2p"] - attention) + \
+            calls.get("p2p", 0) * rates.collective_latency_us * 1e-6
     host = calls["ops"] * rates.op_overhead_us * 1e-6
     if host:
         parts["host_overhead"] = host
@@ -172,7 +185,7 @@ def step_time(work: Dict[tuple, tuple], traffic: Dict[str, float], rates: Rates,
             "offload_nvme": traffic.get("offload_nvme", 0) / (rates.nvme_gbps * 1e9)}
     # the host copies and ZeRO's collectives run on separate engines/streams: concurrent with each other
     overlapped = max(over.values())
-    serial = (parts.get("all_to_all", 0.0) + parts.get("all_to_all_latency", 0.0)
+    serial = (parts.get("all_to_all", 0.0) + parts.get("all_to_all_latency", 0.0) + parts.get("ring_p2p_exposed", 0.0)
               + traffic.get("optimizer_offload", 0) / (rates.pcie_gbps * 1e9))
     for k, v in over.items():
         if v:

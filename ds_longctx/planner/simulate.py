@@ -34,8 +34,8 @@ from torch.utils._pytree import tree_flatten
 
 from ..attention import kernels, registry
 from ..attention.kernels import backward_workspace_bytes  # (importing it registers the ds_longctx attention ops)
-from ..data.batch import BATCH_KEY
-from ..dist.comm import disable_cpu_shm_allreduce
+from ..data.batch import BATCH_KEY, RING_KEY
+from ..dist.comm import build_ring_groups, disable_cpu_shm_allreduce
 from ..dist.layout import Layout
 from ..measure import flops as _flops
 from ..measure.allocator import replay
@@ -654,6 +654,10 @@ def _simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: 
             contextlib.ExitStack() as hf_attention:
         group = dist.new_group(list(range(sp))) if sp > 1 else None
         mc = with_layers(model_config, num_layers)
+        spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len)
+        if spec.ring > 1:  # Ulysses x ring: the sub-groups on the fake world (rank 0's)
+            subgroups = build_ring_groups(sp, spec.ring)
+            spec = spec.with_group(group, subgroups["ulysses_group"], subgroups["ring_group"])
         model = build_model(mc, dtype_of(ds_config), device, mode)
         hf_attention.enter_context(gated_delta_as_kernel(model, device))  # fla's memory, not a 16K-step loop
         for p in model.parameters():
@@ -661,7 +665,6 @@ def _simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: 
                 # DeepSpeed moves each full grad into its bucket/partition as soon as it is ready;
                 # the partitions are model states, counted by arithmetic.
                 p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-        spec = build_spec(lc, mc, Layout(world=world_size, sp=sp), group, seq_len)
         patched = patch_model(model, spec)
         if not hands_hf_no_mask(model, spec.owns_attention):  # else HF gets a 4-D no-mask and looks at nothing
             hf_attention.enter_context(_contiguous_positions())
@@ -680,7 +683,8 @@ def _simulate_step(model_config, ds_config: dict, lc, world_size: int, seq_len: 
                 ids = torch.zeros(batch_size, local, dtype=torch.long, device=device)
                 pos = torch.arange(local, device=device).unsqueeze(0).expand(batch_size, -1)
                 labels = torch.zeros(batch_size, local, dtype=torch.long, device=device)
-                out = model(input_ids=ids, position_ids=pos, shift_labels=labels, **{BATCH_KEY: cu})
+                ring = {RING_KEY: torch.tensor([spec.ring])} if spec.ring > 1 else {}  # zigzag shards
+                out = model(input_ids=ids, position_ids=pos, shift_labels=labels, **{BATCH_KEY: cu}, **ring)
                 loss = out.loss
                 del out
                 acct.in_backward = True

@@ -40,9 +40,10 @@ def copy_accuracy(engine, dataset, n, sp_rank, sp_size, group, start_index):
     for i in range(n):
         item = dataset[start_index + i]
         batch = shard_batch({k: v.unsqueeze(0) for k, v in item.items()}, sp_rank, sp_size)
-        logits = engine(input_ids=batch["input_ids"].to(engine.device),
-                        position_ids=batch["position_ids"].to(engine.device), use_cache=False).logits
-        target = batch["shift_labels"].to(logits.device)
+        target = batch.pop("shift_labels")
+        # the shard with its document structure (and, under a ring, the zigzag order it was cut in): no labels, logits
+        logits = engine(**{k: v.to(engine.device) for k, v in batch.items()}, use_cache=False).logits
+        target = target.to(logits.device)
         valid = target != IGNORE_INDEX
         correct += int((logits.argmax(-1)[valid] == target[valid]).sum())
         total += int(valid.sum())

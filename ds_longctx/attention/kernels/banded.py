@@ -15,12 +15,12 @@ BANDED_QUERY_TILE = 128  # query rows per tile of the banded kernel: its scores 
 BANDED_TILE_ELEMENTS = 1 << 24  # at most this many scores per tile (fewer rows when the band or batch is wide)
 
 
-def _banded_tiles(s_q: int, s_k: int, causal: bool, window: int, bh: int = 1):
+def _banded_tiles(s_q: int, s_k: int, causal: bool, window: int, bh: int = 1, offset: Optional[int] = None):
     """(q0, q1, k0, k1) per query tile: the keys any row of the tile may see (causal bottom-right aligned,
     inside the window); keys outside [k0, k1) are never read. ``bh``: batch x query heads (the tile's rows
     shrink so that a tile holds at most BANDED_TILE_ELEMENTS scores: a soft-capped full layer's band is the
-    whole sequence)."""
-    off = s_k - s_q
+    whole sequence). ``offset``: query row i sits at key position i + offset (None: s_k - s_q, bottom right)."""
+    off = s_k - s_q if offset is None else offset
     rows = BANDED_QUERY_TILE
     span = min(s_k, window + rows - 1) if window > 0 else s_k
     rows = max(1, min(rows, BANDED_TILE_ELEMENTS // max(1, bh * span)))
@@ -52,20 +52,24 @@ def _acc_dtype(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def banded_attention_forward(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0):
+def banded_attention_forward(q, k, v, causal: bool, scale: float, window: int = 0, softcap: float = 0.0,
+                             offset: Optional[int] = None):
     """Attention with a sliding window and/or soft-capping, computed tile by tile over the band: each query
     tile reads only the keys its rows may see (never an S x S score or mask). Layout as the module doc
-    (GQA natively); out in q's dtype, lse [b, h, s_q] fp32 (fp64 for fp64 inputs)."""
+    (GQA natively); out in q's dtype, lse [b, h, s_q] fp32 (fp64 for fp64 inputs). ``offset``: query row i sits at
+    key position i + offset (None: s_k - s_q, the causal mask's bottom-right alignment; the ring's blocks of keys
+    wholly before their queries give their own). Every query row must see at least one key."""
     b, s_q, h, d = q.shape
     s_k, hk = k.shape[1], k.shape[2]
+    off = s_k - s_q if offset is None else offset
     rep = h // hk
     acc = _acc_dtype(q)
     out = torch.empty(b, s_q, h, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s_q, dtype=acc, device=q.device)
-    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h):
+    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h, off):
         qt = q[:, q0:q1].to(acc).reshape(b, q1 - q0, hk, rep, d)
         kt, vt = k[:, k0:k1].to(acc), v[:, k0:k1].to(acc)
-        sc, _ = _banded_scores(qt, kt, scale, softcap, q0, k0, s_k - s_q, causal, window)
+        sc, _ = _banded_scores(qt, kt, scale, softcap, q0, k0, off, causal, window)
         m = torch.logsumexp(sc, dim=-1)  # [b, hk, rep, t]
         p = torch.exp(sc - m[..., None])
         o = torch.einsum("bhrtn,bnhd->bthrd", p, vt)
@@ -75,24 +79,25 @@ def banded_attention_forward(q, k, v, causal: bool, scale: float, window: int = 
 
 
 def banded_attention_backward(dout, q, k, v, out, lse, causal: bool, scale: float, window: int = 0,
-                              softcap: float = 0.0):
+                              softcap: float = 0.0, offset: Optional[int] = None):
     """Gradients of :func:`banded_attention_forward` from its LSE (the scores are recomputed per tile, the
     soft-cap's derivative is 1 - tanh^2); dk/dv accumulate over the tiles in fp32 (fp64 for fp64)."""
     b, s_q, h, d = q.shape
     s_k, hk = k.shape[1], k.shape[2]
+    off = s_k - s_q if offset is None else offset
     rep = h // hk
     acc = _acc_dtype(q)
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     lse4 = lse.reshape(b, hk, rep, s_q)
-    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h):
+    for q0, q1, k0, k1 in _banded_tiles(s_q, s_k, causal, window, b * h, off):
         t = q1 - q0
         qt = q[:, q0:q1].to(acc).reshape(b, t, hk, rep, d)
         kt, vt = k[:, k0:k1].to(acc), v[:, k0:k1].to(acc)
         do = dout[:, q0:q1].to(acc).reshape(b, t, hk, rep, -1)
         ot = out[:, q0:q1].to(acc).reshape(b, t, hk, rep, -1)
-        sc, th = _banded_scores(qt, kt, scale, softcap, q0, k0, s_k - s_q, causal, window)
+        sc, th = _banded_scores(qt, kt, scale, softcap, q0, k0, off, causal, window)
         p = torch.exp(sc - lse4[..., q0:q1].to(acc)[..., None])  # [b, hk, rep, t, n]
         dv[:, k0:k1] += torch.einsum("bhrtn,bthrd->bnhd", p, do)
         dp = torch.einsum("bthrd,bnhd->bhrtn", do, vt)
