@@ -14,6 +14,7 @@ fused is refused or, under fuse_projections 'auto', runs at the attention-functi
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -117,7 +118,7 @@ def reference(kind, arch, rope, packed, seq=SEQ):
     return losses, {n: p.detach() - before[n] for n, p in model.named_parameters()}
 
 
-def sp_run(kind, arch, rope, packed, path, stage, seq=SEQ):
+def sp_run(kind, arch, rope, packed, path, stage, seq=SEQ, export_to=None):
     import ds_longctx
     from ds_longctx.dist.comm import sp_group, sp_rank
     from ds_longctx.data import shard_batch
@@ -139,17 +140,19 @@ def sp_run(kind, arch, rope, packed, path, stage, seq=SEQ):
         losses.append(loss.item())
     after = full_params(engine.module)
     swapped = list(get_patch(engine.module).swapped)
-    if (kind, arch, packed, path, stage) == ("lora", "llama", False, "fused", 3):
+    if export_to is not None and (kind, arch, packed, path, stage) == ("lora", "llama", False, "fused", 3):
         from ds_longctx.job.checkpoint import export_hf
 
-        export_hf(engine, export_dir(sp), log=lambda *a: None)  # the adapter, in peft's format
+        export_hf(engine, export_dir(export_to, sp), log=lambda *a: None)  # the adapter, in peft's format
     engine.destroy()
     get_patch(engine.module).remove()
     return losses, {n: after[n] - before[n] for n in after}, swapped
 
 
-def export_dir(sp):
-    return f"/tmp/ds_longctx_test_lora_export_sp{sp}"
+def export_dir(root, sp):
+    """Where the SP=``sp`` run exports its adapter: under this test run's temporary ``root`` (a fixed path would
+    meet the export of an earlier run, which --save-hf refuses to overwrite)."""
+    return os.path.join(str(root), f"lora_export_sp{sp}")
 
 
 # (kind, arch, rope, packed, path, ZeRO stage)
@@ -173,12 +176,12 @@ def _seq(case):
     return 64 if case[0] == "llama4" else SEQ
 
 
-def _worker(rank, world, cs):
+def _worker(rank, world, cs, export_to):
     out = {}
     for c in cs:
         kind, arch, rope, packed, path, stage = c
         try:
-            out[c] = sp_run(kind, arch, rope, packed, path, stage, _seq(c))
+            out[c] = sp_run(kind, arch, rope, packed, path, stage, _seq(c), export_to=export_to)
         except Exception as e:  # reported per case (the parent shows each failure on its own)
             import traceback
 
@@ -197,10 +200,11 @@ def _trainer(rank, world):
 
 
 @pytest.fixture(scope="module")
-def sp_results():
-    runs = run_distributed_side_by_side(*[(_worker, sp, cases(sp)) for sp in (2, 4)], (_trainer, 2), (_trainer, 1),
-                                        return_exceptions=True)
-    return dict(zip((2, 4, "trainer", "trainer_ref"), runs))
+def sp_results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("lora_export"))
+    runs = run_distributed_side_by_side(*[(_worker, sp, cases(sp), root) for sp in (2, 4)], (_trainer, 2),
+                                        (_trainer, 1), return_exceptions=True)
+    return dict(zip((2, 4, "trainer", "trainer_ref", "export_root"), runs + [root]))
 
 
 def _all_cases():
@@ -252,7 +256,8 @@ def test_exported_adapter_loads_with_peft(sp, sp_results):
     result_or_raise(sp_results[sp])
     _, ref_deltas = reference("lora", "llama", None, False)
     init = dict(lora_model().named_parameters())
-    loaded = PeftModel.from_pretrained(build(tiny_config("llama", **SHAPE), seed=0), export_dir(sp))
+    loaded = PeftModel.from_pretrained(build(tiny_config("llama", **SHAPE), seed=0),
+                                       export_dir(sp_results["export_root"], sp))
     got = dict(loaded.named_parameters())
     lora = [n for n in init if "lora_" in n]
     assert lora and set(init) == set(got)
