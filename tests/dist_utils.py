@@ -18,9 +18,17 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now (the kernel's pick). Under pytest-xdist (pytest.ini's -n 2) each worker takes only ports of
+    its own residue modulo the worker count: two workers never pick the same port before either binds it."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    mine = int(worker) % count if worker.isdigit() else 0
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port % count == mine:
+            return port
 
 
 # What every rank imports: loaded once into the forkserver, so a spawn costs a fork, not these imports (on a

@@ -102,3 +102,51 @@ def side_by_side(*calls):
     with ThreadPoolExecutor(len(calls)) as pool:
         jobs = [pool.submit(fn, *args, **dict({"port": ports[i]}, **kw)) for i, (fn, args, kw) in enumerate(calls)]
         return [job.result() for job in jobs]
+
+
+# ---- the shared uninterrupted reference run (tests/conftest.py's session fixture ``copy_reference``) ----------------
+# The launched resume, preemption and soak tests compare their stopped-and-resumed runs with the uninterrupted run of the
+# same command line, bit for bit (the same layout: the same arithmetic). That run is computed once per test run, on
+# this machine (never a file kept between runs: the CPU's vector kernels change the last bits from box to box), and
+# read by tests/test_long_runs.py, test_preemption.py, test_soak.py, test_launch.py, test_checkpoint_content.py and
+# test_faults_launched.py. Steps do not depend on --steps (no scheduler in tiny-cpu.json), so every run with
+# REFERENCE_ARGS and at most REFERENCE_STEPS steps has its losses here.
+REFERENCE_STEPS = 25
+REFERENCE_ARGS = ("--seq-len", "64", "--seed", "9", "--eval-samples", "0", "--log-every", "0")
+
+
+def reference_run(root: str) -> dict:
+    """The uninterrupted run: 2 ranks through the deepspeed runner, ds_configs/tiny-cpu.json with DeepSpeed's csv and
+    TensorBoard monitors on, REFERENCE_ARGS for REFERENCE_STEPS steps, saved every 2 steps (every tag kept) and
+    --save-hf at its end. Returns the paths ("metrics", "csv", "tb", "ck", "hf") and the per-step "losses" and
+    "grad_norms" (lists, step 1 first)."""
+    os.makedirs(root, exist_ok=True)
+    cfg = json.load(open(TINY_CPU))
+    cfg.update(csv_monitor={"enabled": True, "output_path": os.path.join(root, "csv"), "job_name": "ref"},
+               tensorboard={"enabled": True, "output_path": os.path.join(root, "tb"), "job_name": "ref"})
+    config = os.path.join(root, "ref.json")
+    with open(config, "w") as f:
+        json.dump(cfg, f)
+    out = {"metrics": os.path.join(root, "ref.jsonl"), "ck": os.path.join(root, "ck"), "hf": os.path.join(root, "hf"),
+           "csv": os.path.join(root, "csv", "ref"), "tb": os.path.join(root, "tb", "ref")}
+    run_train(*REFERENCE_ARGS, "--steps", str(REFERENCE_STEPS), "--metrics", out["metrics"], "--save", out["ck"],
+              "--save-every", "2", "--save-hf", out["hf"], config=config, timeout=900)
+    records = read_metrics(out["metrics"])
+    assert [r["step"] for r in records] == list(range(1, REFERENCE_STEPS + 1)), records
+    out["losses"] = [r["loss"] for r in records]
+    out["grad_norms"] = [r["grad_norm"] for r in records]
+    return out
+
+
+def save_dir_at(reference: dict, dest, tags) -> str:
+    """A copy at ``dest`` of the reference run's save directory holding only ``tags`` (e.g. ["step2", "step4"]), its
+    'latest' on the last: what a run of that many steps with --save-every 2 leaves (the same files and record; the
+    ds_config DeepSpeed stores in them also has the reference's csv and TensorBoard monitors)."""
+    dest = str(dest)
+    keep = set(tags)
+    shutil.copytree(reference["ck"], dest,
+                    ignore=lambda d, names: [n for n in names if d == reference["ck"] and n.startswith("step")
+                                             and n not in keep])
+    with open(os.path.join(dest, "latest"), "w") as f:
+        f.write(tags[-1])
+    return dest

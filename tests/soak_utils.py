@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, TRAIN, _env, mpirun_command
+from launch_utils import REFERENCE_ARGS, ROOT, TINY_CPU, TRAIN, _env, mpirun_command
 
 FAULTS = ("kill_rank", "sigusr1", "sigterm", "kill_wrapper", "disk_full", "freeze_rank", "corrupt")
 WATCHDOG_S = 10          # long_context.watchdog.timeout_s of the soak's config: a frozen rank ends the job in ~10 s
@@ -62,9 +62,10 @@ def soak_config(path: str, watchdog_s: Optional[int] = None) -> str:
 
 
 def run_args(steps: int, save: str, metrics: str, hf: str, save_every: int = 2, keep_last: int = 2) -> List[str]:
-    return ["--seq-len", "64", "--seed", "9", "--eval-samples", "0", "--log-every", "0", "--no-progress",
-            "--steps", str(steps), "--save", save, "--save-every", str(save_every), "--keep-last", str(keep_last),
-            "--resume", "auto", "--metrics", metrics, "--save-hf", hf]
+    """The soak's command line: tests/launch_utils.py's REFERENCE_ARGS (the shared uninterrupted run's), and its
+    saves, resume and export."""
+    return [*REFERENCE_ARGS, "--no-progress", "--steps", str(steps), "--save", save, "--save-every", str(save_every),
+            "--keep-last", str(keep_last),            "--resume", "auto", "--metrics", metrics, "--save-hf", hf]
 
 
 def procs_of(marker: str) -> List[int]:
@@ -101,6 +102,14 @@ def rank_pid(marker: str, rank: int) -> Optional[int]:
         if r is not None and int(r) == rank:
             return pid
     return None
+
+
+def ended_nonzero(out: str) -> bool:
+    """A rank ended before or without its save ("ending this rank (exit 143)"); one that learns of its launcher's
+    exit after the graceful stop's save ends with 0 and says so."""
+    import re
+
+    return re.search(r"ending this rank[^\n]*\(exit (?!0\))", out) is not None
 
 
 def flip(path: str, n: int = 64) -> None:
@@ -155,6 +164,7 @@ class Soak:
         (:func:`tmpfs`), so that the disk_full fault may fill it (otherwise that fault is skipped, and said)."""
         assert launcher in ("deepspeed", "mpirun")
         self.root, self.steps, self.launcher, self.keep_last = root, steps, launcher, keep_last
+        self.save_every = save_every
         self.can_fill = can_fill
         self.skipped: List[str] = []
         os.makedirs(root, exist_ok=True)
@@ -286,6 +296,18 @@ class Soak:
             self.problems.append(f"start {n} ({s.fault}): a traceback:\n{s.log[-2000:]}")
         if s.corrupted and f"{s.corrupted!r} does not match its checksum" not in s.log:
             self.problems.append(f"start {n} ({s.fault}): the flipped {s.corrupted} was not named:\n{s.log[-2000:]}")
+        if s.fault in ("sigusr1", "sigterm") and not s.notes:
+            # a scheduler's signal to `ds-longctx launch`'s process group: the wrapper asks the ranks (SIGUSR1), they
+            # finish the step, save it ('latest' names it) and every process exits 0 (the deepspeed runner's
+            # launch.py: both ranks "exit successfully"); no rank ends before its save
+            said = [f"ds-longctx launch: received {s.fault.upper()}: asking the ranks to finish this step, save a "
+                    "checkpoint", f"stopped after step {s.last_step} on SIGUSR1: saved"]
+            if self.launcher == "deepspeed" and s.log.count("exits successfully") != 2:
+                said.append("launch.py: 2 x 'exits successfully'")
+            missing = [m for m in said if m not in s.log]
+            if s.code != 0 or missing or ended_nonzero(s.log) or newest_tag(self.save) != f"step{s.last_step}":
+                self.problems.append(f"start {n} ({s.fault}): exit {s.code}, 'latest' {newest_tag(self.save)!r}, "
+                                     f"missing {missing}:\n{s.log[-3000:]}")
 
     def run(self, plan: List[Tuple[Optional[str], int]], timeout: float = 300) -> None:
         """Each (fault, steps after the resume point) in turn, then starts without a fault until the run ends."""
@@ -328,13 +350,25 @@ class Soak:
         with open(self.metrics) as f:
             got = [json.loads(line) for line in f if line.strip()]
         with open(reference_metrics) as f:
-            ref = {r["step"]: r["loss"] for r in map(json.loads, f)}
+            ref = {r["step"]: r for r in map(json.loads, f)}
         steps = [r["step"] for r in got]
         if steps != list(range(1, self.steps + 1)):
             problems.append(f"--metrics steps are not 1..{self.steps} once each: {steps}")
-        off = [(r["step"], r["loss"], ref.get(r["step"])) for r in got if r["loss"] != ref.get(r["step"])]
-        if off:
-            problems.append(f"losses differ from the uninterrupted run's at {len(off)} steps: {off[:5]}")
+        bit_equal = {}
+        for key in ("loss", "grad_norm"):  # the float64 grad norm sees a last-bit difference the float32 loss rounds away
+            off = [(r["step"], r[key], ref.get(r["step"], {}).get(key)) for r in got
+                   if r[key] != ref.get(r["step"], {}).get(key)]
+            bit_equal[key] = not off
+            if off:
+                problems.append(f"{key} differs from the uninterrupted run's at {len(off)} steps: {off[:5]}")
+        # the last start saved at its end (step N, also when N is no multiple of --save-every) and pruned to
+        # --keep-last tags
+        saves = sorted(set(range(self.save_every, self.steps + 1, self.save_every) if self.save_every else ()) |
+                       {self.steps})
+        want = [f"step{s}" for s in saves[-self.keep_last:]] if self.keep_last else [f"step{s}" for s in saves]
+        if newest_tag(self.save) != f"step{self.steps}" or sorted(tags_in(self.save)) != sorted(want):
+            problems.append(f"the save directory ends with 'latest' {newest_tag(self.save)!r} and tags "
+                            f"{tags_in(self.save)}, not step{self.steps} and {want}")
         equal = None
         if os.path.isdir(self.hf):
             a = load_file(os.path.join(self.hf, "model.safetensors"))
@@ -349,7 +383,9 @@ class Soak:
             problems.append(f"temporary entries left in the save directory: {tmp}")
         faults = [f for s in self.starts for f in (["corrupt"] if s.corrupted else []) + ([s.fault] if s.fault else [])]
         return {"problems": problems, "starts": len(self.starts), "skipped": self.skipped, "steps": self.steps,
-                "faults": faults, "weights_bit_equal": equal,
+                "faults": faults, "weights_bit_equal": equal, "losses_bit_equal": bit_equal["loss"],
+                "grad_norms_bit_equal": bit_equal["grad_norm"], "latest": newest_tag(self.save),
+                "tags": tags_in(self.save),
                 "seconds": sum(s.seconds for s in self.starts),
                 "per_start": [{"fault": s.fault, "corrupted_before": bool(s.corrupted), "at_step": s.at_step,
                                "resumed_at": s.resumed_at,

@@ -1,7 +1,8 @@
 """Issue 52, item 1: checkpoints verified by content. One real save (2 ranks, tiny-cpu.json, ZeRO-3: tags step2 and
-step4, every file's XXH3 in the record), then a byte flip in each kind of file of the newest tag, same size: DeepSpeed's
-model states and optimizer states, ds_longctx's record (invalid JSON, and one digit changed: still valid JSON) and the
-HF config. Each is detected by the check a resume runs (``verify_on_every_rank``: here one process), ``--resume DIR``
+step4 of the shared uninterrupted run, tests/conftest.py copy_reference; every file's XXH3 in the record), then a
+byte flip in each kind of file of the newest tag, same size: DeepSpeed's model states and optimizer states, ds_longctx's
+record (invalid JSON, and one digit changed: still valid JSON) and the HF config. Each is detected by the check a resume
+runs (``verify_on_every_rank``: here one process), ``--resume DIR``
 falling back to step2 naming the file, ``--resume DIR/step4`` refused naming it, ``ds-longctx verify`` exiting 1 naming
 it, export and the universal conversion refusing it; a damaged universal conversion is converted again. One launched
 resume of the damaged tag, explicitly: every rank refuses it before the model is built. (``auto`` falling back in a
@@ -14,7 +15,9 @@ import sys
 
 import pytest
 
-from launch_utils import ROOT, _env, run_train
+from pathlib import Path
+
+from launch_utils import REFERENCE_ARGS, ROOT, _env, run_train, save_dir_at
 from ds_longctx.errors import ConfigError
 from ds_longctx.job import checkpoint
 from ds_longctx.job.checkpoint import manifest
@@ -41,11 +44,10 @@ def flip(path, n=64):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("content")
-    run_train("--seq-len", "64", "--steps", "4", "--save", str(root / "ck"), "--save-every", "2", "--eval-samples",
-              "0", "--log-every", "0")
-    return root / "ck"
+def saved(tmp_path_factory, copy_reference):
+    """What a 4-step run with --save-every 2 leaves (tags step2 and step4, 'latest' on step4): those two tags of the
+    shared uninterrupted run's save directory (tests/conftest.py copy_reference), copied."""
+    return Path(save_dir_at(copy_reference, tmp_path_factory.mktemp("content") / "ck", ["step2", "step4"]))
 
 
 def _damaged(saved, tmp_path, kind):
@@ -115,8 +117,7 @@ def test_ds_longctx_verify_names_the_damaged_file_and_exits_1(saved, tmp_path):
 
 def test_an_explicit_damaged_tag_is_refused_by_every_rank_of_a_launch(saved, tmp_path):
     ck, target = _damaged(saved, tmp_path, "model_states")
-    p = run_train("--seq-len", "64", "--steps", "6", "--resume", str(ck / "step4"), "--eval-samples", "0",
-                  check=False, timeout=300)
+    p = run_train(*REFERENCE_ARGS, "--steps", "6", "--resume", str(ck / "step4"), check=False, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     for r in (0, 1):

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, TRAIN, _env, run_train
+from launch_utils import REFERENCE_ARGS, ROOT, TINY_CPU, TRAIN, _env, run_train, save_dir_at
 from test_faults import _aio_available, small_tmpfs  # noqa: F401  (fixture)
 
 from ds_longctx.job import checkpoint  # noqa: E402
@@ -82,17 +82,16 @@ def test_sigterm_to_the_runner_ends_every_rank_and_full_drive_is_one_error(tmp_p
 
 
 @pytest.fixture(scope="module")
-def saved_step2(tmp_path_factory):
-    """One 2-step job saved at its end: the checkpoint the two tests below start from (each on its own copy)."""
-    ck = tmp_path_factory.mktemp("saved") / "ck"
-    run_train("--steps", "2", "--seq-len", "64", "--eval-samples", "0", "--save", str(ck), timeout=300)
-    return ck
+def saved_step2(copy_reference):
+    """A job saved at step 2 (the shared uninterrupted run's tag step2, tests/conftest.py copy_reference): the
+    checkpoint the two tests below start from (each on its own copy, launch_utils.save_dir_at)."""
+    return copy_reference
 
 
 def test_resume_skips_an_incomplete_newest_tag_and_saves_in_order(tmp_path, saved_step2):
     ck = tmp_path / "ck"
-    args = ("--seq-len", "64", "--eval-samples", "0", "--save", str(ck))
-    shutil.copytree(saved_step2, ck)  # what run_train("--steps", "2", *args) leaves
+    args = (*REFERENCE_ARGS, "--save", str(ck))
+    save_dir_at(saved_step2, ck, ["step2"])  # what run_train("--steps", "2", *args) leaves
     rec = json.loads((ck / "step2" / checkpoint.RECORD_FILE).read_text())
     assert rec["model"] == {"model_type": "llama", "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16,
                             "hidden": 64, "vocab": 64}
@@ -117,12 +116,12 @@ def test_kill9_during_the_save_leaves_latest_on_a_complete_tag(tmp_path, saved_s
     of the save, both ranks, both launchers, each with a launched --resume: bench/fault_rerun.py --group
     kill_save.)"""
     ck = tmp_path / "ck"
-    shutil.copytree(saved_step2, ck)  # a complete save at step 2; the killed save is step 3's
+    save_dir_at(saved_step2, ck, ["step2"])  # a complete save at step 2; the killed save is step 3's
     port = free_port()
     env = dict(_env(), DS_LONGCTX_TEST_KILL_AT="1:after_file1")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), TRAIN,
-           "--deepspeed_config", TINY_CPU, "--no-progress", "--seq-len", "64", "--eval-samples", "0", "--steps", "3",
-           "--resume", str(ck), "--save", str(ck)]
+           "--deepspeed_config", TINY_CPU, "--no-progress", *REFERENCE_ARGS, "--steps", "3", "--resume", str(ck),
+           "--save", str(ck)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]

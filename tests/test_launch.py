@@ -7,26 +7,29 @@ import pytest
 
 from ds_longctx.config import ConfigError
 from ds_longctx.dist.launch import check_hostfile, main as launch_main
-from launch_utils import TINY_CPU, read_metrics, run_train, side_by_side
+from launch_utils import REFERENCE_ARGS, TINY_CPU, read_metrics, run_train, side_by_side
 
 ARGS = ("--steps", "3", "--seq-len", "64", "--eval-samples", "0")
 
 
-def _losses(tmp_path, name, **kw):
+def _losses(tmp_path, name, args=ARGS, **kw):
     path = tmp_path / f"{name}.jsonl"
-    run_train(*ARGS, "--metrics", str(path), **kw)
+    run_train(*args, "--metrics", str(path), **kw)
     return [r["loss"] for r in read_metrics(path)]
 
 
-def _losses_side_by_side(tmp_path, **runs):
-    """``name=run_train kwargs`` for each run: the runs start together (independent jobs, own ports)."""
-    return side_by_side(*[(_losses, (tmp_path, name), kw) for name, kw in runs.items()])
+def _losses_side_by_side(tmp_path, args=ARGS, **runs):
+    """``name=run_train kwargs`` for each run: the runs start together (independent jobs, own ports), each with
+    train.py's ``args``."""
+    return side_by_side(*[(_losses, (tmp_path, name, args), kw) for name, kw in runs.items()])
 
 
 @pytest.mark.distributed
-def test_mpirun_and_slurm_env_match_deepspeed_launcher(tmp_path):
-    ref, mpi, slurm = _losses_side_by_side(tmp_path, ds={}, mpi={"launcher": "mpirun"},
-                                           slurm={"launcher": "slurm-env"})
+def test_mpirun_and_slurm_env_match_deepspeed_launcher(tmp_path, copy_reference):
+    """The deepspeed launcher's run: tests/conftest.py copy_reference (the same command line, 25 steps: its first 3)."""
+    mpi, slurm = _losses_side_by_side(tmp_path, mpi={"launcher": "mpirun"}, slurm={"launcher": "slurm-env"},
+                                      args=("--steps", "3", *REFERENCE_ARGS))
+    ref = copy_reference["losses"][:3]
     assert mpi == ref
     assert slurm == ref
 
@@ -40,13 +43,13 @@ def _config(tmp_path, micro):
 
 
 @pytest.mark.distributed
-def test_two_dp_replicas_of_sp2_equal_one_sp2_run(tmp_path):
-    # replica r reads samples r, r+2, ...: at step k the two replicas see samples {2k, 2k+1}, the same
-    # pair that one SP=2 group with micro batch 2 sees; every copy sample scores the same token count,
-    # so the mean of replica means is the token mean
-    dp2, sp2 = _losses_side_by_side(tmp_path, dp2={"nproc": 4, "config": _config(tmp_path, 1)},
-                                    sp2={"nproc": 2, "config": _config(tmp_path, 2)})
-    assert dp2 == pytest.approx(sp2, rel=1e-5)
+def test_two_dp_replicas_of_sp2_equal_one_sp2_run(tmp_path, copy_reference):
+    # replica r reads samples r, r+2, ...: at step k the two replicas (micro batch 2) see samples {4k, ..., 4k+3},
+    # the four that one SP=2 group with micro batch 4 sees (tiny-cpu.json: tests/conftest.py copy_reference, the same
+    # command line); every copy sample scores the same token count, so the mean of replica means is the token mean
+    (dp2,) = _losses_side_by_side(tmp_path, dp2={"nproc": 4, "config": _config(tmp_path, 2)},
+                                  args=("--steps", "3", *REFERENCE_ARGS))
+    assert dp2 == pytest.approx(copy_reference["losses"][:3], rel=1e-5)
     assert dp2[0] != dp2[2]
 
 

@@ -23,7 +23,8 @@ import time
 import pytest
 
 from dist_utils import free_port, run_distributed
-from launch_utils import ROOT, TINY_CPU, TRAIN, _env, read_metrics, run_train, side_by_side
+from launch_utils import (REFERENCE_ARGS, REFERENCE_STEPS, ROOT, TINY_CPU, TRAIN, _env, read_metrics,
+                          run_train, side_by_side)
 from test_faults import small_tmpfs  # noqa: F401  (fixture)
 
 from ds_longctx.job import checkpoint
@@ -83,27 +84,22 @@ def _tensorboard_scalars(log_dir, tag):
     return {e.step: e.value for e in acc.Scalars(tag)}
 
 
-def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
-    monitored = _config(tmp_path, "mon.json",
-                        csv_monitor={"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "a"},
-                        tensorboard={"enabled": True, "output_path": str(tmp_path / "tb"), "job_name": "a"})
+def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path, copy_reference):
+    """The run killed with SIGKILL (the whole job) past step 5 resumes through DeepSpeed's universal checkpoint at 1
+    rank (SP 1) and at 4 ranks (SP 2 x DP 2), each step within summation-order tolerance of the uninterrupted run
+    (tests/conftest.py's copy_reference: the same command line, not stopped). (kill -9 and --resume auto at the same
+    layout, bit-equal losses, grad norms and final weights, the save at the end, the pruning: tests/test_soak.py,
+    under the deepspeed runner and mpirun.)"""
     ck = tmp_path / "ck"
-    args = ("--seq-len", "64", "--eval-samples", "0", "--log-every", "0")
-    # the saving run, killed with SIGKILL once it is past step 5 (its last complete save is step 4 or later),
-    # while the uninterrupted reference runs beside it
-    from concurrent.futures import ThreadPoolExecutor
-
+    args = REFERENCE_ARGS
+    # the saving run, killed with SIGKILL once it is past step 5 (its last complete save is step 4 or later)
     killed = _start(tmp_path, "killed", [*args, "--steps", "100000", "--save", str(ck), "--save-every", "2",
                                          "--keep-last", "2", "--metrics", str(tmp_path / "k.jsonl")])
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(run_train, *args, "--steps", "12", "--metrics", str(tmp_path / "a.jsonl"),
-                                config=monitored)
-        try:
-            _wait_for_steps(killed, tmp_path / "k.jsonl", 5)
-        finally:
-            os.killpg(killed.pid, signal.SIGKILL)
-            killed.wait()
-        reference.result()
+    try:
+        _wait_for_steps(killed, tmp_path / "k.jsonl", 5)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
     tag, record, note = checkpoint.find_resume_tag(str(ck))
     saved = record["step"]
     assert note is None and 4 <= saved <= 8 and saved % 2 == 0, (tag, record, note)
@@ -115,20 +111,14 @@ def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
     sp1 = _config(tmp_path, "sp1.json", sequence_parallel_size=1)
     dp2 = _config(tmp_path, "dp2.json", train_micro_batch_size_per_gpu=2)  # 4 ranks: the same 4 samples per step
     steps = str(saved + 3)
-    same, one, four = side_by_side(
-        (run_train, (*args, "--steps", steps, "--resume", "auto", "--save", str(ck), "--keep-last", "2",
-                     "--metrics", str(tmp_path / "c.jsonl")), {}),
+    one, four = side_by_side(
         (run_train, (*args, "--steps", steps, "--resume", str(copies[0]), "--metrics", str(tmp_path / "d.jsonl")),
          {"nproc": 1, "config": sp1}),
         (run_train, (*args, "--steps", steps, "--resume", str(copies[1]), "--metrics", str(tmp_path / "e.jsonl")),
          {"nproc": 4, "config": dp2}))
-    ref = _losses(tmp_path / "a.jsonl")
+    ref = dict(enumerate(copy_reference["losses"], 1))
     after = list(range(saved + 1, saved + 4))
     assert [ref[s] for s in after] != [ref[s - 1] for s in after]  # the steps really train
-    resumed = _losses(tmp_path / "c.jsonl")
-    assert sorted(resumed) == after and all(resumed[s] == ref[s] for s in after), (resumed, ref)  # same arithmetic
-    norms = {r["step"]: r["grad_norm"] for r in read_metrics(tmp_path / "a.jsonl")}  # (job/adam.py: bit-equal too)
-    assert all(r["grad_norm"] == norms[r["step"]] for r in read_metrics(tmp_path / "c.jsonl"))
     for name, proc in (("d", one), ("e", four)):
         out = proc.stdout + proc.stderr
         assert f"resumed from {ck.parent / ('ck1' if name == 'd' else 'ck4') / tag} (step {saved}, {4 * saved} " \
@@ -138,15 +128,19 @@ def test_kill9_then_resume_on_any_layout_equals_the_uninterrupted_run(tmp_path):
         for s in after:  # another summation order (SP 1; DP 2 all-reduces the gradients)
             assert abs(got[s] - ref[s]) <= 1e-5 * abs(ref[s]), (name, s, got[s], ref[s])
     assert "layout: world_size 2 -> 4, data_parallel_size 1 -> 2, micro_batch 4 -> 2" in four.stdout
-    assert checkpoint.find_resume_tag(str(ck))[0] == f"step{saved + 3}"  # the resumed run saved at its end
-    assert {e for e in os.listdir(ck) if e.startswith("step")} == {tag, f"step{saved + 3}"}  # and pruned
-    # DeepSpeed's monitors hold every step of the reference run, with the metrics' values
+
+
+def test_deepspeed_monitors_hold_every_step_with_the_metrics_values(copy_reference):
+    """DeepSpeed's csv and TensorBoard monitors (ds_config csv_monitor, tensorboard) hold every step of a run, with
+    --metrics' values (the uninterrupted run of copy_reference has them on)."""
+    ref = dict(enumerate(copy_reference["losses"], 1))
+    steps = list(range(1, REFERENCE_STEPS + 1))
     for field in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes", "host_rss_bytes"):
-        col = _csv_column(tmp_path / "csv" / "a" / f"Train_ds_longctx_{field}.csv")
-        assert sorted(col) == list(range(1, 13)), (field, col)
-    assert _csv_column(tmp_path / "csv" / "a" / "Train_ds_longctx_loss.csv") == pytest.approx(ref, rel=1e-6)
-    tb = _tensorboard_scalars(tmp_path / "tb" / "a", "Train/ds_longctx/loss")
-    assert sorted(tb) == list(range(1, 13)) and tb == pytest.approx(ref, rel=1e-6)
+        col = _csv_column(os.path.join(copy_reference["csv"], f"Train_ds_longctx_{field}.csv"))
+        assert sorted(col) == steps, (field, col)
+    assert _csv_column(os.path.join(copy_reference["csv"], "Train_ds_longctx_loss.csv")) == pytest.approx(ref, rel=1e-6)
+    tb = _tensorboard_scalars(copy_reference["tb"], "Train/ds_longctx/loss")
+    assert sorted(tb) == steps and tb == pytest.approx(ref, rel=1e-6)
 
 
 def _rank_pid(runner, local_rank):

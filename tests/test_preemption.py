@@ -1,19 +1,20 @@
 """Preemption and the faults of issue 38, through real launches (CPU, gloo, ZeRO-3, SP 2, ds_configs/tiny-cpu.json,
-a .jsonl file and a local word tokenizer), batched into one test (three jobs side by side, then two):
+a .jsonl file and a local word tokenizer), batched into one test (three jobs side by side, then one):
 
 * the deepspeed runner started as users do (`setsid deepspeed ... &`), SIGUSR1 to its whole process group (what
   SLURM's --signal and most schedulers do): the runner and launch.py die of SIGUSR1's default action; the ranks
   finish the step, save and move `latest` (before: launch.py's death ended them, the last --save-every tag stayed);
 * the same with SIGTERM to the group: launch.py sends every rank a second SIGTERM, which the ranks absorb (before:
   the second SIGTERM ended them without the save);
-* `ds-longctx launch` (ds_longctx/dist/preemptible.py, what launch/single_node.sh runs) resuming the first job, SIGTERM to
-  its process group: every process exits 0 (the wrapper's code is the runner's, which is launch.py's);
-* the stopped and resumed jobs' metrics equal an uninterrupted run's step for step (bit-equal: the same layout),
-  each step once;
+* the stopped job's metrics equal an uninterrupted run's step for step (bit-equal: the same layout), each step once;
 * --metrics on a full filesystem: the step is saved and the job ends naming the file; the file holds whole lines;
-  after space is freed, --resume auto continues it without a duplicate step;
+  after space is freed, --resume auto continues it without a duplicate step, bit-equal;
 * `ds-longctx convert` killed with -9: its pool workers end with it, the next conversion removes its partial
-  directory."""
+  directory.
+
+`ds-longctx launch` (ds_longctx/dist/preemptible.py, what launch/single_node.sh runs) resuming a stopped job, SIGTERM
+or SIGUSR1 to its process group, every process exiting 0, the steps bit-equal to the uninterrupted run's:
+tests/test_soak.py (over the deepspeed runner and mpirun); mpirun's signals through it: below."""
 import json
 import os
 import random
@@ -25,7 +26,8 @@ import time
 import pytest
 
 from dist_utils import free_port
-from launch_utils import ROOT, TINY_CPU, TRAIN, _env, mpirun_command, read_metrics, run_train
+from launch_utils import (REFERENCE_ARGS, REFERENCE_STEPS, ROOT, TINY_CPU, TRAIN, _env, mpirun_command,
+                          read_metrics, run_train)
 from test_faults import small_tmpfs  # noqa: F401  (fixture)
 
 from ds_longctx.job import checkpoint
@@ -117,7 +119,7 @@ def _metrics_error_run(tmp_path, common, mnt):
     return p.returncode, p.stdout + p.stderr, metrics
 
 
-def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path, request):
+def test_preemption_through_the_deepspeed_runner(tmp_path, request):
     tok = _tokenizer(tmp_path / "tok")
     common = ["--seq-len", "64", "--eval-samples", "0", "--log-every", "0", "--data", _data(tmp_path / "d.jsonl"),
               "--tokenizer", tok]
@@ -153,37 +155,25 @@ def test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch(tmp_path,
     # (job c: launch.py's own SIGTERM reaches a rank either merged with the group's, absorbed as the launcher's copy,
     # or after the save; the runner's death is a stop request too: no path ends a rank before the save)
 
-    # then side by side: ds-longctx launch resumes job a and is preempted; the full-disk job resumed once the disk
-    # has room
-    a_first = read_metrics(a_m)[-1]["step"]
-    with ThreadPoolExecutor(2) as pool:
-        b = pool.submit(_signal_after, _start(tmp_path / "b.log", [*go, "--save", str(a_ck), "--metrics", str(a_m),
-                                                                    "--resume", "auto"], wrapper=True),
-                        a_m, a_first + 3, signal.SIGTERM)
+    # then the full-disk job resumed once the disk has room. (`ds-longctx launch` resuming a stopped job, preempted by
+    # SIGTERM to its process group, every process exiting 0, each step once and bit-equal to the uninterrupted run's:
+    # tests/test_soak.py, over the deepspeed runner and mpirun; this test's corpus data resumed bit-equal: job e)
+    with ThreadPoolExecutor(1) as pool:  # meanwhile, `ds-longctx convert` killed with -9 (item 7)
         if full:
             os.unlink(os.path.join(mnt, "filler"))
-            e = pool.submit(run_train, *common, "--steps", str(full_step(full) + 2), "--save",
-                            str(tmp_path / "ck_full"), "--resume", "auto", "--metrics", full[2], timeout=400)
-        b_code, b_out = b.result()
+            e = pool.submit(run_train, *common, "--steps", str(full_step(full) + 2), "--save", str(tmp_path / "ck_full"),
+                            "--resume", "auto", "--metrics", full[2], timeout=400)
+        n_workers, partial = _convert_killed_then_again(a_ck)
         e = e.result() if full else None
+    assert n_workers >= 2
+    # job a's metrics: each step once, equal to the uninterrupted run's (the same layout: the same arithmetic), the
+    # grad norms too (the float64 norm sees a last-bit difference of the weights the float32 loss may round away)
     last = read_metrics(a_m)[-1]["step"]
-    assert b_code == 0, b_out[-3000:]  # the wrapper's code: the runner's, launch.py's, every rank's
-    assert "ds-longctx launch: received SIGTERM: asking the ranks to finish this step, save a checkpoint" in b_out
-    assert b_out.count("exits successfully") == 2, b_out[-3000:]  # launch.py: both ranks exited 0
-    assert f"stopped after step {last} on SIGUSR1: saved" in b_out and not _ended_nonzero(b_out), b_out[-3000:]
-    assert checkpoint.find_resume_tag(str(a_ck))[0] == f"step{last}"
-    # the metrics of two jobs (stopped, resumed and stopped; appended to one file): each step once, equal to the
-    # uninterrupted run's (the same layout: the same arithmetic)
     got = [(r["step"], r["loss"]) for r in read_metrics(a_m)]
-    assert [s for s, _ in got] == list(range(1, last + 1)) and last > a_first + 1 and last <= len(reference), got
+    assert [s for s, _ in got] == list(range(1, last + 1)) and last <= len(reference), got
     assert all(loss == reference[s] for s, loss in got), (got, reference)
-    # the grad norms too: the float64 norm sees a last-bit difference of the weights the float32 loss may round away
-    # (issue 52: DeepSpeed's CPU Adam's bias correction after a restart, job/adam.py)
     norms = {r["step"]: r["grad_norm"] for r in read_metrics(c_m)}
     assert all(r["grad_norm"] == norms[r["step"]] for r in read_metrics(a_m)), (read_metrics(a_m), norms)
-
-    n_workers, partial = _convert_killed_then_again(a_ck)  # item 7
-    assert n_workers >= 2
 
     if full:
         code, out, metrics = full
@@ -272,6 +262,16 @@ os._exit(3)
 """
 
 
+def _ready(path):
+    """The stub rank wrote its first line (the file exists from the open() before the write: a signal handled
+    between the two would write its line first)."""
+    try:
+        with open(path) as f:
+            return f.read().startswith("ready\n")
+    except FileNotFoundError:
+        return False
+
+
 def _mpi_case(tmp_path, name, wrapped, signals, target):
     """One mpirun job of two stub ranks; ``signals`` sent 0.3 s apart to the launcher's pid or its process group
     once both ranks are ready. Returns (exit code, {rank: lines}, seconds from the first signal to the exit)."""
@@ -284,7 +284,7 @@ def _mpi_case(tmp_path, name, wrapped, signals, target):
                          stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while not all(os.path.exists(f"{out}.{r}") for r in (0, 1)):
+        while not all(_ready(f"{out}.{r}") for r in (0, 1)):  # its "ready" written whole: a signal before it
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-2000:]
             time.sleep(0.05)
         t0 = time.monotonic()
@@ -401,20 +401,18 @@ class _Job:
         return open(self.log).read()[-4000:]
 
 
-def test_preemption_under_mpi_sh_slurm_srun_and_multi_node_sh(tmp_path):
+def test_preemption_under_mpi_sh_slurm_srun_and_multi_node_sh(tmp_path, copy_reference):
     """Each launch path the project ships, preempted as its scheduler does, then resumed: every process exits 0, the
     stopped step is saved and `latest` names it, and the stopped-and-resumed job's steps equal an uninterrupted
-    run's (bit-equal: one layout). Two rounds of three jobs side by side:
-    round 1: the uninterrupted reference; launch/mpi.sh, SIGTERM to its process group; the srun line, SIGUSR1 to
-    every rank (`--signal=USR1@900`);
+    run's (bit-equal: one layout; tests/conftest.py copy_reference). Two rounds of jobs side by side:
+    round 1: launch/mpi.sh, SIGTERM to its process group; the srun line, SIGUSR1 to every rank (`--signal=USR1@900`);
     round 2: both resumed (--resume auto): launch/mpi.sh, SIGINT to its pid; the srun line, SIGINT to every rank
     (srun forwards Ctrl-C); launch/multi_node.sh (one-host hostfile), SIGUSR1 to its pid.
-    (the deepspeed runner and ds-longctx launch: test_preemption_through_the_deepspeed_runner_and_ds_longctx_launch;
+    (the deepspeed runner: test_preemption_through_the_deepspeed_runner; ds-longctx launch: tests/test_soak.py;
     mpirun's signal delivery for every signal x target and a second SIGTERM: test_mpirun_signals_through_the_wrapper)"""
     from concurrent.futures import ThreadPoolExecutor
 
-    common = ["--seq-len", "64", "--eval-samples", "0", "--log-every", "0", "--steps", "40"]
-    ref_m = tmp_path / "ref.jsonl"
+    common = [*REFERENCE_ARGS, "--steps", "40"]  # the shared uninterrupted run's command line (copy_reference)
 
     def job(name, how, n, sig, target, resume=False):
         ck, m = tmp_path / f"ck_{name.split('.')[0]}", tmp_path / f"{name.split('.')[0]}.jsonl"
@@ -424,19 +422,16 @@ def test_preemption_under_mpi_sh_slurm_srun_and_multi_node_sh(tmp_path):
         codes, out = j.signal_after(m, start + n, sig, target)
         return name, sig, codes, out, ck, read_metrics(m), checkpoint.find_resume_tag(str(ck))[0]
 
-    with ThreadPoolExecutor(3) as pool:
-        ref = pool.submit(run_train, *common[:-1], "12", "--metrics", str(ref_m), launcher="slurm-env", timeout=400)
+    with ThreadPoolExecutor(2) as pool:
         first = [pool.submit(job, "mpi", "mpi", 2, signal.SIGTERM, "group"),
                  pool.submit(job, "slurm", "slurm", 2, signal.SIGUSR1, "pid")]
         first = [f.result() for f in first]
-        ref.result()
     with ThreadPoolExecutor(3) as pool:
         second = [pool.submit(job, "mpi.2", "mpi", 2, signal.SIGINT, "pid", True),
                   pool.submit(job, "slurm.2", "slurm", 2, signal.SIGINT, "pid", True),
                   pool.submit(job, "multi", "multi", 2, signal.SIGUSR1, "pid")]
         second = [f.result() for f in second]
-    reference = {r["step"]: r["loss"] for r in read_metrics(ref_m)}
-    assert sorted(reference) == list(range(1, 13)), reference
+    reference = dict(enumerate(copy_reference["losses"], 1))
     ranks_saw = {"mpi": "SIGUSR1", "multi": "SIGUSR1"}  # the wrapper's request (mpirun's, the runner group's copy)
     for name, sig, codes, out, ck, records, tag in first + second:
         steps = [r["step"] for r in records]
@@ -450,5 +445,5 @@ def test_preemption_under_mpi_sh_slurm_srun_and_multi_node_sh(tmp_path):
         assert tag == f"step{last}", (name, tag, last)
         if name.endswith(".2") or name == "multi":  # the stopped (and resumed) job's steps, each once
             got = [(r["step"], r["loss"]) for r in records]
-            assert steps == list(range(1, last + 1)) and last <= 12, (name, got)
+            assert steps == list(range(1, last + 1)) and last <= REFERENCE_STEPS, (name, got)
             assert all(loss == reference[s] for s, loss in got), (name, got, reference)
