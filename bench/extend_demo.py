@@ -15,8 +15,8 @@ The task is RULER's passkey in ds_longctx.eval.ruler's "kv" style (one token per
 ruler.kv_vocabulary()): a haystack of filler words that follows a fixed second-order rule (each word is a fixed
 function of the word two before it), one value word v0..v31 somewhere, and at the end "?", the rule's next word,
 then the value. Exact match: the value is the greedy answer. Why this task and not the needle's English passkey
-(bench/RESULTS.md "Context extension demo on CPU", 2026-11-28: 5-digit keys over digit tokens, exact match 0 before
-and after): what a 2-layer, 0.1M-parameter model learns in a few hundred CPU steps is one attention head that finds
+(bench/history/2026-11-29.md "Context extension demo on CPU (2026-11-28)": 5-digit keys over digit tokens, exact
+match 0 before and after): what a 2-layer, 0.1M-parameter model learns in a few hundred CPU steps is one attention head that finds
 "the value-class word" and copies it (probes of this session: key-value matching among several needles, the
 induction circuit, stayed at chance for 600-1500 steps in every variant tried; a 5-digit key needs that circuit for
 its digits 2-5). Three choices make that skill learn fast and make the extension visible:
