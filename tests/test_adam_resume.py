@@ -45,8 +45,22 @@ def _uninterrupted_and_resumed(cls, fix):
     return a.detach(), b.detach()
 
 
+@pytest.fixture(scope="module")
+def cpu_info_once():
+    """py-cpuinfo's answer read once: DeepSpeedCPUAdam's constructor asks it for the CPU vendor, and each call starts a
+    Python subprocess (~1.1 s on the 2-core box; 4 optimizers here). The machine does not change between them."""
+    import copy
+
+    import cpuinfo
+
+    info = cpuinfo.get_cpu_info()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpuinfo, "get_cpu_info", lambda: copy.deepcopy(info))
+        yield
+
+
 @pytest.mark.parametrize("name", ["FusedAdam", "DeepSpeedCPUAdam"])
-def test_a_resumed_cpu_adam_steps_as_the_uninterrupted_one(name):
+def test_a_resumed_cpu_adam_steps_as_the_uninterrupted_one(name, cpu_info_once):
     from deepspeed.ops import adam
 
     cls = getattr(adam, name)

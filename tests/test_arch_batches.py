@@ -48,6 +48,7 @@ def test_launch_world_must_be_a_multiple_of_sp(monkeypatch):
     assert check_launch(8) == 16
 
 
+@pytest.mark.distributed  # a train.py subprocess (the marker: CLI subprocesses)
 def test_train_py_sp8_config_on_one_process_fails_before_the_model():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
                                                             "SLURM_NTASKS")}

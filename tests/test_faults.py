@@ -320,6 +320,7 @@ def test_cli_inputs(tmp_path):
     train_args.check_max_position(_args("--seq-len", "8192", "--allow-beyond-max-position"), mc, 8192)
 
 
+@pytest.mark.distributed  # a python subprocess (offline hub environment; the marker: CLI subprocesses)
 def test_hub_ids_offline_name_the_id_and_the_fix(tmp_path):
     """--model / --tokenizer with a hub id the hub cannot give (HF_HUB_OFFLINE=1 here; the same OSError comes
     for an unreachable hub, a gated repo, a missing id): one ConfigError naming the id and the fixes, not

@@ -171,9 +171,12 @@ def test_unshipped_config_host_not_checked_by_default_and_binding_printed(tmp_pa
 def test_max_context_says_which_limit_binds(tmp_path, capsys):
     """Device-bound at 8 GiB per GPU; host-bound when --host-mem leaves room for ~half of the 64K
     tokens' offloaded layer inputs (and the device has plenty)."""
-    # 8 layers: the answer's full-depth re-check simulates half the layers of 16
-    args = ["plan", "--config", _cfg(tmp_path), "--model-config", _small(tmp_path, num_hidden_layers=8), "--gpus", "8",
-            "--json"]
+    # 8 layers: the answer's full-depth re-check simulates half the layers of 16; two tiles (MLP, loss) at any length:
+    # which limit binds does not depend on the tile count, the simulated step's op count does ('auto' grows with S)
+    two = {"enabled": True, "shards": 2}
+    cfg = dict(BASE, long_context=dict(BASE["long_context"], tiled_mlp=two, tiled_loss=two))
+    args = ["plan", "--config", _cfg(tmp_path, cfg, "two_tiles.json"), "--model-config",
+            _small(tmp_path, num_hidden_layers=8), "--gpus", "8", "--json"]
     assert main(args + ["--gpu-mem", "8GiB", "--max-context"] + HOST) == 0
     dev = json.loads(capsys.readouterr().out)
     assert dev["max_sequence_length"] % 8 == 0 and dev["max_sequence_length"] > 0  # the --max-context JSON
