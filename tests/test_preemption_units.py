@@ -29,7 +29,7 @@ with graceful_stop():
         os.kill(os.getpid(), runtime._LAUNCHER_GONE_SIGNAL)  # what PR_SET_PDEATHSIG sends when the parent dies
         time.sleep(0.3)
         print("STOP", stop_requested(), flush=True)
-        os.kill(os.getpid(), signal.SIGUSR1)  # a repeat of a stop request changes nothing
+        os.kill(os.getpid(), signal.SIGUSR1)  # a second stop request changes nothing (and is named)
         time.sleep(0.3)
         print("STILL", stop_requested(), flush=True)
         stop_saved("step 3")
@@ -53,6 +53,8 @@ def test_stop_signals(case, code, stop):
     else:
         assert f"STILL {stop}" in p.stdout, p.stdout
         assert "the launcher (parent) process exited: finishing this step, saving a checkpoint" in p.stderr, p.stderr
+        assert ("received SIGUSR1: finishing this step, saving a checkpoint, then exiting (already asked by the "
+                "launcher's exit)") in p.stderr, p.stderr
         assert "received SIGTERM after the graceful stop's save (step 3): ending this rank (exit 0)" in p.stderr
 
 

@@ -269,7 +269,8 @@ def _request_stop(name: str) -> bool:
 def _on_stop_signal(signum, frame):
     """First SIGTERM/SIGUSR1/SIGINT: remember it (the loop saves at the end of the step and exits 0). Then a
     SIGTERM or SIGINT ends this rank now, as without a graceful stop, except the launcher's copy of the first
-    one (see ``_LAUNCHER_REPEAT_S``); a repeated SIGUSR1 changes nothing."""
+    one (see ``_LAUNCHER_REPEAT_S``); a later SIGUSR1 changes nothing, and says so (a group's SIGUSR1 whose handler
+    runs after the launcher-gone thread recorded the stop is still named in this rank's log)."""
     import time
 
     stop = _stop
@@ -281,6 +282,9 @@ def _on_stop_signal(signum, frame):
              "now, without the save)")
         return
     if name not in ("SIGTERM", "SIGINT"):
+        first = stop.signal
+        _say(f"received {name} again: the save goes on" if first == name else
+             f"received {name}: finishing this step, saving a checkpoint, then exiting (already asked by {first})")
         return
     with stop.lock:
         absorb = (not stop.absorbed and stop.signal in ("SIGTERM", "SIGINT")
