@@ -18,6 +18,7 @@ import pytest
 from pathlib import Path
 
 from launch_utils import REFERENCE_ARGS, ROOT, _env, run_train, save_dir_at
+from soak_utils import flip
 from ds_longctx.errors import ConfigError
 from ds_longctx.job import checkpoint
 from ds_longctx.job.checkpoint import manifest
@@ -31,16 +32,6 @@ KINDS = {
     "record": checkpoint.RECORD_FILE,
     "hf_config": os.path.join(checkpoint.HF_CONFIG_DIR, "config.json"),
 }
-
-
-def flip(path, n=64):
-    """``n`` bytes in the middle of ``path`` inverted in place (the size unchanged)."""
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        data = f.read(n)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
 
 
 @pytest.fixture(scope="module")

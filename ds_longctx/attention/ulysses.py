@@ -90,6 +90,19 @@ def _rank_sinks(sinks, heads_here: int, group):
     return sinks[rank * heads_here:(rank + 1) * heads_here]
 
 
+def _layer_facts(layers, idx, kwargs) -> LayerAttention:
+    """The attention facts of layer ``idx`` (a module's ``layer_idx``), checked against what transformers passes
+    (``sliding_window``, ``softcap``): a disagreement is an error, never a silently different pattern."""
+    facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
+    hf_window, hf_cap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if (hf_window or None) != facts.passed_window or (hf_cap or None) != facts.softcap:
+        raise ConfigError("model.config", f"layer {idx}: transformers passes sliding_window={hf_window!r}, "
+                          f"softcap={hf_cap!r}, the config reads as window={facts.window!r}, "
+                          f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
+                          "its attention pattern wrongly")
+    return facts
+
+
 def pattern_core(core, impl: str, layers: List, kernel, group=None) -> callable:
     """The core attention DeepSpeed's Ulysses calls on the gathered sequence (see the module doc).
 
@@ -101,13 +114,7 @@ def pattern_core(core, impl: str, layers: List, kernel, group=None) -> callable:
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         idx = getattr(module, "layer_idx", None)
-        facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
-        hf_window, hf_cap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        if (hf_window or None) != facts.passed_window or (hf_cap or None) != facts.softcap:
-            raise ConfigError("model.config", f"layer {idx}: transformers passes sliding_window={hf_window!r}, "
-                              f"softcap={hf_cap!r}, the config reads as window={facts.window!r}, "
-                              f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
-                              "its attention pattern wrongly")
+        facts = _layer_facts(layers, idx, kwargs)
         S = query.shape[2]
         # a chunked layer reaches the core per chunk (ulysses_attention cut its documents at the chunks): a chunk's
         # tokens, or under flash one sample whose position_ids restart at every chunk (one varlen call)
@@ -155,13 +162,7 @@ def ring_core(layers: List, kernel, head_group, ring_group, sp: int) -> callable
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         docs = kwargs.pop(DOCS_KWARG, None)
         idx = getattr(module, "layer_idx", None)
-        facts = layers[idx] if isinstance(idx, int) and 0 <= idx < len(layers) else LayerAttention()
-        hf_window, hf_cap = kwargs.get("sliding_window"), kwargs.get("softcap")
-        if (hf_window or None) != facts.passed_window or (hf_cap or None) != facts.softcap:
-            raise ConfigError("model.config", f"layer {idx}: transformers passes sliding_window={hf_window!r}, "
-                              f"softcap={hf_cap!r}, the config reads as window={facts.window!r}, "
-                              f"softcap={facts.softcap!r}", "report this model: ds_longctx.models.windows reads "
-                              "its attention pattern wrongly")
+        facts = _layer_facts(layers, idx, kwargs)
         S = query.shape[2] * ring
         chunked_ok = facts.kind == "chunked_attention" and facts.chunk is not None
         if not chunked_ok and not facts.runnable(S):

@@ -153,16 +153,22 @@ def _question_answer(tokenizer, key: str):
     return question, _encode(tokenizer, ANSWER.format(key=key))
 
 
+def check_lengths(lengths: Sequence[int], sp: int) -> None:
+    """Every length divisible by the SP degree (the shards), else one error naming the first that is not."""
+    for length in lengths:
+        if length % sp:
+            raise ConfigError("--lengths", f"{length} is not divisible by the sequence parallel degree {sp}",
+                              f"give lengths that are multiples of {sp} (e.g. {length - length % sp or sp})")
+
+
 def build_cases(tokenizer, lengths: Sequence[int], depths: Sequence[float], seed: int = 0, samples: int = 1,
                 haystack: Optional[str] = None, sp: int = 1) -> List[NeedleCase]:
     """One :class:`NeedleCase` per (length, depth, sample), deterministic by ``seed``. ``haystack``: filler text
     (a file's content) or None for the built-in one. ``sp``: every length must be divisible by it (the shards)."""
     bos = getattr(tokenizer, "bos_token_id", None)
+    check_lengths(lengths, sp)
     cases = []
     for length in lengths:
-        if length % sp:
-            raise ConfigError("--lengths", f"{length} is not divisible by the sequence parallel degree {sp}",
-                              f"give lengths that are multiples of {sp} (e.g. {length - length % sp or sp})")
         for depth in depths:
             for s in range(samples):
                 rng = random.Random(f"{seed}/{length}/{depth}/{s}")

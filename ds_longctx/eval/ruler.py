@@ -45,7 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import ConfigError
-from .needle import FACT, QUESTION, NeedleCase, _encode, _filler_tokens, _fmt_len
+from .needle import FACT, QUESTION, NeedleCase, _encode, _filler_tokens, _fmt_len, check_lengths
 
 TASKS = ("passkey", "single", "multikey", "multikey_dense", "multivalue", "multiquery", "vt")
 STYLES = ("ruler", "kv")
@@ -412,11 +412,9 @@ def build_cases(tokenizer, task: str, lengths: Sequence[int], depths: Sequence[f
     if style == "kv" and haystack is not None:
         raise ConfigError("--haystack", "the kv style's haystack is its own rule's words", "drop --haystack, or "
                           "use --style ruler")
+    check_lengths(lengths, sp)
     cases = []
     for length in lengths:
-        if length % sp:
-            raise ConfigError("--lengths", f"{length} is not divisible by the sequence parallel degree {sp}",
-                              f"give lengths that are multiples of {sp} (e.g. {length - length % sp or sp})")
         for depth in depths:
             for s in range(samples):
                 rng = random.Random(f"ruler/{task}/{style}/{seed}/{length}/{depth}/{s}")
